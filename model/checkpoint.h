@@ -1,0 +1,42 @@
+// model/checkpoint.h: loading and saving nanoVLM checkpoints (a directory with upstream's
+// `config.json` and `model.safetensors`, as `save_pretrained` writes them).
+//
+//   vlmgraph::VisionLanguageModel m = vlmgraph::LoadModel("path/to/ckpt");
+//   vlmgraph::SaveModel(m, "out/ckpt");     // loadable by upstream's from_pretrained too
+//
+// Tied heads: upstream's state dict names the tied matrix twice ("decoder.token_embedding.weight"
+// and "decoder.head.weight"); safetensors' save_model stores it once under "decoder.head.weight"
+// and records the alias in "__metadata__". Loading accepts either name (and the alias metadata);
+// saving writes it as upstream does. `decoder.rotary_embd.inv_freq` is loaded when present and
+// recomputed from the config otherwise.
+//
+// Errors: `CheckpointError` naming each missing, unexpected or mis-shaped tensor. Thread rules:
+// call while no other thread uses the model.
+#pragma once
+
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "model/vision_language_model.h"
+
+namespace vlmgraph {
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Upstream state-dict names -> tensors (parameters and the inv_freq buffer), tied head once.
+std::map<std::string, at::Tensor> StateDict(VisionLanguageModel& model);
+
+// Copies the tensors of a safetensors file into `model` (converting dtype, keeping device).
+void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path);
+
+// Reads `dir/config.json` and `dir/model.safetensors` into a new float32 CPU model.
+VisionLanguageModel LoadModel(const std::string& dir);
+
+// Writes `dir/config.json` and `dir/model.safetensors` (creating `dir`), in the model's dtype.
+void SaveModel(VisionLanguageModel& model, const std::string& dir);
+
+}  // namespace vlmgraph

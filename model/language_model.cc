@@ -1,0 +1,198 @@
+#include "model/language_model.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+namespace vlmgraph {
+
+RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
+  weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor irms = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (xf * irms).to(x.scalar_type()) * weight;
+}
+
+RotaryEmbeddingImpl::RotaryEmbeddingImpl(const VlmConfig& cfg)
+    : attention_scaling(cfg.lm_attn_scaling) {
+  const int64_t dim = cfg.lm_head_dim();
+  at::Tensor exponent = at::arange(0, dim, 2, at::kFloat) / static_cast<double>(dim);
+  inv_freq = register_buffer("inv_freq", 1.0 / at::pow(cfg.lm_re_base, exponent));
+}
+
+std::pair<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor& positions) {
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(at::kFloat);  // (B,T,D/2)
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                                        // (B,T,D)
+  return {at::cos(emb) * attention_scaling, at::sin(emb) * attention_scaling};
+}
+
+namespace {
+at::Tensor RotateHalf(const at::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return at::cat({-halves[1], halves[0]}, -1);
+}
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor c = cos.unsqueeze(1).to(q.scalar_type());  // (B, 1, T, D)
+  at::Tensor s = sin.unsqueeze(1).to(q.scalar_type());
+  return {q * c + RotateHalf(q) * s, k * c + RotateHalf(k) * s};
+}
+
+GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const VlmConfig& cfg)
+    : n_heads(cfg.lm_n_heads), n_kv_heads(cfg.lm_n_kv_heads), head_dim(cfg.lm_head_dim()) {
+  auto lin = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  q_proj = register_module("q_proj", lin(cfg.lm_hidden_dim, n_heads * head_dim));
+  k_proj = register_module("k_proj", lin(cfg.lm_hidden_dim, n_kv_heads * head_dim));
+  v_proj = register_module("v_proj", lin(cfg.lm_hidden_dim, n_kv_heads * head_dim));
+  out_proj = register_module("out_proj", lin(n_heads * head_dim, cfg.lm_hidden_dim));
+}
+
+at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                              const at::Tensor& sin, const AttentionContext& ctx,
+                                              int64_t layer) {
+  const int64_t b = x.size(0), t = x.size(1), h = x.size(2);
+  at::Tensor q = q_proj->forward(x).view({b, t, n_heads, head_dim}).transpose(1, 2);
+  at::Tensor k = k_proj->forward(x).view({b, t, n_kv_heads, head_dim}).transpose(1, 2);
+  at::Tensor v = v_proj->forward(x).view({b, t, n_kv_heads, head_dim}).transpose(1, 2);
+  std::tie(q, k) = ApplyRotary(q, k, cos, sin);  // (B, heads, T, D)
+
+  at::Tensor y;
+  if (ctx.mode == AttentionContext::Mode::kDecode) {
+    // Write this step's key/value at each row's position, then attend over [0, kv_len) with the
+    // per-row mask. GQA without materialising repeated heads: view q as (B, kv_heads, g, D).
+    at::Tensor key_rows = ctx.cache->key[layer].narrow(0, 0, b);
+    at::Tensor value_rows = ctx.cache->value[layer].narrow(0, 0, b);
+    at::Tensor index = ctx.positions.view({b, 1, 1, 1}).expand({b, n_kv_heads, 1, head_dim});
+    key_rows.scatter_(2, index, k.to(key_rows.scalar_type()));
+    value_rows.scatter_(2, index, v.to(value_rows.scalar_type()));
+    at::Tensor keys = key_rows.narrow(2, 0, ctx.kv_len);      // (B, kvh, L, D)
+    at::Tensor values = value_rows.narrow(2, 0, ctx.kv_len);  // (B, kvh, L, D)
+    const int64_t groups = n_heads / n_kv_heads;
+    at::Tensor qg = q.reshape({b, n_kv_heads, groups, head_dim});
+    at::Tensor scores = at::matmul(qg, keys.transpose(-1, -2)) * (1.0 / std::sqrt(head_dim));
+    scores = scores.masked_fill(ctx.key_mask.logical_not(), -std::numeric_limits<float>::infinity());
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(values.scalar_type());
+    y = at::matmul(probs, values).reshape({b, n_heads, 1, head_dim});  // (B, heads, 1, D)
+  } else {
+    if (ctx.mode == AttentionContext::Mode::kPrefill) {
+      ctx.cache->key[layer].narrow(2, 0, t).index_copy_(0, ctx.slots, k.to(ctx.cache->key[layer].scalar_type()));
+      ctx.cache->value[layer].narrow(2, 0, t).index_copy_(0, ctx.slots, v.to(ctx.cache->value[layer].scalar_type()));
+    }
+    y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                         /*is_causal=*/t > 1, /*scale=*/std::nullopt,
+                                         /*enable_gqa=*/n_heads != n_kv_heads);
+  }
+  y = y.transpose(1, 2).contiguous().view({b, t, h});
+  return out_proj->forward(y);
+}
+
+SwiGluMlpImpl::SwiGluMlpImpl(const VlmConfig& cfg) {
+  auto lin = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  gate_proj = register_module("gate_proj", lin(cfg.lm_hidden_dim, cfg.lm_inter_dim));
+  up_proj = register_module("up_proj", lin(cfg.lm_hidden_dim, cfg.lm_inter_dim));
+  down_proj = register_module("down_proj", lin(cfg.lm_inter_dim, cfg.lm_hidden_dim));
+}
+
+at::Tensor SwiGluMlpImpl::forward(const at::Tensor& x) {
+  return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+}
+
+DecoderBlockImpl::DecoderBlockImpl(const VlmConfig& cfg) {
+  mlp = register_module("mlp", SwiGluMlp(cfg));
+  attn = register_module("attn", GroupedQueryAttention(cfg));
+  norm1 = register_module("norm1", RMSNorm(cfg.lm_hidden_dim, cfg.lm_rms_eps));
+  norm2 = register_module("norm2", RMSNorm(cfg.lm_hidden_dim, cfg.lm_rms_eps));
+}
+
+at::Tensor DecoderBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos,
+                                     const at::Tensor& sin, const AttentionContext& ctx,
+                                     int64_t layer) {
+  at::Tensor h = x + attn->forward(norm1->forward(x), cos, sin, ctx, layer);
+  return h + mlp->forward(norm2->forward(h));
+}
+
+LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
+  token_embedding =
+      register_module("token_embedding", torch::nn::Embedding(cfg.lm_vocab_size, cfg.lm_hidden_dim));
+  rotary_embd = register_module("rotary_embd", RotaryEmbedding(cfg));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.lm_n_blocks; ++i) blocks->push_back(DecoderBlock(cfg));
+  norm = register_module("norm", RMSNorm(cfg.lm_hidden_dim, cfg.lm_rms_eps));
+  if (!cfg.lm_tie_weights) {
+    head = register_module(
+        "head", torch::nn::Linear(torch::nn::LinearOptions(cfg.lm_hidden_dim, cfg.lm_vocab_size).bias(false)));
+  }
+  // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02); RMSNorm weight 1.
+  torch::NoGradGuard no_grad;
+  torch::nn::init::normal_(token_embedding->weight, 0.0, 0.02);
+  for (auto& m : modules(/*include_self=*/false)) {
+    if (auto* lin = m->as<torch::nn::Linear>()) torch::nn::init::normal_(lin->weight, 0.0, 0.02);
+  }
+}
+
+at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positions,
+                                  const AttentionContext& ctx) {
+  auto [cos, sin] = rotary_embd->forward(positions);
+  at::Tensor h = x;
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    h = blocks[i]->as<DecoderBlock>()->forward(h, cos, sin, ctx, static_cast<int64_t>(i));
+  }
+  return norm->forward(h);
+}
+
+at::Tensor LanguageModelImpl::Forward(const at::Tensor& x) {
+  const int64_t b = x.size(0), t = x.size(1);
+  at::Tensor positions = at::arange(t, x.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
+  return Run(x, positions, AttentionContext{});
+}
+
+at::Tensor LanguageModelImpl::Prefill(const at::Tensor& x, KVCache* cache, const at::Tensor& slots) {
+  TORCH_CHECK(cache != nullptr, "Prefill needs a KV cache");
+  const int64_t b = x.size(0), t = x.size(1);
+  TORCH_CHECK(t <= cache->max_seq_len(), "prefill of ", t, " tokens exceeds the KV cache length ",
+              cache->max_seq_len());
+  AttentionContext ctx;
+  ctx.mode = AttentionContext::Mode::kPrefill;
+  ctx.cache = cache;
+  ctx.slots = slots;
+  at::Tensor positions = at::arange(t, x.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
+  return Run(x, positions, ctx);
+}
+
+at::Tensor LanguageModelImpl::Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions,
+                                     int64_t kv_len) {
+  TORCH_CHECK(cache != nullptr, "Decode needs a KV cache");
+  const int64_t b = x.size(0);
+  TORCH_CHECK(x.size(1) == 1, "Decode takes one token per row, got ", x.size(1));
+  TORCH_CHECK(b <= cache->rows(), "decode batch ", b, " exceeds the KV cache's ", cache->rows(), " rows");
+  TORCH_CHECK(kv_len > 0 && kv_len <= cache->max_seq_len(), "kv_len ", kv_len, " outside (0, ",
+              cache->max_seq_len(), "]");
+  AttentionContext ctx;
+  ctx.mode = AttentionContext::Mode::kDecode;
+  ctx.cache = cache;
+  ctx.positions = positions;
+  ctx.kv_len = kv_len;
+  at::Tensor key_index = at::arange(kv_len, positions.options());
+  ctx.key_mask = key_index.unsqueeze(0).le(positions.unsqueeze(1)).view({b, 1, 1, kv_len});
+  return Run(x, positions.view({b, 1}), ctx);
+}
+
+at::Tensor LanguageModelImpl::HeadWeight() const {
+  return cfg.lm_tie_weights ? token_embedding->weight : head->weight;
+}
+
+at::Tensor LanguageModelImpl::Logits(const at::Tensor& hidden) {
+  return at::linear(hidden, HeadWeight());
+}
+
+}  // namespace vlmgraph

@@ -1,0 +1,132 @@
+// model/language_model.h: nanoVLM's Llama-style decoder (upstream `models/language_model.py`):
+// token embedding, blocks of RMSNorm -> grouped-query attention with RoPE -> residual, RMSNorm ->
+// SwiGLU MLP -> residual, a final RMSNorm, and an LM head tied to the embedding when
+// `lm_tie_weights`.
+//
+// Three ways to run it, all returning final-normed hidden states (apply `Logits` for the head):
+//   Forward(x)                          full causal pass, no cache (training, scoring, reference)
+//   Prefill(x, &cache, slots)           same, and writes each row's keys/values into cache rows
+//   Decode(x, &cache, positions, L)     one new token per row over cache rows [0, B), attending to
+//                                       cache positions [0, L) that are <= the row's position
+//
+// Shapes: x (B, T, H) in the model dtype; positions (B) int64; slots (B) int64; H = lm_hidden_dim.
+// Formulas: RMSNorm x * rsqrt(mean(x^2) + eps) * w (Zhang & Sennrich 2019; upstream RMSNorm);
+// RoPE with rotate_half and inv_freq = 1 / base^(2i/d) (Su et al. 2021; upstream RotaryEmbedding);
+// attention softmax(q k^T / sqrt(d)) v with kv head j serving query heads [j*g, (j+1)*g).
+// Positions must stay below `lm_max_position_embeddings`: upstream rescales RoPE beyond it by the
+// batch's longest sequence, which makes one sequence's result depend on its batch neighbours, so
+// callers reject longer sequences instead.
+//
+// Thread rules: not thread-safe; one thread calls it at a time. Every op is a device op with no
+// host synchronisation, so Prefill and Decode can be captured into CUDA graphs.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include "model/config.h"
+#include "model/kv_cache.h"
+
+namespace vlmgraph {
+
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  RMSNormImpl(int64_t dim, double eps);
+  // Computed in float32 and cast back (identical to upstream in float32; steadier in bf16).
+  at::Tensor forward(const at::Tensor& x);
+
+  double eps;
+  at::Tensor weight;  // (dim)
+};
+TORCH_MODULE(RMSNorm);
+
+class RotaryEmbeddingImpl : public torch::nn::Module {
+ public:
+  explicit RotaryEmbeddingImpl(const VlmConfig& cfg);
+  // positions: (B, T) int64 -> cos, sin each (B, T, head_dim) float32, times lm_attn_scaling.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& positions);
+
+  double attention_scaling;
+  at::Tensor inv_freq;  // (head_dim / 2) float32 buffer, stored in upstream checkpoints
+};
+TORCH_MODULE(RotaryEmbedding);
+
+// q, k: (B, heads, T, D); cos, sin: (B, T, D). Returns (q * cos + rotate_half(q) * sin, same for k).
+std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& cos, const at::Tensor& sin);
+
+// How one decoder pass uses the KV cache.
+struct AttentionContext {
+  enum class Mode { kNoCache, kPrefill, kDecode };
+  Mode mode = Mode::kNoCache;
+  KVCache* cache = nullptr;
+  at::Tensor slots;       // kPrefill: (B) int64, the cache row each batch row writes
+  at::Tensor positions;   // kDecode: (B) int64, position of the new token (its row's length so far)
+  int64_t kv_len = 0;     // kDecode: attend over cache positions [0, kv_len); > every position
+  at::Tensor key_mask;    // kDecode: (B, 1, 1, kv_len) bool, true where a key may be attended
+};
+
+class GroupedQueryAttentionImpl : public torch::nn::Module {
+ public:
+  explicit GroupedQueryAttentionImpl(const VlmConfig& cfg);
+  // x: (B, T, H); cos/sin: (B, T, D); layer: index into the cache's per-block tensors.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const AttentionContext& ctx, int64_t layer);
+
+  int64_t n_heads, n_kv_heads, head_dim;
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+};
+TORCH_MODULE(GroupedQueryAttention);
+
+// down(silu(gate(x)) * up(x)) (Shazeer 2020, "GLU Variants Improve Transformer").
+class SwiGluMlpImpl : public torch::nn::Module {
+ public:
+  explicit SwiGluMlpImpl(const VlmConfig& cfg);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(SwiGluMlp);
+
+class DecoderBlockImpl : public torch::nn::Module {
+ public:
+  explicit DecoderBlockImpl(const VlmConfig& cfg);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const AttentionContext& ctx, int64_t layer);
+
+  SwiGluMlp mlp{nullptr};
+  GroupedQueryAttention attn{nullptr};
+  RMSNorm norm1{nullptr}, norm2{nullptr};
+};
+TORCH_MODULE(DecoderBlock);
+
+class LanguageModelImpl : public torch::nn::Module {
+ public:
+  explicit LanguageModelImpl(const VlmConfig& cfg);
+
+  at::Tensor Forward(const at::Tensor& x);
+  // Writes rows' keys/values for positions [0, T) into cache rows `slots` (B) int64.
+  at::Tensor Prefill(const at::Tensor& x, KVCache* cache, const at::Tensor& slots);
+  // x: (B, 1, H) with B <= cache->rows(); positions (B) int64; kv_len > max(positions).
+  at::Tensor Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions, int64_t kv_len);
+
+  // The LM head: hidden (..., H) -> logits (..., V). Uses token_embedding.weight when tied.
+  at::Tensor Logits(const at::Tensor& hidden);
+  // The head's weight, (V, H): token_embedding.weight when tied, else head.weight.
+  at::Tensor HeadWeight() const;
+
+  VlmConfig cfg;
+  torch::nn::Embedding token_embedding{nullptr};
+  RotaryEmbedding rotary_embd{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  RMSNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};  // registered only when !lm_tie_weights
+
+ private:
+  at::Tensor Run(const at::Tensor& x, const at::Tensor& positions, const AttentionContext& ctx);
+};
+TORCH_MODULE(LanguageModel);
+
+}  // namespace vlmgraph

@@ -1,0 +1,141 @@
+#include "model/safetensors.h"
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+namespace vlmgraph {
+namespace {
+
+using nlohmann::json;
+
+struct DtypeName {
+  const char* name;
+  at::ScalarType type;
+};
+constexpr DtypeName kDtypes[] = {
+    {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+    {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+    {"U8", at::kByte},    {"BOOL", at::kBool},
+};
+
+at::ScalarType ParseDtype(const std::string& s, const std::string& path, const std::string& name) {
+  for (const auto& d : kDtypes) {
+    if (s == d.name) return d.type;
+  }
+  throw SafetensorsError(path + ": tensor '" + name + "' has unsupported dtype '" + s + "'");
+}
+
+const char* DtypeToName(at::ScalarType t) {
+  for (const auto& d : kDtypes) {
+    if (t == d.type) return d.name;
+  }
+  throw SafetensorsError(std::string("cannot write dtype ") + c10::toString(t) + " to safetensors");
+}
+
+}  // namespace
+
+SafetensorsFile ReadSafetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw SafetensorsError("cannot open '" + path + "'");
+  in.seekg(0, std::ios::end);
+  const uint64_t file_bytes = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  uint8_t len_bytes[8];
+  if (file_bytes < 8 || !in.read(reinterpret_cast<char*>(len_bytes), 8)) {
+    throw SafetensorsError(path + ": file too short for a safetensors header");
+  }
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | len_bytes[i];
+  if (header_bytes > file_bytes - 8 || header_bytes > (100u << 20)) {
+    throw SafetensorsError(path + ": header length " + std::to_string(header_bytes) +
+                           " exceeds the file size; not a safetensors file?");
+  }
+  std::string header(header_bytes, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  json j;
+  try {
+    j = json::parse(header);
+  } catch (const json::exception& e) {
+    throw SafetensorsError(path + ": header is not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw SafetensorsError(path + ": header is not a JSON object");
+  const uint64_t data_begin = 8 + header_bytes;
+  const uint64_t data_bytes = file_bytes - data_begin;
+
+  SafetensorsFile out;
+  for (const auto& [name, entry] : j.items()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, v] : entry.items()) {
+        out.metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
+      }
+      continue;
+    }
+    try {
+      const auto type = ParseDtype(entry.at("dtype").get<std::string>(), path, name);
+      std::vector<int64_t> shape = entry.at("shape").get<std::vector<int64_t>>();
+      auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_bytes) {
+        throw SafetensorsError(path + ": tensor '" + name + "' has data_offsets outside the file");
+      }
+      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
+      const uint64_t want = static_cast<uint64_t>(t.nbytes());
+      if (want != offsets[1] - offsets[0]) {
+        throw SafetensorsError(path + ": tensor '" + name + "' holds " +
+                               std::to_string(offsets[1] - offsets[0]) + " bytes but its shape and dtype need " +
+                               std::to_string(want));
+      }
+      in.seekg(static_cast<std::streamoff>(data_begin + offsets[0]));
+      if (want > 0 && !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(want))) {
+        throw SafetensorsError(path + ": short read for tensor '" + name + "'");
+      }
+      out.tensors.emplace(name, std::move(t));
+    } catch (const json::exception& e) {
+      throw SafetensorsError(path + ": malformed header entry for '" + name + "': " + e.what());
+    }
+  }
+  return out;
+}
+
+void WriteSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> data;
+  data.reserve(tensors.size());
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+    const uint64_t n = static_cast<uint64_t>(t.nbytes());
+    header[name] = {{"dtype", DtypeToName(t.scalar_type())},
+                    {"shape", t.sizes().vec()},
+                    {"data_offsets", {offset, offset + n}}};
+    offset += n;
+    data.push_back(std::move(t));
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw SafetensorsError("cannot open '" + tmp + "' for writing");
+    uint64_t len = h.size();
+    uint8_t len_bytes[8];
+    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(len >> (8 * i));
+    out.write(reinterpret_cast<const char*>(len_bytes), 8);
+    out.write(h.data(), static_cast<std::streamsize>(h.size()));
+    for (const auto& t : data) {
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    }
+    if (!out) throw SafetensorsError("write to '" + tmp + "' failed (disk full?)");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw SafetensorsError("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(errno));
+  }
+}
+
+}  // namespace vlmgraph

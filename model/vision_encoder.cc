@@ -1,0 +1,85 @@
+#include "model/vision_encoder.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/init.h>
+
+namespace vlmgraph {
+
+ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
+  conv = register_module(
+      "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, cfg.vit_hidden_dim, cfg.vit_patch_size)
+                                    .stride(cfg.vit_patch_size)));
+  // Upstream initialises the position embedding with torch.rand.
+  position_embedding = register_parameter(
+      "position_embedding", at::rand({1, cfg.vit_num_patches(), cfg.vit_hidden_dim}));
+}
+
+at::Tensor ViTPatchEmbeddingsImpl::forward(const at::Tensor& x) {
+  at::Tensor y = conv->forward(x);      // (N, C, S/p, S/p)
+  y = y.flatten(2).transpose(1, 2);     // (N, P, C), patches in row-major order
+  return y + position_embedding;
+}
+
+ViTAttentionImpl::ViTAttentionImpl(const VlmConfig& cfg)
+    : n_heads(cfg.vit_n_heads), head_dim(cfg.vit_head_dim()) {
+  qkv_proj = register_module("qkv_proj",
+                             torch::nn::Linear(cfg.vit_hidden_dim, 3 * cfg.vit_hidden_dim));
+  out_proj = register_module("out_proj", torch::nn::Linear(cfg.vit_hidden_dim, cfg.vit_hidden_dim));
+}
+
+at::Tensor ViTAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t n = x.size(0), t = x.size(1), c = x.size(2);
+  auto qkv = qkv_proj->forward(x).split(c, 2);  // 3 x (N, P, C)
+  auto heads = [&](const at::Tensor& z) { return z.view({n, t, n_heads, head_dim}).transpose(1, 2); };
+  at::Tensor y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
+  y = y.transpose(1, 2).contiguous().view({n, t, c});
+  return out_proj->forward(y);
+}
+
+ViTMlpImpl::ViTMlpImpl(const VlmConfig& cfg) {
+  fc1 = register_module("fc1", torch::nn::Linear(cfg.vit_hidden_dim, cfg.vit_inter_dim));
+  fc2 = register_module("fc2", torch::nn::Linear(cfg.vit_inter_dim, cfg.vit_hidden_dim));
+}
+
+at::Tensor ViTMlpImpl::forward(const at::Tensor& x) {
+  return fc2->forward(at::gelu(fc1->forward(x), "tanh"));
+}
+
+ViTBlockImpl::ViTBlockImpl(const VlmConfig& cfg) {
+  auto ln = torch::nn::LayerNormOptions({cfg.vit_hidden_dim}).eps(cfg.vit_ln_eps);
+  ln1 = register_module("ln1", torch::nn::LayerNorm(ln));
+  attn = register_module("attn", ViTAttention(cfg));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(ln));
+  mlp = register_module("mlp", ViTMlp(cfg));
+}
+
+at::Tensor ViTBlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + attn->forward(ln1->forward(x));
+  return h + mlp->forward(ln2->forward(h));
+}
+
+VisionEncoderImpl::VisionEncoderImpl(const VlmConfig& cfg) {
+  patch_embedding = register_module("patch_embedding", ViTPatchEmbeddings(cfg));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < cfg.vit_n_blocks; ++i) blocks->push_back(ViTBlock(cfg));
+  layer_norm = register_module(
+      "layer_norm",
+      torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.vit_hidden_dim}).eps(cfg.vit_ln_eps)));
+  // Upstream ViT._init_weights: Linear ~ N(0, 0.02) with zero bias; LayerNorm weight 1, bias 0.
+  torch::NoGradGuard no_grad;
+  for (auto& m : modules(/*include_self=*/false)) {
+    if (auto* lin = m->as<torch::nn::Linear>()) {
+      torch::nn::init::normal_(lin->weight, 0.0, 0.02);
+      if (lin->bias.defined()) lin->bias.zero_();
+    }
+  }
+}
+
+at::Tensor VisionEncoderImpl::forward(const at::Tensor& tiles) {
+  at::Tensor x = patch_embedding->forward(tiles);
+  for (const auto& b : *blocks) x = b->as<ViTBlock>()->forward(x);
+  return layer_norm->forward(x);
+}
+
+}  // namespace vlmgraph

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Installs every build and test dependency of vlmgraph on a Debian bookworm or Ubuntu 24.04 machine.
+# Idempotent: packages already present are skipped by apt and pip. Used by .ci/run, the README's
+# quick start and the Dockerfile, so all three build against the same set.
+#
+#   scripts/install-deps.sh            # apt packages + LibTorch (pip torch==2.11.0) + Python test deps
+#   VLMGRAPH_SKIP_PIP=1 scripts/...    # apt packages only
+set -euo pipefail
+
+TORCH_VERSION=2.11.0
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+
+apt_pkgs=(
+  build-essential cmake ninja-build git pkg-config ca-certificates curl
+  python3 python3-pip
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev libstb-dev
+)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# nvcc is used only when present (GPU build machine, CUDA devel image); CPU machines build the CUDA
+# sources against LibTorch's CUDA headers as long as a toolkit is found, and skip them otherwise.
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "install-deps: CUDA toolkit $(/usr/local/cuda/bin/nvcc --version | tail -1)"
+fi
+
+if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
+  PY=${PYTHON:-python3}
+  pip_flags=(-q --disable-pip-version-check)
+  # PEP 668 (Ubuntu 24.04 system Python) refuses plain pip installs; this machine is a build box.
+  if $PY -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+    if [ -f "$($PY -c 'import sysconfig; print(sysconfig.get_path("stdlib"))')/EXTERNALLY-MANAGED" ]; then
+      pip_flags+=(--break-system-packages)
+    fi
+  fi
+  have=$($PY -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+  if [ "$have" != "$TORCH_VERSION" ]; then
+    echo "install-deps: pip install torch==$TORCH_VERSION (LibTorch for C++)"
+    $PY -m pip install "${pip_flags[@]}" "torch==$TORCH_VERSION"
+  fi
+  # Python client, end-to-end tests and the digits training demo.
+  $PY -m pip install "${pip_flags[@]}" "grpcio>=1.60" "grpcio-tools>=1.60" "protobuf>=4.25" \
+    "grpcio-health-checking>=1.60" numpy pillow
+fi
+echo "install-deps: done"

@@ -1,0 +1,179 @@
+// Config parsing, safetensors I/O and nanoVLM checkpoint load/save.
+#include <filesystem>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "model/checkpoint.h"
+#include "tests/test_util.h"
+
+namespace vlmgraph {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path TempDir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("vlmgraph_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+std::string ErrorOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, ReadsEveryUpstreamDefaultField) {
+  VlmConfig c = VlmConfig::FromJsonFile(testing::FixturesDir() + "/nanovlm-default-config.json");
+  EXPECT_EQ(c.lm_hidden_dim, 960);
+  EXPECT_EQ(c.lm_n_blocks, 32);
+  EXPECT_EQ(c.vit_img_size, 512);
+  EXPECT_EQ(c.mp_image_token_length, 64);
+  EXPECT_EQ(c.lm_vocab_size, 49218);
+  EXPECT_EQ(c.image_token_id, 49152);
+  EXPECT_EQ(c.vlm_extra_tokens.size(), 66u);
+  EXPECT_EQ(c.vlm_extra_tokens[0].second, "<|image|>");
+  // The 460m preset is upstream's default config.
+  EXPECT_EQ(VlmConfig::Preset("nanovlm-460m").ToJson(), c.ToJson());
+}
+
+TEST(Config, JsonRoundTrip) {
+  VlmConfig c = VlmConfig::FromJsonFile(testing::TinyCheckpointDir() + "/config.json");
+  EXPECT_EQ(VlmConfig::FromJson(c.ToJson()).ToJson(), c.ToJson());
+  EXPECT_EQ(c.image_token_id, 1000);
+}
+
+TEST(Config, RejectsInconsistentSizesWithKeyName) {
+  nlohmann::json j = VlmConfig::Preset("nanovlm-tiny").ToJson();
+  j["lm_n_kv_heads"] = 3;
+  EXPECT_NE(ErrorOf([&] { VlmConfig::FromJson(j); }).find("lm_n_kv_heads"), std::string::npos);
+  j = VlmConfig::Preset("nanovlm-tiny").ToJson();
+  j["lm_hidden_dim"] = "big";
+  EXPECT_NE(ErrorOf([&] { VlmConfig::FromJson(j); }).find("'lm_hidden_dim' has the wrong type"),
+            std::string::npos);
+  EXPECT_NE(ErrorOf([] { VlmConfig::Preset("nope"); }).find("nanovlm-tiny"), std::string::npos);
+}
+
+TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
+  fs::path dir = TempDir("st");
+  std::map<std::string, at::Tensor> t = {
+      {"f32", at::randn({3, 5})},
+      {"bf16", at::randn({7}).to(at::kBFloat16)},
+      {"f16", at::randn({2, 2, 2}).to(at::kHalf)},
+      {"i64", at::arange(10, at::kLong)},
+      {"scalar", at::tensor(3.5f)},
+      {"empty", at::empty({0, 4})},
+  };
+  WriteSafetensors((dir / "x.safetensors").string(), t, {{"k", "v"}});
+  SafetensorsFile f = ReadSafetensors((dir / "x.safetensors").string());
+  ASSERT_EQ(f.tensors.size(), t.size());
+  for (const auto& [name, want] : t) {
+    const at::Tensor& got = f.tensors.at(name);
+    EXPECT_EQ(got.scalar_type(), want.scalar_type()) << name;
+    EXPECT_TRUE(at::equal(got, want)) << name;
+  }
+  EXPECT_EQ(f.metadata.at("k"), "v");
+}
+
+TEST(Safetensors, RejectsTruncatedAndGarbageFiles) {
+  fs::path dir = TempDir("st_bad");
+  WriteSafetensors((dir / "ok.safetensors").string(), {{"w", at::randn({64})}});
+  const auto size = fs::file_size(dir / "ok.safetensors");
+  fs::copy_file(dir / "ok.safetensors", dir / "short.safetensors");
+  fs::resize_file(dir / "short.safetensors", size - 16);
+  EXPECT_NE(ErrorOf([&] { ReadSafetensors((dir / "short.safetensors").string()); }).find("outside the file"),
+            std::string::npos);
+  std::ofstream(dir / "junk.safetensors") << "this is not a safetensors file at all";
+  EXPECT_THROW(ReadSafetensors((dir / "junk.safetensors").string()), SafetensorsError);
+}
+
+TEST(Checkpoint, TiedHeadStoredOnceUnderUpstreamName) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  auto sd = StateDict(m);
+  EXPECT_EQ(sd.count("decoder.head.weight"), 1u);
+  EXPECT_EQ(sd.count("decoder.token_embedding.weight"), 0u);
+  // Same set of names as the upstream file.
+  SafetensorsFile up = ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors");
+  ASSERT_EQ(sd.size(), up.tensors.size());
+  for (const auto& [name, t] : up.tensors) {
+    ASSERT_EQ(sd.count(name), 1u) << name;
+    EXPECT_TRUE(at::equal(sd.at(name), t)) << name;
+  }
+}
+
+TEST(Checkpoint, SaveThenLoadRoundTrips) {
+  fs::path dir = TempDir("ckpt");
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  SaveModel(m, dir.string());
+  VisionLanguageModel again = LoadModel(dir.string());
+  auto a = StateDict(m), b = StateDict(again);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) EXPECT_TRUE(at::equal(t, b.at(name))) << name;
+  SafetensorsFile f = ReadSafetensors((dir / "model.safetensors").string());
+  EXPECT_EQ(f.metadata.at("decoder.token_embedding.weight"), "decoder.head.weight");
+}
+
+TEST(Checkpoint, AcceptsHeadUnderEmbeddingName) {
+  fs::path dir = TempDir("ckpt_alias");
+  fs::copy_file(testing::TinyCheckpointDir() + "/config.json", dir / "config.json");
+  SafetensorsFile f = ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors");
+  f.tensors["decoder.token_embedding.weight"] = f.tensors.at("decoder.head.weight");
+  f.tensors.erase("decoder.head.weight");
+  WriteSafetensors((dir / "model.safetensors").string(), f.tensors);
+  VisionLanguageModel m = LoadModel(dir.string());
+  EXPECT_TRUE(at::equal(m->decoder->HeadWeight(),
+                        ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors")
+                            .tensors.at("decoder.head.weight")));
+}
+
+TEST(Checkpoint, NamesMissingUnexpectedAndMisshapedTensors) {
+  fs::path dir = TempDir("ckpt_bad");
+  fs::copy_file(testing::TinyCheckpointDir() + "/config.json", dir / "config.json");
+  SafetensorsFile f = ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors");
+  f.tensors.erase("decoder.blocks.1.mlp.up_proj.weight");
+  f.tensors["decoder.norm.weight"] = at::ones({65});
+  f.tensors["vision_encoder.extra.weight"] = at::ones({2});
+  WriteSafetensors((dir / "model.safetensors").string(), f.tensors, f.metadata);
+  const std::string err = ErrorOf([&] { LoadModel(dir.string()); });
+  EXPECT_NE(err.find("missing tensors (1):\n    decoder.blocks.1.mlp.up_proj.weight"), std::string::npos) << err;
+  EXPECT_NE(err.find("decoder.norm.weight (checkpoint [65], config needs [64])"), std::string::npos) << err;
+  EXPECT_NE(err.find("unexpected tensors (1):\n    vision_encoder.extra.weight"), std::string::npos) << err;
+}
+
+TEST(Checkpoint, LoadsEveryTensorNameOfTheDefaultModel) {
+  // The full-size default model's names and shapes, as listed by upstream (nanovlm-default-keys.txt).
+  VisionLanguageModel m(VlmConfig::Preset("nanovlm-460m"));
+  std::map<std::string, std::vector<int64_t>> ours;
+  for (const auto& p : m->named_parameters()) ours[p.key()] = p.value().sizes().vec();
+  for (const auto& b : m->named_buffers()) ours[b.key()] = b.value().sizes().vec();
+  std::ifstream in(testing::FixturesDir() + "/nanovlm-default-keys.txt");
+  ASSERT_TRUE(in) << "missing nanovlm-default-keys.txt";
+  std::string line;
+  int listed = 0;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::string name = line.substr(0, line.find('\t'));
+    std::string shape = line.substr(line.find('\t') + 1);
+    shape = shape.substr(0, shape.find('\t'));
+    ++listed;
+    if (name == "decoder.head.weight") name = "decoder.token_embedding.weight";  // tied
+    ASSERT_EQ(ours.count(name), 1u) << name;
+    std::ostringstream o;
+    o << at::IntArrayRef(ours.at(name));
+    std::string got = o.str();
+    got.erase(std::remove(got.begin(), got.end(), ' '), got.end());
+    shape.erase(std::remove(shape.begin(), shape.end(), ' '), shape.end());
+    EXPECT_EQ(got, shape) << name;
+  }
+  EXPECT_EQ(listed, static_cast<int>(ours.size()) + 1);  // head listed besides the embedding
+}
+
+}  // namespace
+}  // namespace vlmgraph
