@@ -1,0 +1,124 @@
+// engine/engine.h: bucketed, graph-replayed inference for a nanoVLM model.
+//
+// The engine owns the model on its device, a static KV cache with one row per decode slot, static
+// input/output buffers, and a StepRunner that either replays a CUDA graph captured per bucket
+// (CUDA builds, CUDA device) or runs the same code eagerly (CPU, or capture switched off). It
+// knows nothing about gRPC.
+//
+//   EngineOptions opt;  opt.device = at::kCUDA;  opt.dtype = at::kBFloat16;
+//   Engine engine(LoadModel(dir), opt);
+//   engine.Warmup();                                   // captures every bucket, logs a summary
+//   auto outputs = engine.Generate({request});         // run to completion
+//
+// Continuous batching (what the server's scheduler does): Admit() new requests while slots are
+// free (vision + prefill, first token sampled), Step() once per decode iteration for every active
+// sequence; a finished sequence frees its slot at once and the next Admit() can use it.
+//
+// Thread rules: an Engine is driven by ONE thread, the GPU thread: the constructor, Warmup, Admit,
+// Step, Cancel, Generate, Forward. Validate(), Counters(), Memory() and the accessors are safe from
+// any thread. Errors: EngineError (engine_types.h); std::invalid_argument from the model is
+// converted to kInvalidArgument.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+#include "engine/bucket.h"
+#include "engine/engine_types.h"
+#include "engine/step_runner.h"
+#include "model/vision_language_model.h"
+
+namespace vlmgraph {
+
+struct EngineOptions {
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;  // kFloat or kBFloat16
+  BucketSpec buckets;
+  bool cuda_graphs = true;     // replay CUDA graphs (CUDA builds and devices only)
+  bool lazy_capture = false;   // capture a bucket on first use instead of in Warmup()
+  int64_t max_tiles_per_request = 0;  // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
+  bool log_captures = true;    // one log line per capture and a summary (stderr)
+};
+
+class Engine {
+ public:
+  Engine(VisionLanguageModel model, EngineOptions options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Captures every configured bucket of the vision, prefill and decode regions (largest first,
+  // one shared graph pool), unless graphs are off or capture is lazy. Idempotent.
+  void Warmup();
+
+  // Checks a request without running it: ids inside the vocabulary, image-token count equal to
+  // tiles x mp_image_token_length, tile shape (N, 3, S, S), prompt + max_new_tokens within the
+  // longest context, sampling parameters in range, prompt within the largest prefill bucket when
+  // the oversize policy is reject. Throws EngineError(kInvalidArgument) saying what to change.
+  void Validate(const GenerateRequest& request) const;
+
+  // --- continuous batching (GPU thread) ---------------------------------------------------------
+  int64_t FreeSlots() const;
+  int64_t ActiveSequences() const;
+  // Admits up to FreeSlots() requests (validated first: a bad one throws before any work runs).
+  // Runs vision and prefill in bucket-sized groups and samples each first token; appends one
+  // TokenEvent per request to `events` (finished when max_new_tokens == 1 or a stop token came).
+  std::vector<SequenceId> Admit(std::vector<GenerateRequest> requests, std::vector<TokenEvent>* events);
+  // One decode step for every active sequence; appends one TokenEvent per sequence.
+  void Step(std::vector<TokenEvent>* events);
+  // Ends a sequence now and frees its slot; unknown or finished ids are ignored.
+  void Cancel(SequenceId id);
+
+  // Runs `requests` to completion with continuous batching; returns each request's new tokens.
+  std::vector<std::vector<int64_t>> Generate(std::vector<GenerateRequest> requests);
+
+  // Scores one prompt: vision + the prefill region (graphed when a bucket fits), then loss and
+  // the requested logits. Uses no KV slot.
+  ForwardResult Forward(const ForwardRequest& request);
+
+  // --- observation (any thread) ----------------------------------------------------------------
+  EngineCounters Counters() const;
+  MemoryStats Memory() const;
+  void SetObserver(EngineObserver* observer);  // before Warmup; nullptr = none
+  const VlmConfig& model_config() const { return model_->cfg; }
+  const EngineOptions& options() const { return options_; }
+  bool graphs_enabled() const;
+  int64_t max_context() const { return options_.buckets.max_context(); }
+  VisionLanguageModel& model() { return model_; }
+
+ private:
+  struct Sequence;
+  struct Buffers;
+
+  void RunVision(const at::Tensor& tiles, int64_t row_offset);
+  void PrefillGroup(std::vector<GenerateRequest>& requests, const std::vector<int64_t>& slots,
+                    std::vector<at::Tensor>* last_logits);
+  at::Tensor SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
+  void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
+  void Free(Sequence& seq);
+  void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
+  std::vector<at::Tensor> RunRegion(const BucketKey& key, const std::function<std::vector<at::Tensor>()>& fn,
+                                    int64_t real_tokens, int64_t padded_tokens);
+  int64_t PadTokenId() const;
+
+  VisionLanguageModel model_;
+  EngineOptions options_;
+  std::unique_ptr<StepRunner> runner_;
+  std::unique_ptr<Buffers> buffers_;
+  std::vector<std::unique_ptr<Sequence>> slots_;  // one per KV cache row; nullptr = free
+  SequenceId next_id_ = 0;
+  bool warmed_up_ = false;
+  EngineObserver* observer_ = nullptr;
+  mutable std::mutex counters_mu_;
+  EngineCounters counters_;
+};
+
+}  // namespace vlmgraph

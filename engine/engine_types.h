@@ -1,0 +1,111 @@
+// engine/engine_types.h: requests, results, errors and statistics of the engine's public API.
+//
+// Errors: engine calls throw `EngineError` with a `code` whose meaning follows gRPC's status codes;
+// the server converts it to a grpc::Status in one place. Messages say what to change.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+#include "engine/bucket.h"
+
+namespace vlmgraph {
+
+class EngineError : public std::runtime_error {
+ public:
+  enum class Code { kInvalidArgument, kResourceExhausted, kFailedPrecondition, kUnavailable, kInternal };
+  EngineError(Code code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  Code code() const { return code_; }
+
+ private:
+  Code code_;
+};
+
+// How to pick each new token. Upstream nanoVLM's generate: greedy argmax, or top-k then top-p
+// (nucleus) filtering of the logits followed by sampling from softmax(filtered / temperature).
+struct SamplingParams {
+  int64_t max_new_tokens = 16;       // >= 1
+  bool greedy = true;
+  double temperature = 1.0;          // > 0, used when !greedy
+  int64_t top_k = 0;                 // 0 = off
+  double top_p = 1.0;                // in (0, 1]; 1 = off
+  uint64_t seed = 0;                 // per-request RNG seed (sampling only)
+  std::vector<int64_t> stop_token_ids;  // generation ends after emitting one of these
+};
+
+struct GenerateRequest {
+  std::vector<int64_t> input_ids;  // prompt, with mp_image_token_length image tokens per tile
+  at::Tensor tiles;                // (N, 3, S, S) float32 in [0, 1], CPU; undefined for text only
+  SamplingParams sampling;
+};
+
+enum class FinishReason { kNone, kLength, kStopToken, kContextFull, kCancelled };
+const char* FinishReasonName(FinishReason r);
+
+using SequenceId = int64_t;
+
+// One new token of one sequence, produced by Admit (the first token) or Step.
+struct TokenEvent {
+  SequenceId id = -1;
+  int64_t token = -1;
+  bool finished = false;
+  FinishReason reason = FinishReason::kNone;
+};
+
+struct ForwardRequest {
+  std::vector<int64_t> input_ids;
+  at::Tensor tiles;                      // as in GenerateRequest
+  std::vector<int64_t> target_ids;       // same length as input_ids, -100 = ignored; empty = no loss
+  std::vector<int64_t> logits_positions; // positions whose full logits to return
+};
+
+struct ForwardResult {
+  double loss = 0.0;                       // mean cross entropy over targets != -100
+  int64_t loss_tokens = 0;                 // targets that counted
+  std::vector<std::vector<float>> logits;  // one (vocab) row per requested position
+  BucketKey bucket;                        // prefill bucket used
+  bool graphed = false;
+};
+
+// Receives every measured event; the server's Metrics implements it. Called on the engine's thread
+// (the GPU thread); implementations must be cheap and must not call back into the engine.
+class EngineObserver {
+ public:
+  virtual ~EngineObserver() = default;
+  virtual void OnCapture(const BucketKey& key, double seconds) {}
+  // One region run: graph replay (graphed) or eager, host wall time including the device work.
+  virtual void OnStep(const BucketKey& key, bool graphed, double seconds) {}
+  virtual void OnEagerFallback(Region region, const std::string& reason) {}
+  // Tokens a region processed: `real` from requests, `padded` the bucket's total.
+  virtual void OnTokens(Region region, int64_t real, int64_t padded) {}
+  virtual void OnBatch(Region region, int64_t real_batch) {}
+};
+
+// Counters kept by the engine itself (tests, diagnose). Thread-safe to read through Snapshot().
+struct EngineCounters {
+  std::map<std::string, int64_t> captures;   // "region/bucket" -> count
+  std::map<std::string, int64_t> replays;    // "region/bucket" -> count
+  std::map<std::string, int64_t> eager_runs; // "region/bucket" -> count (CPU, capture off, oversize)
+  int64_t eager_fallbacks = 0;               // shapes with no bucket that ran eagerly
+  int64_t rejected_oversize = 0;             // shapes with no bucket that were rejected
+  int64_t real_tokens = 0, padded_tokens = 0;
+  double capture_seconds_total = 0;
+  int64_t TotalCaptures() const;
+  int64_t TotalReplays() const;
+};
+
+struct MemoryStats {
+  int64_t allocated_bytes = 0;   // device memory held by live tensors (CUDA caching allocator)
+  int64_t reserved_bytes = 0;    // device memory reserved by the caching allocator
+  int64_t graph_pool_bytes = 0;  // reserved by the shared CUDA graph pool
+  int64_t kv_cache_bytes = 0;
+};
+
+}  // namespace vlmgraph
