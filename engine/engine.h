@@ -20,6 +20,7 @@
 // converted to kInvalidArgument.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -98,16 +99,27 @@ class Engine {
   struct Sequence;
   struct Buffers;
 
-  void RunVision(const at::Tensor& tiles, int64_t row_offset);
-  void PrefillGroup(std::vector<GenerateRequest>& requests, const std::vector<int64_t>& slots,
-                    std::vector<at::Tensor>* last_logits);
-  at::Tensor SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
-  void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
-  void Free(Sequence& seq);
+  // The region function of a bucket, over the static buffers.
+  RegionFn MakeRegionFn(const BucketKey& key);
+  // Runs a bucketed region (replay, capture on first use, or eager) and records it.
+  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens);
+  // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
+  std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn, int64_t real_tokens);
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
-  std::vector<at::Tensor> RunRegion(const BucketKey& key, const std::function<std::vector<at::Tensor>()>& fn,
-                                    int64_t real_tokens, int64_t padded_tokens);
+  // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
+  void RunVision(const at::Tensor& tiles, int64_t row_offset);
+  // Vision + prefill for requests whose prompts fit one prefill bucket; writes their KV rows.
+  // Returns (last-position logits (n, V), hidden states (bucket batch, bucket seq, H)).
+  std::pair<at::Tensor, at::Tensor> PrefillGroup(const std::vector<const GenerateRequest*>& requests,
+                                                 const std::vector<int64_t>& slots);
+  // Exact-shape eager prefill of one oversize prompt (no bucket fits).
+  at::Tensor PrefillOversize(const GenerateRequest& request, int64_t slot);
+  // Next token for each sequence from its logits row (n, V); one host copy.
+  std::vector<int64_t> SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
+  void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
+  void Free(int64_t slot);
   int64_t PadTokenId() const;
+  void ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const;
 
   VisionLanguageModel model_;
   EngineOptions options_;
@@ -117,6 +129,7 @@ class Engine {
   SequenceId next_id_ = 0;
   bool warmed_up_ = false;
   EngineObserver* observer_ = nullptr;
+  std::atomic<int64_t> graph_pool_bytes_{0};  // refreshed on the GPU thread after captures
   mutable std::mutex counters_mu_;
   EngineCounters counters_;
 };

@@ -1,0 +1,599 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <numeric>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include "engine/device.h"
+#include "engine/sampler.h"
+
+namespace vlmgraph {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+EngineError Invalid(const std::string& msg) { return EngineError(EngineError::Code::kInvalidArgument, msg); }
+
+std::string CounterKey(const BucketKey& k) { return std::string(RegionName(k.region)) + "/" + k.Label(); }
+
+}  // namespace
+
+struct Engine::Sequence {
+  SequenceId id = -1;
+  int64_t slot = -1;
+  int64_t length = 0;       // tokens in the KV cache; the next token's position
+  int64_t generated = 0;
+  int64_t last_token = -1;  // fed to the next decode step
+  SamplingParams sampling;
+  at::Generator generator;
+};
+
+// Static device buffers shared by every bucket's region function. Each bucket reads a prefix
+// view of them, so addresses stay fixed across replays (what a CUDA graph needs).
+struct Engine::Buffers {
+  at::Tensor ids;         // (max_batch * max_seq) int64, prefill prompts, row-major (b, s) prefix
+  at::Tensor slots;       // (max_batch) int64, KV cache row written by each prefill row
+  at::Tensor last;        // (max_batch) int64, index of each prefill row's last real token
+  at::Tensor tiles;       // (max_tiles, 3, S, S) model dtype, vision input
+  at::Tensor image_rows;  // (max_batch * max_seq, H) model dtype, image embeddings for prefill
+  at::Tensor dec_tokens;  // (max_batch) int64, token fed to each decode row
+  at::Tensor dec_pos;     // (max_batch) int64, position of that token
+  KVCache cache;          // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
+  int64_t scratch_row = 0;
+};
+
+Engine::Engine(VisionLanguageModel model, EngineOptions options)
+    : model_(std::move(model)), options_(std::move(options)) {
+  try {
+    options_.buckets.Validate();
+  } catch (const std::invalid_argument& e) {
+    throw Invalid(e.what());
+  }
+  const VlmConfig& cfg = model_->cfg;
+  if (options_.dtype != at::kFloat && options_.dtype != at::kBFloat16) {
+    throw Invalid("dtype must be float32 or bfloat16");
+  }
+  if (options_.max_tiles_per_request <= 0) {
+    const int64_t side = std::max<int64_t>(1, cfg.max_img_size / cfg.vit_img_size);
+    options_.max_tiles_per_request = side * side + (side > 1 ? 1 : 0);
+  }
+  const auto& b = options_.buckets;
+  if (b.max_context() > cfg.lm_max_position_embeddings) {
+    throw Invalid("buckets.context_lens max (" + std::to_string(b.max_context()) +
+                  ") exceeds the model's lm_max_position_embeddings (" +
+                  std::to_string(cfg.lm_max_position_embeddings) + ")");
+  }
+  model_->to(options_.device, options_.dtype);
+  // RoPE frequencies stay float32 whatever the weights' dtype.
+  model_->decoder->rotary_embd->inv_freq.set_data(model_->decoder->rotary_embd->inv_freq.to(at::kFloat));
+  model_->eval();
+  for (auto& p : model_->parameters()) p.set_requires_grad(false);
+
+  const bool cuda = options_.device.is_cuda();
+  if (cuda && options_.cuda_graphs) {
+    runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
+  }
+  if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+
+  auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
+  auto act = at::TensorOptions().dtype(options_.dtype).device(options_.device);
+  buffers_ = std::make_unique<Buffers>();
+  Buffers& buf = *buffers_;
+  buf.ids = at::zeros({b.max_batch() * b.max_seq()}, i64);
+  buf.scratch_row = b.max_batch();
+  buf.slots = at::full({b.max_batch()}, buf.scratch_row, i64);
+  buf.last = at::zeros({b.max_batch()}, i64);
+  buf.tiles = at::zeros({b.max_tiles(), 3, cfg.vit_img_size, cfg.vit_img_size}, act);
+  buf.image_rows = at::zeros({b.max_batch() * b.max_seq(), cfg.lm_hidden_dim}, act);
+  buf.dec_tokens = at::zeros({b.max_batch()}, i64);
+  buf.dec_pos = at::zeros({b.max_batch()}, i64);
+  buf.cache = KVCache::Allocate(cfg, b.max_batch() + 1, b.max_context(), act);
+  slots_.resize(static_cast<size_t>(b.max_batch()));
+}
+
+Engine::~Engine() = default;
+
+bool Engine::graphs_enabled() const { return runner_->captures(); }
+
+int64_t Engine::PadTokenId() const { return model_->cfg.image_token_id == 0 ? 1 : 0; }
+
+// ---------------------------------------------------------------------------------------------
+// Region functions. Each reads only the static buffers (prefix views with fixed addresses) and
+// returns its outputs, so the same function runs eagerly or is captured into a graph.
+
+RegionFn Engine::MakeRegionFn(const BucketKey& key) {
+  Buffers* bf = buffers_.get();
+  VisionLanguageModelImpl* m = model_.get();
+  const int64_t hidden = m->cfg.lm_hidden_dim;
+  switch (key.region) {
+    case Region::kVision: {
+      const int64_t t = key.tiles;
+      return [m, bf, t] { return std::vector<at::Tensor>{m->EncodeImages(bf->tiles.narrow(0, 0, t))}; };
+    }
+    case Region::kPrefill: {
+      const int64_t b = key.batch, s = key.seq;
+      return [m, bf, b, s, hidden] {
+        at::Tensor ids = bf->ids.narrow(0, 0, b * s).view({b, s});
+        at::Tensor h = m->decoder->Prefill(m->Embed(ids, bf->image_rows), &bf->cache, bf->slots.narrow(0, 0, b));
+        at::Tensor idx = bf->last.narrow(0, 0, b).view({b, 1, 1}).expand({b, 1, hidden});
+        at::Tensor logits = m->decoder->Logits(h.gather(1, idx).squeeze(1));  // (b, V)
+        return std::vector<at::Tensor>{logits, h};                            // h: (b, s, H)
+      };
+    }
+    case Region::kDecode: {
+      const int64_t b = key.batch, c = key.seq;
+      return [m, bf, b, c] {
+        at::Tensor x = m->decoder->token_embedding->forward(bf->dec_tokens.narrow(0, 0, b).view({b, 1}));
+        at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
+        return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, 0))};  // (b, V)
+      };
+    }
+    case Region::kTrain:
+      break;
+  }
+  throw EngineError(EngineError::Code::kInternal, "no inference region function for train buckets");
+}
+
+std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens) {
+  const auto t0 = Clock::now();
+  std::vector<at::Tensor> outputs;
+  RunKind kind = runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
+  SynchronizeDevice(options_.device);
+  if (kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
+  Count(key, kind, SecondsSince(t0), real_tokens, padded_tokens);
+  return outputs;
+}
+
+std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact, const std::function<std::vector<at::Tensor>()>& fn,
+                                                 int64_t real_tokens) {
+  const auto t0 = Clock::now();
+  std::vector<at::Tensor> outputs = fn();
+  SynchronizeDevice(options_.device);
+  {
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    counters_.eager_fallbacks++;
+  }
+  if (observer_) observer_->OnEagerFallback(exact.region, "no bucket fits " + exact.Label());
+  Count(exact, RunKind::kEager, SecondsSince(t0), real_tokens, real_tokens);
+  return outputs;
+}
+
+void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded) {
+  const std::string k = CounterKey(key);
+  {
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    if (kind == RunKind::kEager) {
+      counters_.eager_runs[k]++;
+    } else {
+      counters_.replays[k]++;
+      if (kind == RunKind::kCaptureAndReplay) counters_.captures[k]++;
+    }
+    counters_.real_tokens += real;
+    counters_.padded_tokens += padded;
+  }
+  if (observer_) {
+    if (kind == RunKind::kCaptureAndReplay) observer_->OnCapture(key, seconds);
+    observer_->OnStep(key, kind != RunKind::kEager, seconds);
+    observer_->OnTokens(key.region, real, padded);
+  }
+}
+
+void Engine::Warmup() {
+  if (warmed_up_) return;
+  warmed_up_ = true;
+  if (!runner_->captures() || options_.lazy_capture) return;
+  at::NoGradGuard no_grad;
+  const auto t0 = Clock::now();
+  const auto& cfg = model_->cfg;
+  std::vector<BucketKey> keys;
+  for (Region r : {Region::kPrefill, Region::kDecode, Region::kVision}) {
+    for (const auto& k : options_.buckets.All(r)) keys.push_back(k);
+  }
+  // Largest activations first across regions, so later captures reuse the pool's blocks.
+  auto activation = [&](const BucketKey& k) {
+    if (k.region == Region::kVision) return k.tiles * cfg.vit_num_patches() * cfg.vit_inter_dim;
+    return k.batch * (k.region == Region::kDecode ? 1 : k.seq) * cfg.lm_inter_dim;
+  };
+  std::stable_sort(keys.begin(), keys.end(),
+                   [&](const BucketKey& x, const BucketKey& y) { return activation(x) > activation(y); });
+  for (const auto& key : keys) {
+    const double seconds = runner_->Capture(key, MakeRegionFn(key));
+    {
+      std::lock_guard<std::mutex> lock(counters_mu_);
+      counters_.captures[CounterKey(key)]++;
+      counters_.capture_seconds_total += seconds;
+    }
+    if (observer_) observer_->OnCapture(key, seconds);
+    if (options_.log_captures) {
+      std::fprintf(stderr, "[vlmgraph] captured %-7s %-10s in %7.1f ms\n", RegionName(key.region),
+                   key.Label().c_str(), seconds * 1e3);
+    }
+  }
+  SynchronizeDevice(options_.device);
+  graph_pool_bytes_ = runner_->pool_bytes();
+  if (options_.log_captures) {
+    std::fprintf(stderr,
+                 "[vlmgraph] capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache %.1f MiB\n",
+                 keys.size(), SecondsSince(t0), graph_pool_bytes_.load() / 1048576.0,
+                 buffers_->cache.bytes() / 1048576.0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation (any thread: reads only immutable configuration).
+
+void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const {
+  const VlmConfig& cfg = model_->cfg;
+  if (ids.empty()) throw Invalid("input_ids is empty; send at least one token");
+  int64_t image_tokens = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= cfg.lm_vocab_size) {
+      throw Invalid("input_ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
+                    " is outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) + ")");
+    }
+    image_tokens += ids[i] == cfg.image_token_id;
+  }
+  int64_t n_tiles = 0;
+  if (tiles.defined() && tiles.numel() > 0) {
+    if (tiles.dim() != 4 || tiles.size(1) != 3 || tiles.size(2) != cfg.vit_img_size ||
+        tiles.size(3) != cfg.vit_img_size) {
+      std::ostringstream o;
+      o << "image tiles must be (N, 3, " << cfg.vit_img_size << ", " << cfg.vit_img_size << "), got " << tiles.sizes();
+      throw Invalid(o.str());
+    }
+    n_tiles = tiles.size(0);
+  }
+  if (n_tiles > options_.max_tiles_per_request) {
+    throw Invalid("request has " + std::to_string(n_tiles) + " image tiles; at most " +
+                  std::to_string(options_.max_tiles_per_request) + " are allowed");
+  }
+  const int64_t expected = n_tiles * cfg.mp_image_token_length;
+  if (image_tokens != expected) {
+    throw Invalid("the prompt has " + std::to_string(image_tokens) + " image tokens (id " +
+                  std::to_string(cfg.image_token_id) + ") but its " + std::to_string(n_tiles) +
+                  " image tile(s) give " + std::to_string(expected) + " embeddings (" +
+                  std::to_string(cfg.mp_image_token_length) + " per tile); the prompt must hold exactly " +
+                  std::to_string(expected) + " image tokens");
+  }
+  const int64_t len = static_cast<int64_t>(ids.size());
+  if (len > options_.buckets.max_seq() && options_.buckets.oversize == OversizePolicy::kReject) {
+    throw Invalid("prompt of " + std::to_string(len) + " tokens is longer than the largest prefill bucket (" +
+                  std::to_string(options_.buckets.max_seq()) +
+                  "); shorten it or add a larger buckets.seq_lens entry");
+  }
+}
+
+void Engine::Validate(const GenerateRequest& request) const {
+  ValidateTokens(request.input_ids, request.tiles);
+  const auto& s = request.sampling;
+  const int64_t len = static_cast<int64_t>(request.input_ids.size());
+  if (s.max_new_tokens < 1) throw Invalid("max_new_tokens must be >= 1, got " + std::to_string(s.max_new_tokens));
+  if (len + s.max_new_tokens > max_context()) {
+    throw Invalid("prompt (" + std::to_string(len) + " tokens) + max_new_tokens (" +
+                  std::to_string(s.max_new_tokens) + ") exceeds the longest context bucket (" +
+                  std::to_string(max_context()) + " tokens); lower max_new_tokens to at most " +
+                  std::to_string(std::max<int64_t>(0, max_context() - len)) + " or raise buckets.context_lens");
+  }
+  if (!s.greedy) {
+    if (!(s.temperature > 0)) throw Invalid("temperature must be > 0 when sampling");
+    if (!(s.top_p > 0 && s.top_p <= 1)) throw Invalid("top_p must lie in (0, 1]");
+    if (s.top_k < 0) throw Invalid("top_k must be >= 0 (0 disables it)");
+  }
+  for (int64_t t : s.stop_token_ids) {
+    if (t < 0 || t >= model_->cfg.lm_vocab_size) {
+      throw Invalid("stop token id " + std::to_string(t) + " is outside the vocabulary");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Continuous batching.
+
+int64_t Engine::FreeSlots() const {
+  return std::count(slots_.begin(), slots_.end(), nullptr);
+}
+
+int64_t Engine::ActiveSequences() const { return static_cast<int64_t>(slots_.size()) - FreeSlots(); }
+
+void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
+  Buffers& buf = *buffers_;
+  const int64_t tokens = model_->cfg.mp_image_token_length;
+  const int64_t max_tiles = options_.buckets.max_tiles();
+  for (int64_t start = 0; start < tiles.size(0); start += max_tiles) {
+    const int64_t n = std::min<int64_t>(max_tiles, tiles.size(0) - start);
+    const BucketKey key = *options_.buckets.PickVision(n);
+    buf.tiles.narrow(0, 0, n).copy_(tiles.narrow(0, start, n), /*non_blocking=*/true);
+    at::Tensor rows = RunRegion(key, n, key.tiles)[0];  // (key.tiles * tokens, H)
+    buf.image_rows.narrow(0, row_offset + start * tokens, n * tokens).copy_(rows.narrow(0, 0, n * tokens));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(const std::vector<const GenerateRequest*>& requests,
+                                                       const std::vector<int64_t>& slots) {
+  Buffers& buf = *buffers_;
+  const int64_t n = static_cast<int64_t>(requests.size());
+  int64_t max_len = 0, real = 0;
+  std::vector<at::Tensor> tiles;
+  for (const auto* r : requests) {
+    max_len = std::max<int64_t>(max_len, r->input_ids.size());
+    real += r->input_ids.size();
+    if (r->tiles.defined() && r->tiles.numel() > 0) tiles.push_back(r->tiles);
+  }
+  if (!tiles.empty()) RunVision(at::cat(tiles, 0).to(options_.dtype), 0);
+  const BucketKey key = *options_.buckets.PickPrefill(n, max_len);
+  // Host-side padding: rows right-padded with the pad id; padding rows write the scratch KV row.
+  // Causal attention means real tokens never see the right padding, so their logits equal an
+  // unpadded run's.
+  at::Tensor ids = at::full({key.batch, key.seq}, PadTokenId(), at::kLong);
+  at::Tensor slot_ids = at::full({key.batch}, buf.scratch_row, at::kLong);
+  at::Tensor last = at::zeros({key.batch}, at::kLong);
+  auto ids_a = ids.accessor<int64_t, 2>();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& p = requests[i]->input_ids;
+    for (size_t j = 0; j < p.size(); ++j) ids_a[i][j] = p[j];
+    slot_ids[i] = slots[i];
+    last[i] = static_cast<int64_t>(p.size()) - 1;
+  }
+  buf.ids.narrow(0, 0, key.batch * key.seq).copy_(ids.view({-1}), /*non_blocking=*/true);
+  buf.slots.narrow(0, 0, key.batch).copy_(slot_ids, true);
+  buf.last.narrow(0, 0, key.batch).copy_(last, true);
+  if (observer_) observer_->OnBatch(Region::kPrefill, n);
+  std::vector<at::Tensor> out = RunRegion(key, real, key.batch * key.seq);
+  return {out[0].narrow(0, 0, n), out[1]};
+}
+
+at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot) {
+  const int64_t len = static_cast<int64_t>(request.input_ids.size());
+  const BucketKey exact{Region::kPrefill, 1, len, 0};
+  VisionLanguageModelImpl* m = model_.get();
+  Buffers* bf = buffers_.get();
+  auto dev_long = at::TensorOptions().dtype(at::kLong).device(options_.device);
+  at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
+  at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
+                         ? request.tiles.to(options_.device, options_.dtype)
+                         : at::Tensor();
+  at::Tensor slots = at::full({1}, slot, dev_long);
+  return RunEagerFallback(exact, [&] {
+    at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
+    at::Tensor h = m->decoder->Prefill(m->Embed(ids, rows), &bf->cache, slots);
+    return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, len - 1)), h};
+  }, len)[0];
+}
+
+std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs) {
+  at::Tensor tokens = logits.argmax(-1);  // greedy for every row, overwritten for sampled rows
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (!seqs[i]->sampling.greedy) {
+      tokens[static_cast<int64_t>(i)] = SampleToken(logits[static_cast<int64_t>(i)], seqs[i]->sampling, seqs[i]->generator);
+    }
+  }
+  at::Tensor host = tokens.to(at::kCPU);  // the step's one synchronising copy
+  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+}
+
+void Engine::Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events) {
+  seq.generated++;
+  seq.last_token = token;
+  TokenEvent ev{seq.id, token, false, FinishReason::kNone};
+  const auto& stops = seq.sampling.stop_token_ids;
+  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+    ev.reason = FinishReason::kStopToken;
+  } else if (seq.generated >= seq.sampling.max_new_tokens) {
+    ev.reason = FinishReason::kLength;
+  } else if (seq.length + 1 > max_context()) {
+    ev.reason = FinishReason::kContextFull;
+  }
+  ev.finished = ev.reason != FinishReason::kNone;
+  events->push_back(ev);
+  if (ev.finished) Free(seq.slot);
+}
+
+void Engine::Free(int64_t slot) { slots_[static_cast<size_t>(slot)].reset(); }
+
+std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests, std::vector<TokenEvent>* events) {
+  for (const auto& r : requests) Validate(r);
+  if (static_cast<int64_t>(requests.size()) > FreeSlots()) {
+    throw EngineError(EngineError::Code::kResourceExhausted,
+                      "admitting " + std::to_string(requests.size()) + " sequences but only " +
+                          std::to_string(FreeSlots()) + " KV cache slots are free");
+  }
+  at::NoGradGuard no_grad;
+  std::vector<Sequence*> seqs;
+  std::vector<SequenceId> ids;
+  for (auto& r : requests) {
+    size_t slot = 0;
+    while (slots_[slot]) ++slot;  // lowest free row keeps decode batches small
+    auto seq = std::make_unique<Sequence>();
+    seq->id = next_id_++;
+    seq->slot = static_cast<int64_t>(slot);
+    seq->length = static_cast<int64_t>(r.input_ids.size());
+    seq->sampling = r.sampling;
+    if (!r.sampling.greedy) seq->generator = MakeGenerator(options_.device, r.sampling.seed);
+    seqs.push_back(seq.get());
+    ids.push_back(seq->id);
+    slots_[slot] = std::move(seq);
+  }
+  // Group consecutive requests into prefill buckets: at most max_batch rows, prompts within the
+  // largest seq bucket; an oversize prompt runs alone, eagerly.
+  const auto& b = options_.buckets;
+  size_t i = 0;
+  while (i < requests.size()) {
+    if (static_cast<int64_t>(requests[i].input_ids.size()) > b.max_seq()) {
+      at::Tensor logits = PrefillOversize(requests[i], seqs[i]->slot);
+      Emit(*seqs[i], SampleRows(logits, {seqs[i]})[0], events);
+      ++i;
+      continue;
+    }
+    std::vector<const GenerateRequest*> group;
+    std::vector<Sequence*> group_seqs;
+    std::vector<int64_t> group_slots;
+    while (i < requests.size() && static_cast<int64_t>(group.size()) < b.max_batch() &&
+           static_cast<int64_t>(requests[i].input_ids.size()) <= b.max_seq()) {
+      group.push_back(&requests[i]);
+      group_seqs.push_back(seqs[i]);
+      group_slots.push_back(seqs[i]->slot);
+      ++i;
+    }
+    at::Tensor logits = PrefillGroup(group, group_slots).first;
+    std::vector<int64_t> tokens = SampleRows(logits, group_seqs);
+    for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
+  }
+  return ids;
+}
+
+void Engine::Step(std::vector<TokenEvent>* events) {
+  std::vector<Sequence*> active;
+  int64_t rows = 0, context = 0;
+  for (auto& s : slots_) {
+    if (!s) continue;
+    active.push_back(s.get());
+    rows = std::max(rows, s->slot + 1);
+    context = std::max(context, s->length + 1);
+  }
+  if (active.empty()) return;
+  at::NoGradGuard no_grad;
+  Buffers& buf = *buffers_;
+  // Every row in [0, rows) runs; free rows get a pad token at position 0 of their own (unused) row.
+  std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
+  const int64_t batch = key ? key->batch : rows;
+  at::Tensor tokens = at::full({batch}, PadTokenId(), at::kLong);
+  at::Tensor positions = at::zeros({batch}, at::kLong);
+  for (Sequence* s : active) {
+    tokens[s->slot] = s->last_token;
+    positions[s->slot] = s->length;
+  }
+  buf.dec_tokens.narrow(0, 0, batch).copy_(tokens, /*non_blocking=*/true);
+  buf.dec_pos.narrow(0, 0, batch).copy_(positions, true);
+  if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(active.size()));
+  at::Tensor logits;
+  if (key) {
+    logits = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch)[0];
+  } else {
+    const BucketKey exact{Region::kDecode, rows, context, 0};
+    RegionFn fn = MakeRegionFn(exact);
+    logits = RunEagerFallback(exact, fn, static_cast<int64_t>(active.size()))[0];
+  }
+  std::vector<int64_t> rows_index;
+  for (Sequence* s : active) rows_index.push_back(s->slot);
+  at::Tensor index = at::tensor(rows_index, at::kLong).to(options_.device);
+  std::vector<int64_t> next = SampleRows(logits.index_select(0, index), active);
+  for (size_t k = 0; k < active.size(); ++k) {
+    active[k]->length += 1;  // the fed token is now in the cache
+    Emit(*active[k], next[k], events);
+  }
+}
+
+void Engine::Cancel(SequenceId id) {
+  for (auto& s : slots_) {
+    if (s && s->id == id) {
+      s.reset();
+      return;
+    }
+  }
+}
+
+std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> requests) {
+  for (const auto& r : requests) Validate(r);
+  std::vector<std::vector<int64_t>> out(requests.size());
+  std::map<SequenceId, size_t> owner;
+  size_t next = 0;
+  std::vector<TokenEvent> events;
+  while (next < requests.size() || ActiveSequences() > 0) {
+    const int64_t free = FreeSlots();
+    if (next < requests.size() && free > 0) {
+      const size_t n = std::min<size_t>(static_cast<size_t>(free), requests.size() - next);
+      std::vector<GenerateRequest> batch(requests.begin() + next, requests.begin() + next + n);
+      std::vector<SequenceId> ids = Admit(std::move(batch), &events);
+      for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
+      next += n;
+    } else {
+      Step(&events);
+    }
+    for (const auto& ev : events) out[owner.at(ev.id)].push_back(ev.token);
+    events.clear();
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scoring.
+
+ForwardResult Engine::Forward(const ForwardRequest& request) {
+  ValidateTokens(request.input_ids, request.tiles);
+  const int64_t len = static_cast<int64_t>(request.input_ids.size());
+  if (!request.target_ids.empty() && static_cast<int64_t>(request.target_ids.size()) != len) {
+    throw Invalid("target_ids has " + std::to_string(request.target_ids.size()) + " entries; it must have one per input id (" +
+                  std::to_string(len) + "), -100 where no loss is wanted");
+  }
+  for (int64_t t : request.target_ids) {
+    if (t != -100 && (t < 0 || t >= model_->cfg.lm_vocab_size)) {
+      throw Invalid("target id " + std::to_string(t) + " is outside the vocabulary (use -100 to ignore a position)");
+    }
+  }
+  for (int64_t p : request.logits_positions) {
+    if (p < 0 || p >= len) throw Invalid("logits position " + std::to_string(p) + " is outside [0, " + std::to_string(len) + ")");
+  }
+  at::NoGradGuard no_grad;
+  ForwardResult result;
+  at::Tensor hidden;  // (len, H)
+  const GenerateRequest as_prompt{request.input_ids, request.tiles, {}};
+  if (auto key = options_.buckets.PickPrefill(1, len)) {
+    std::vector<const GenerateRequest*> one{&as_prompt};
+    // The scratch KV row: scoring never disturbs a live sequence's cache.
+    hidden = PrefillGroup(one, {buffers_->scratch_row}).second.select(0, 0).narrow(0, 0, len);
+    result.bucket = *key;
+    result.graphed = runner_->Has(*key);
+  } else {
+    VisionLanguageModelImpl* m = model_.get();
+    at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
+    at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
+                           ? request.tiles.to(options_.device, options_.dtype) : at::Tensor();
+    result.bucket = BucketKey{Region::kPrefill, 1, len, 0};
+    hidden = RunEagerFallback(result.bucket, [&] {
+      at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
+      return std::vector<at::Tensor>{m->decoder->Forward(m->Embed(ids, rows))};
+    }, len)[0].select(0, 0);
+  }
+  at::Tensor logits = model_->decoder->Logits(hidden).to(at::kFloat);  // (len, V)
+  if (!request.target_ids.empty()) {
+    at::Tensor targets = at::tensor(request.target_ids, at::kLong).to(options_.device);
+    result.loss_tokens = targets.ne(-100).sum().item<int64_t>();
+    result.loss = result.loss_tokens > 0 ? VisionLanguageModelImpl::Loss(logits.unsqueeze(0), targets.unsqueeze(0)).item<double>() : 0.0;
+  }
+  if (!request.logits_positions.empty()) {
+    at::Tensor idx = at::tensor(request.logits_positions, at::kLong).to(options_.device);
+    at::Tensor rows = logits.index_select(0, idx).to(at::kCPU).contiguous();
+    for (int64_t i = 0; i < rows.size(0); ++i) {
+      const float* p = rows[i].data_ptr<float>();
+      result.logits.emplace_back(p, p + rows.size(1));
+    }
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Observation.
+
+EngineCounters Engine::Counters() const {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  return counters_;
+}
+
+MemoryStats Engine::Memory() const {
+  MemoryStats m = DeviceMemory(options_.device);
+  m.graph_pool_bytes = graph_pool_bytes_.load();
+  m.kv_cache_bytes = buffers_->cache.bytes();
+  return m;
+}
+
+void Engine::SetObserver(EngineObserver* observer) { observer_ = observer; }
+
+}  // namespace vlmgraph

@@ -1,0 +1,364 @@
+// Engine tests: bucket rules, padding exactness, generation against upstream's fixture and the
+// model's reference loop, continuous batching, validation, sampling; *_CUDA: graph replay.
+#include <random>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "engine/engine.h"
+#include "engine/sampler.h"
+#include "model/checkpoint.h"
+#include "tests/test_util.h"
+
+namespace vlmgraph {
+namespace {
+
+using testing::MaxAbsDiff;
+using testing::TinyReference;
+
+BucketSpec SmallBuckets() {
+  BucketSpec b;
+  b.batch_sizes = {1, 2, 4};
+  b.seq_lens = {8, 16, 32};
+  b.context_lens = {32, 64};
+  b.tile_counts = {1, 2};
+  b.Validate();
+  return b;
+}
+
+std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs, BucketSpec buckets = SmallBuckets(),
+                                   at::ScalarType dtype = at::kFloat) {
+  EngineOptions o;
+  o.device = device;
+  o.dtype = dtype;
+  o.buckets = std::move(buckets);
+  o.cuda_graphs = graphs;
+  o.log_captures = false;
+  return std::make_unique<Engine>(LoadModel(testing::TinyCheckpointDir()), o);
+}
+
+std::vector<int64_t> Row(const at::Tensor& t, int64_t r) {
+  at::Tensor row = t[r].contiguous();
+  return std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
+}
+
+// The fixture's two prompts, each with its image tile.
+std::vector<GenerateRequest> FixtureRequests(int64_t max_new) {
+  const auto& ref = TinyReference().tensors;
+  std::vector<GenerateRequest> out;
+  for (int64_t r = 0; r < 2; ++r) {
+    GenerateRequest q;
+    q.input_ids = Row(ref.at("input_ids"), r);
+    q.tiles = ref.at("images").narrow(0, r, 1);
+    q.sampling.max_new_tokens = max_new;
+    out.push_back(q);
+  }
+  return out;
+}
+
+std::vector<int64_t> RandomPrompt(std::mt19937& rng, int64_t len, int64_t vocab) {
+  std::uniform_int_distribution<int64_t> d(0, vocab - 1);
+  std::vector<int64_t> p(len);
+  for (auto& t : p) t = d(rng);
+  return p;
+}
+
+// Reference: the model's own unbatched, unpadded greedy loop.
+std::vector<int64_t> ReferenceGreedy(VisionLanguageModel& m, const GenerateRequest& r) {
+  at::Tensor ids = at::tensor(r.input_ids, at::kLong).view({1, -1}).to(m->decoder->token_embedding->weight.device());
+  at::Tensor tiles = r.tiles.defined() ? r.tiles.to(ids.device()) : at::Tensor();
+  return Row(m->GenerateGreedy(ids, tiles, r.sampling.max_new_tokens).cpu(), 0);
+}
+
+TEST(Buckets, PicksSmallestFittingBucketForManyShapes) {
+  BucketSpec b;
+  b.batch_sizes = {8, 1, 4, 2, 4};
+  b.seq_lens = {100, 30, 7};
+  b.context_lens = {200, 100};
+  b.Validate();
+  EXPECT_EQ(b.batch_sizes, (std::vector<int64_t>{1, 2, 4, 8}));  // sorted, de-duplicated
+  std::mt19937 rng(1);
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t batch = std::uniform_int_distribution<int64_t>(1, 10)(rng);
+    const int64_t seq = std::uniform_int_distribution<int64_t>(1, 120)(rng);
+    auto key = b.PickPrefill(batch, seq);
+    if (batch > 8 || seq > 100) {
+      EXPECT_FALSE(key.has_value()) << batch << "x" << seq;
+      continue;
+    }
+    ASSERT_TRUE(key.has_value());
+    EXPECT_GE(key->batch, batch);
+    EXPECT_GE(key->seq, seq);
+    for (int64_t bb : b.batch_sizes) EXPECT_FALSE(bb >= batch && bb < key->batch);
+    for (int64_t ss : b.seq_lens) EXPECT_FALSE(ss >= seq && ss < key->seq);
+  }
+  EXPECT_EQ(b.PickDecode(3, 101)->Label(), "b4xc200");
+  EXPECT_EQ(b.PickPrefill(3, 8)->Label(), "b4xs30");
+  EXPECT_EQ(b.All(Region::kPrefill).size(), 12u);
+  EXPECT_EQ(b.All(Region::kPrefill).front().Label(), "b8xs100");  // largest first
+}
+
+TEST(Buckets, ValidateNamesTheBadList) {
+  BucketSpec b;
+  b.seq_lens = {};
+  try {
+    b.Validate();
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("buckets.seq_lens"), std::string::npos);
+  }
+  BucketSpec c;
+  c.seq_lens = {2048};
+  c.context_lens = {1024};
+  EXPECT_THROW(c.Validate(), std::invalid_argument);
+}
+
+TEST(Engine, EagerGenerationEqualsUpstreamFixture) {
+  auto engine = MakeEngine(at::kCPU, false);
+  const auto out = engine->Generate(FixtureRequests(6));
+  const at::Tensor want = TinyReference().tensors.at("generated_ids");
+  for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(out[r], Row(want, r)) << "row " << r;
+}
+
+TEST(Engine, PaddedPrefillLogitsEqualUnpaddedForward) {
+  auto engine = MakeEngine(at::kCPU, false);
+  VisionLanguageModel ref = LoadModel(testing::TinyCheckpointDir());
+  std::mt19937 rng(3);
+  for (int64_t len : {1, 5, 8, 13, 32}) {
+    ForwardRequest fr;
+    fr.input_ids = RandomPrompt(rng, len, 1000);
+    for (int64_t p = 0; p < len; ++p) fr.logits_positions.push_back(p);
+    ForwardResult got = engine->Forward(fr);
+    EXPECT_GE(got.bucket.seq, len);
+    at::NoGradGuard ng;
+    at::Tensor want = ref->Forward(at::tensor(fr.input_ids, at::kLong).view({1, len}), {}).logits[0];
+    at::Tensor got_t = at::empty({len, want.size(1)});
+    for (int64_t p = 0; p < len; ++p) got_t[p] = at::tensor(got.logits[p]);
+    EXPECT_LT(MaxAbsDiff(got_t, want), 1e-5) << "len " << len << " bucket " << got.bucket.Label();
+  }
+}
+
+TEST(Engine, ForwardLossMatchesUpstreamLossPerRow) {
+  auto engine = MakeEngine(at::kCPU, false);
+  VisionLanguageModel ref = LoadModel(testing::TinyCheckpointDir());
+  const auto& t = TinyReference().tensors;
+  double total = 0;
+  int64_t tokens = 0;
+  for (int64_t r = 0; r < 2; ++r) {
+    ForwardRequest fr;
+    fr.input_ids = Row(t.at("input_ids"), r);
+    fr.tiles = t.at("images").narrow(0, r, 1);
+    fr.target_ids = Row(t.at("targets"), r);
+    ForwardResult res = engine->Forward(fr);
+    total += res.loss * res.loss_tokens;
+    tokens += res.loss_tokens;
+  }
+  // Upstream's loss is the mean over both rows' non-ignored targets.
+  EXPECT_NEAR(total / tokens, 7.023092269897461, 1e-5);
+}
+
+TEST(Engine, BatchedMixedLengthsEqualUnbatchedReference) {
+  auto engine = MakeEngine(at::kCPU, false);
+  VisionLanguageModel ref = LoadModel(testing::TinyCheckpointDir());
+  std::mt19937 rng(5);
+  std::vector<GenerateRequest> reqs;
+  for (int64_t len : {3, 17, 9, 30, 1, 12, 25}) {  // 7 requests > 4 slots: continuous batching
+    GenerateRequest q;
+    q.input_ids = RandomPrompt(rng, len, 1000);
+    q.sampling.max_new_tokens = 2 + len % 5;
+    reqs.push_back(q);
+  }
+  const auto out = engine->Generate(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_EQ(out[i].size(), static_cast<size_t>(reqs[i].sampling.max_new_tokens));
+    EXPECT_EQ(out[i], ReferenceGreedy(ref, reqs[i])) << "request " << i;
+  }
+  const EngineCounters c = engine->Counters();
+  EXPECT_GT(c.padded_tokens, c.real_tokens);
+  EXPECT_EQ(c.eager_fallbacks, 0);
+  EXPECT_EQ(c.TotalCaptures(), 0);  // CPU: eager only
+}
+
+TEST(Engine, StopTokenEndsSequenceAndFreesSlot) {
+  auto engine = MakeEngine(at::kCPU, false);
+  auto reqs = FixtureRequests(6);
+  reqs[0].sampling.stop_token_ids = {919};  // row 0's first generated token
+  std::vector<TokenEvent> events;
+  engine->Admit({reqs[0]}, &events);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(events[0].finished);
+  EXPECT_EQ(events[0].reason, FinishReason::kStopToken);
+  EXPECT_EQ(engine->ActiveSequences(), 0);
+}
+
+TEST(Engine, OversizePromptRunsEagerOrIsRejected) {
+  BucketSpec b = SmallBuckets();  // max seq 32, max context 64
+  auto engine = MakeEngine(at::kCPU, false, b);
+  VisionLanguageModel ref = LoadModel(testing::TinyCheckpointDir());
+  std::mt19937 rng(9);
+  GenerateRequest q;
+  q.input_ids = RandomPrompt(rng, 40, 1000);
+  q.sampling.max_new_tokens = 4;
+  EXPECT_EQ(engine->Generate({q})[0], ReferenceGreedy(ref, q));
+  EXPECT_EQ(engine->Counters().eager_fallbacks, 1);
+  b.oversize = OversizePolicy::kReject;
+  auto strict = MakeEngine(at::kCPU, false, b);
+  try {
+    strict->Validate(q);
+    FAIL();
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("largest prefill bucket (32)"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Engine, ValidateExplainsBadRequests) {
+  auto engine = MakeEngine(at::kCPU, false);
+  auto expect_invalid = [&](GenerateRequest r, const std::string& needle) {
+    try {
+      engine->Validate(r);
+      FAIL() << "accepted; expected: " << needle;
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  GenerateRequest ok = FixtureRequests(4)[0];
+  engine->Validate(ok);
+  GenerateRequest r = ok;
+  r.input_ids[7] = 1066;
+  expect_invalid(r, "input_ids[7] = 1066 is outside the vocabulary");
+  r = ok;
+  r.tiles = at::Tensor();
+  expect_invalid(r, "has 4 image tokens");
+  r = ok;
+  r.tiles = at::cat({ok.tiles, ok.tiles});
+  expect_invalid(r, "must hold exactly 8 image tokens");
+  r = ok;
+  r.tiles = at::zeros({1, 3, 32, 32});
+  expect_invalid(r, "image tiles must be (N, 3, 64, 64)");
+  r = ok;
+  r.sampling.max_new_tokens = 0;
+  expect_invalid(r, "max_new_tokens must be >= 1");
+  r = ok;
+  r.sampling.max_new_tokens = 100;
+  expect_invalid(r, "lower max_new_tokens to at most 48");
+  r = ok;
+  r.input_ids.clear();
+  r.tiles = at::Tensor();
+  expect_invalid(r, "input_ids is empty");
+  r = ok;
+  r.sampling.greedy = false;
+  r.sampling.top_p = 0;
+  expect_invalid(r, "top_p");
+}
+
+TEST(Sampler, TopKTopPFilterKeepsTheRightTokens) {
+  at::Tensor logits = at::log(at::tensor({0.5, 0.3, 0.15, 0.05}, at::kFloat));
+  auto kept = [](const at::Tensor& f) { return at::isfinite(f).to(at::kLong); };
+  EXPECT_TRUE(at::equal(kept(TopKTopPFilter(logits, 2, 1.0)), at::tensor({1, 1, 0, 0}, at::kLong)));
+  // top_p 0.7: 0.5 alone < 0.7, 0.5+0.3 crosses it -> keep two.
+  EXPECT_TRUE(at::equal(kept(TopKTopPFilter(logits, 0, 0.7)), at::tensor({1, 1, 0, 0}, at::kLong)));
+  EXPECT_TRUE(at::equal(kept(TopKTopPFilter(logits, 0, 0.4)), at::tensor({1, 0, 0, 0}, at::kLong)));
+  EXPECT_TRUE(at::equal(kept(TopKTopPFilter(logits, 0, 1.0)), at::tensor({1, 1, 1, 1}, at::kLong)));
+}
+
+TEST(Sampler, SeededSamplingIsReproducibleAndFollowsTheDistribution) {
+  auto engine = MakeEngine(at::kCPU, false);
+  GenerateRequest q = FixtureRequests(8)[0];
+  q.sampling.greedy = false;
+  q.sampling.temperature = 5.0;  // flat enough that different seeds differ
+  q.sampling.seed = 42;
+  const auto a = engine->Generate({q})[0];
+  const auto b = engine->Generate({q})[0];
+  EXPECT_EQ(a, b);
+  q.sampling.seed = 43;
+  EXPECT_NE(engine->Generate({q})[0], a);
+  q.sampling.top_k = 1;  // top-1 sampling is greedy
+  EXPECT_EQ(engine->Generate({q})[0], engine->Generate({FixtureRequests(8)[0]})[0]);
+  // Empirical frequencies of the exponential-race draw match p.
+  at::Tensor p = at::tensor({0.6, 0.3, 0.1}, at::kFloat);
+  at::Generator g = MakeGenerator(at::kCPU, 7);
+  SamplingParams sp;
+  sp.greedy = false;
+  std::vector<int> counts(3, 0);
+  for (int i = 0; i < 4000; ++i) counts[SampleToken(at::log(p), sp, g).item<int64_t>()]++;
+  EXPECT_NEAR(counts[0] / 4000.0, 0.6, 0.03);
+  EXPECT_NEAR(counts[1] / 4000.0, 0.3, 0.03);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU: CUDA graph replay against eager.
+
+TEST(EngineGraphs, ReplayEqualsEagerForEveryRegion_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  auto graphed = MakeEngine(at::kCUDA, true);
+  auto eager = MakeEngine(at::kCUDA, false);
+  graphed->Warmup();
+  ASSERT_TRUE(graphed->graphs_enabled());
+  const int64_t captured = graphed->Counters().TotalCaptures();
+  EXPECT_EQ(captured, 3 * 3 + 3 * 2 + 2);  // prefill 3x3, decode 3x2, vision 2
+  std::mt19937 rng(11);
+  // Prefill (several buckets) through Forward, vision through the fixture's image prompts.
+  for (int64_t len : {3, 8, 20, 31}) {
+    ForwardRequest fr;
+    fr.input_ids = RandomPrompt(rng, len, 1000);
+    fr.logits_positions = {0, len - 1};
+    auto g = graphed->Forward(fr), e = eager->Forward(fr);
+    EXPECT_TRUE(g.graphed);
+    for (int k = 0; k < 2; ++k) EXPECT_LT(MaxAbsDiff(at::tensor(g.logits[k]), at::tensor(e.logits[k])), 1e-4);
+  }
+  // Vision + prefill + decode through generation, batches of 1..4 with mixed lengths.
+  std::vector<GenerateRequest> reqs = FixtureRequests(6);
+  for (int64_t len : {4, 16, 9}) {
+    GenerateRequest q;
+    q.input_ids = RandomPrompt(rng, len, 1000);
+    q.sampling.max_new_tokens = 10;
+    reqs.push_back(q);
+  }
+  EXPECT_EQ(graphed->Generate(reqs), eager->Generate(reqs));
+  EXPECT_EQ(graphed->Counters().TotalCaptures(), captured);
+  EXPECT_GT(graphed->Counters().TotalReplays(), 0);
+}
+
+TEST(EngineGraphs, DecodeGraphReproducesUpstreamGreedyTokens_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  auto engine = MakeEngine(at::kCUDA, true);
+  engine->Warmup();
+  const auto out = engine->Generate(FixtureRequests(6));
+  const at::Tensor want = TinyReference().tensors.at("generated_ids");
+  for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(out[r], Row(want, r));
+  EXPECT_GT(engine->Counters().replays.count("decode/b2xc32"), 0u);
+}
+
+TEST(EngineGraphs, ManyShapesCauseNoNewCapturesAfterWarmup_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  auto engine = MakeEngine(at::kCUDA, true, SmallBuckets(), at::kBFloat16);
+  engine->Warmup();
+  const int64_t captured = engine->Counters().TotalCaptures();
+  std::mt19937 rng(13);
+  const auto fixture = FixtureRequests(4);
+  for (int round = 0; round < 12; ++round) {
+    std::vector<GenerateRequest> reqs;
+    const int n = 1 + round % 6;
+    for (int i = 0; i < n; ++i) {
+      GenerateRequest q = (i % 3 == 0) ? fixture[i % 2] : GenerateRequest{};
+      if (i % 3 != 0) q.input_ids = RandomPrompt(rng, 1 + (round * 7 + i * 5) % 32, 1000);
+      q.sampling.max_new_tokens = 1 + (round + i) % 20;
+      reqs.push_back(q);
+    }
+    engine->Generate(reqs);
+  }
+  const EngineCounters c = engine->Counters();
+  EXPECT_EQ(c.TotalCaptures(), captured);
+  EXPECT_EQ(c.eager_fallbacks, 0);
+  EXPECT_GT(c.TotalReplays(), 50);
+  const MemoryStats m = engine->Memory();
+  EXPECT_GT(m.graph_pool_bytes, 0);
+  EXPECT_GE(m.reserved_bytes, m.allocated_bytes);
+}
+
+}  // namespace
+}  // namespace vlmgraph
