@@ -42,9 +42,9 @@ struct BucketKey {
 };
 
 struct BucketSpec {
-  std::vector<int64_t> batch_sizes = {1, 2, 4, 8};       // prefill and decode batch buckets
-  std::vector<int64_t> seq_lens = {64, 128, 256, 512};    // prefill token buckets
-  std::vector<int64_t> context_lens = {256, 512, 1024};   // decode KV windows; max = KV cache length
+  std::vector<int64_t> batch_sizes = {1, 2, 4, 8, 16, 32};  // prefill and decode batch buckets
+  std::vector<int64_t> seq_lens = {64, 128, 256, 512};       // prefill token buckets
+  std::vector<int64_t> context_lens = {512, 1024};           // decode KV windows; max = KV cache length
   std::vector<int64_t> tile_counts = {1, 2, 4};           // vision tile buckets
   std::vector<int64_t> train_batch_sizes = {8};           // training step buckets
   std::vector<int64_t> train_seq_lens = {256};
