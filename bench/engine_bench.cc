@@ -39,6 +39,7 @@ double Median(std::vector<double> v) {
 struct Args {
   std::string preset = "nanovlm-460m", dtype = "bfloat16", device = "cuda", json;
   int warmup = 3, iters = 20;
+  bool decode_only = false;  // skip TTFT and the eager engine (for profilers)
 };
 
 GenerateRequest ImagePrompt(const vlmgraph::VlmConfig& cfg, int64_t text_tokens, int64_t max_new) {
@@ -69,6 +70,7 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
   out["reserved_bytes_after_warmup"] = mem.reserved_bytes;
   std::vector<TokenEvent> events;
   for (int64_t batch : {1, 8}) {
+    if (a.decode_only) break;
     std::vector<double> ms;
     for (int i = 0; i < a.warmup + a.iters; ++i) {
       std::vector<GenerateRequest> reqs(batch, ImagePrompt(cfg, 64, 1));  // finish at once: slots free
@@ -92,6 +94,8 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
       if (i >= a.warmup) ms.push_back(dt);
     }
     events.clear();
+    const auto key = *engine.options().buckets.PickDecode(batch, 64 + cfg.mp_image_token_length + a.iters + a.warmup + 1);
+    out["decode_region_only_ms"]["batch_" + std::to_string(batch)] = engine.TimeRegion(key, 50) * 1e3;
     for (auto id : ids) engine.Cancel(id);  // free the slots for the next batch size
     out["decode_ms_per_step"]["batch_" + std::to_string(batch)] = Median(ms);
   }
@@ -112,6 +116,7 @@ int main(int argc, char** argv) {
     else if (k == "--json") a.json = v;
     else if (k == "--iters") a.iters = std::stoi(v);
     else if (k == "--warmup") a.warmup = std::stoi(v);
+    else if (k == "--decode-only") a.decode_only = v == "1";
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -131,11 +136,13 @@ int main(int argc, char** argv) {
                        {"context_lens", vlmgraph::BucketSpec().context_lens},
                        {"tile_counts", vlmgraph::BucketSpec().tile_counts}};
   for (bool graphs : {true, false}) {
+    if (a.decode_only && !graphs) break;
     vlmgraph::VisionLanguageModel model(vlmgraph::VlmConfig::Preset(a.preset));
     report[graphs ? "graph" : "eager"] = RunOne(std::move(model), a, graphs);
     std::printf("%s\n", report[graphs ? "graph" : "eager"].dump(2).c_str());
     std::fflush(stdout);
   }
+  if (a.decode_only) return 0;
   std::printf("\n| figure | eager | CUDA graphs | speedup |\n|---|---|---|---|\n");
   auto row = [&](const char* name, const nlohmann::json& e, const nlohmann::json& g) {
     std::printf("| %s | %.3f ms | %.3f ms | %.1fx |\n", name, e.get<double>(), g.get<double>(),

@@ -76,6 +76,8 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   model_->decoder->rotary_embd->inv_freq.set_data(model_->decoder->rotary_embd->inv_freq.to(at::kFloat));
   model_->eval();
   for (auto& p : model_->parameters()) p.set_requires_grad(false);
+  // Stacked q/k/v and gate/up weights: the fused CUDA decoder path (no-op for CPU inference).
+  model_->decoder->FuseWeights();
 
   const bool cuda = options_.device.is_cuda();
   if (cuda && options_.cuda_graphs) {
@@ -335,12 +337,14 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(const std::vector<const G
   at::Tensor ids = at::full({key.batch, key.seq}, PadTokenId(), at::kLong);
   at::Tensor slot_ids = at::full({key.batch}, buf.scratch_row, at::kLong);
   at::Tensor last = at::zeros({key.batch}, at::kLong);
-  auto ids_a = ids.accessor<int64_t, 2>();
+  int64_t* ids_p = ids.data_ptr<int64_t>();
+  int64_t* slot_p = slot_ids.data_ptr<int64_t>();
+  int64_t* last_p = last.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const auto& p = requests[i]->input_ids;
-    for (size_t j = 0; j < p.size(); ++j) ids_a[i][j] = p[j];
-    slot_ids[i] = slots[i];
-    last[i] = static_cast<int64_t>(p.size()) - 1;
+    std::copy(p.begin(), p.end(), ids_p + i * key.seq);
+    slot_p[i] = slots[i];
+    last_p[i] = static_cast<int64_t>(p.size()) - 1;
   }
   buf.ids.narrow(0, 0, key.batch * key.seq).copy_(ids.view({-1}), /*non_blocking=*/true);
   buf.slots.narrow(0, 0, key.batch).copy_(slot_ids, true);
@@ -466,9 +470,13 @@ void Engine::Step(std::vector<TokenEvent>* events) {
   const int64_t batch = key ? key->batch : rows;
   at::Tensor tokens = at::full({batch}, PadTokenId(), at::kLong);
   at::Tensor positions = at::zeros({batch}, at::kLong);
-  for (Sequence* s : active) {
-    tokens[s->slot] = s->last_token;
-    positions[s->slot] = s->length;
+  int64_t* tokens_p = tokens.data_ptr<int64_t>();
+  int64_t* positions_p = positions.data_ptr<int64_t>();
+  bool rows_are_prefix = true;  // active sequences hold rows [0, n): no gather needed
+  for (size_t k = 0; k < active.size(); ++k) {
+    tokens_p[active[k]->slot] = active[k]->last_token;
+    positions_p[active[k]->slot] = active[k]->length;
+    rows_are_prefix = rows_are_prefix && active[k]->slot == static_cast<int64_t>(k);
   }
   buf.dec_tokens.narrow(0, 0, batch).copy_(tokens, /*non_blocking=*/true);
   buf.dec_pos.narrow(0, 0, batch).copy_(positions, true);
@@ -481,10 +489,15 @@ void Engine::Step(std::vector<TokenEvent>* events) {
     RegionFn fn = MakeRegionFn(exact);
     logits = RunEagerFallback(exact, fn, static_cast<int64_t>(active.size()))[0];
   }
-  std::vector<int64_t> rows_index;
-  for (Sequence* s : active) rows_index.push_back(s->slot);
-  at::Tensor index = at::tensor(rows_index, at::kLong).to(options_.device);
-  std::vector<int64_t> next = SampleRows(logits.index_select(0, index), active);
+  at::Tensor active_logits;
+  if (rows_are_prefix) {
+    active_logits = logits.narrow(0, 0, static_cast<int64_t>(active.size()));
+  } else {
+    std::vector<int64_t> rows_index;
+    for (Sequence* s : active) rows_index.push_back(s->slot);
+    active_logits = logits.index_select(0, at::tensor(rows_index, at::kLong).to(options_.device));
+  }
+  std::vector<int64_t> next = SampleRows(active_logits, active);
   for (size_t k = 0; k < active.size(); ++k) {
     active[k]->length += 1;  // the fed token is now in the cache
     Emit(*active[k], next[k], events);
@@ -577,6 +590,18 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
     }
   }
   return result;
+}
+
+double Engine::TimeRegion(const BucketKey& key, int iters) {
+  at::NoGradGuard no_grad;
+  RegionFn fn = MakeRegionFn(key);
+  std::vector<at::Tensor> outputs;
+  runner_->Run(key, fn, runner_->captures(), &outputs);
+  SynchronizeDevice(options_.device);
+  const auto t0 = Clock::now();
+  for (int i = 0; i < iters; ++i) runner_->Run(key, fn, false, &outputs);
+  SynchronizeDevice(options_.device);
+  return SecondsSince(t0) / std::max(1, iters);
 }
 
 // ---------------------------------------------------------------------------------------------

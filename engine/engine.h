@@ -85,6 +85,12 @@ class Engine {
   // the requested logits. Uses no KV slot.
   ForwardResult Forward(const ForwardRequest& request);
 
+  // Diagnostics (GPU thread): runs the region of `key` `iters` times back to back on the inputs
+  // its buffers hold (replays of its graph, captured first if missing, or eager calls) and returns
+  // mean seconds per run, the device synchronised once at the end: the region's device time
+  // without the engine's per-step host work. Regions are idempotent on unchanged inputs.
+  double TimeRegion(const BucketKey& key, int iters);
+
   // --- observation (any thread) ----------------------------------------------------------------
   EngineCounters Counters() const;
   MemoryStats Memory() const;

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
+#include "model/fused_ops.h"
+
 namespace vlmgraph {
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
@@ -94,6 +96,31 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
   return out_proj->forward(y);
 }
 
+at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
+                                                   double scaling, const AttentionContext& ctx, int64_t layer) {
+  const int64_t b = x.size(0), t = x.size(1);
+  at::Tensor qkv = at::linear(x, w_qkv);  // (B, T, (nh + 2 nkv) D)
+  const bool cached = ctx.mode != AttentionContext::Mode::kNoCache;
+  at::Tensor cache_k = cached ? ctx.cache->key[layer] : at::Tensor();
+  at::Tensor cache_v = cached ? ctx.cache->value[layer] : at::Tensor();
+  if (ctx.mode == AttentionContext::Mode::kDecode) {
+    ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, ctx.positions, /*slots=*/{}, n_heads, n_kv_heads,
+                                           cache_k, cache_v, /*want_k=*/false);
+    return ops::DecodeAttention(r.q.view({b, n_heads * head_dim}), cache_k, cache_v, ctx.positions, ctx.kv_len,
+                                n_heads)
+        .view({b, 1, n_heads * head_dim});
+  }
+  ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, /*positions=*/{},
+                                         ctx.mode == AttentionContext::Mode::kPrefill ? ctx.slots : at::Tensor(),
+                                         n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/true);
+  at::Tensor v = qkv.narrow(2, (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim)
+                     .view({b, t, n_kv_heads, head_dim});
+  at::Tensor y = at::scaled_dot_product_attention(r.q.transpose(1, 2), r.k.transpose(1, 2), v.transpose(1, 2),
+                                                  /*attn_mask=*/{}, 0.0, /*is_causal=*/t > 1, std::nullopt,
+                                                  /*enable_gqa=*/n_heads != n_kv_heads);
+  return y.transpose(1, 2).reshape({b, t, n_heads * head_dim});
+}
+
 SwiGluMlpImpl::SwiGluMlpImpl(const VlmConfig& cfg) {
   auto lin = [](int64_t in, int64_t out) {
     return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
@@ -121,6 +148,17 @@ at::Tensor DecoderBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return h + mlp->forward(norm2->forward(h));
 }
 
+at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
+                                          const AttentionContext& ctx, int64_t layer) {
+  const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
+  at::Tensor x2 = x.reshape({b * t, hidden});
+  at::Tensor a = attn->ForwardFused(ops::RmsNorm(x, norm1->weight, norm1->eps), inv_freq, scaling, ctx, layer);
+  at::Tensor h = at::addmm(x2, a.reshape({b * t, hidden}), attn->out_proj->weight.t());  // x + out_proj(a)
+  at::Tensor gu = at::linear(ops::RmsNorm(h, norm2->weight, norm2->eps), mlp->w_gate_up);
+  at::Tensor act = ops::SiluMul(gu);
+  return at::addmm(h, act, mlp->down_proj->weight.t()).view({b, t, hidden});  // h + down(act)
+}
+
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
   token_embedding =
       register_module("token_embedding", torch::nn::Embedding(cfg.lm_vocab_size, cfg.lm_hidden_dim));
@@ -142,6 +180,14 @@ LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
 
 at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positions,
                                   const AttentionContext& ctx) {
+  if (UsesFusedPath(x)) {
+    at::Tensor h = x.contiguous();
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      h = blocks[i]->as<DecoderBlock>()->ForwardFused(h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx,
+                                                      static_cast<int64_t>(i));
+    }
+    return ops::RmsNorm(h, norm->weight, norm->eps);
+  }
   auto [cos, sin] = rotary_embd->forward(positions);
   at::Tensor h = x;
   for (size_t i = 0; i < blocks->size(); ++i) {
@@ -189,6 +235,34 @@ at::Tensor LanguageModelImpl::Decode(const at::Tensor& x, KVCache* cache, const 
 
 at::Tensor LanguageModelImpl::HeadWeight() const {
   return cfg.lm_tie_weights ? token_embedding->weight : head->weight;
+}
+
+void LanguageModelImpl::FuseWeights() {
+  torch::NoGradGuard no_grad;
+  for (const auto& m : *blocks) {
+    auto* block = m->as<DecoderBlock>();
+    auto* attn = block->attn.get();
+    auto* mlp = block->mlp.get();
+    if (attn->w_qkv.defined() && attn->q_proj->weight.data_ptr() == attn->w_qkv.data_ptr()) continue;
+    attn->w_qkv = at::cat({attn->q_proj->weight, attn->k_proj->weight, attn->v_proj->weight}, 0);
+    const int64_t q_rows = attn->q_proj->weight.size(0), kv_rows = attn->k_proj->weight.size(0);
+    attn->q_proj->weight.set_data(attn->w_qkv.narrow(0, 0, q_rows));
+    attn->k_proj->weight.set_data(attn->w_qkv.narrow(0, q_rows, kv_rows));
+    attn->v_proj->weight.set_data(attn->w_qkv.narrow(0, q_rows + kv_rows, kv_rows));
+    mlp->w_gate_up = at::cat({mlp->gate_proj->weight, mlp->up_proj->weight}, 0);
+    const int64_t inter = mlp->gate_proj->weight.size(0);
+    mlp->gate_proj->weight.set_data(mlp->w_gate_up.narrow(0, 0, inter));
+    mlp->up_proj->weight.set_data(mlp->w_gate_up.narrow(0, inter, inter));
+  }
+}
+
+bool LanguageModelImpl::UsesFusedPath(const at::Tensor& x) const {
+  if (at::GradMode::is_enabled() || !ops::FusedKernelsAvailable(x) || blocks->size() == 0) return false;
+  if (!ops::FusedDecoderSupports(cfg.lm_head_dim(), cfg.lm_n_heads / cfg.lm_n_kv_heads)) return false;
+  const auto* attn = (*blocks)[0]->as<DecoderBlock>()->attn.get();
+  // Fused only while the parameters still alias the stacked weights (a later .to() breaks that).
+  return attn->w_qkv.defined() && attn->q_proj->weight.data_ptr() == attn->w_qkv.data_ptr() &&
+         attn->w_qkv.device() == x.device() && attn->w_qkv.scalar_type() == x.scalar_type();
 }
 
 at::Tensor LanguageModelImpl::Logits(const at::Tensor& hidden) {

@@ -75,8 +75,15 @@ class GroupedQueryAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const AttentionContext& ctx, int64_t layer);
 
+  // Inference fast path (CUDA kernels, fused weights, no autograd); same formula, fewer kernels.
+  at::Tensor ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
+                          const AttentionContext& ctx, int64_t layer);
+
   int64_t n_heads, n_kv_heads, head_dim;
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  // ((n_heads + 2 n_kv) D, H): q, k, v weights stacked; the three weights are views into it once
+  // LanguageModel::FuseWeights ran, so checkpoints and optimizers still see upstream's names.
+  at::Tensor w_qkv;
 };
 TORCH_MODULE(GroupedQueryAttention);
 
@@ -87,6 +94,7 @@ class SwiGluMlpImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  at::Tensor w_gate_up;  // (2I, H): gate and up weights stacked (views into it after FuseWeights)
 };
 TORCH_MODULE(SwiGluMlp);
 
@@ -99,6 +107,11 @@ class DecoderBlockImpl : public torch::nn::Module {
   SwiGluMlp mlp{nullptr};
   GroupedQueryAttention attn{nullptr};
   RMSNorm norm1{nullptr}, norm2{nullptr};
+
+  // x + attn(norm1(x)), then + mlp(norm2(.)), with fused kernels and the residual adds folded
+  // into the output GEMMs (addmm).
+  at::Tensor ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
+                          const AttentionContext& ctx, int64_t layer);
 };
 TORCH_MODULE(DecoderBlock);
 
@@ -116,6 +129,14 @@ class LanguageModelImpl : public torch::nn::Module {
   at::Tensor Logits(const at::Tensor& hidden);
   // The head's weight, (V, H): token_embedding.weight when tied, else head.weight.
   at::Tensor HeadWeight() const;
+
+  // Stacks each block's q/k/v and gate/up weights into one tensor and makes the original
+  // parameters views of it, enabling the fused inference path (model/fused_ops.h) on CUDA.
+  // Call after moving the model to its device and dtype (moving again undoes it). Idempotent.
+  void FuseWeights();
+  // True when the fused path runs for `x`: weights fused, CUDA kernels built and applicable,
+  // autograd off.
+  bool UsesFusedPath(const at::Tensor& x) const;
 
   VlmConfig cfg;
   torch::nn::Embedding token_embedding{nullptr};

@@ -1,0 +1,20 @@
+// Builds without CUDA: the fused kernels do not exist and the model keeps its reference path.
+#include <c10/util/Exception.h>
+
+#include "model/fused_ops.h"
+
+namespace vlmgraph::ops {
+
+bool FusedKernelsAvailable(const at::Tensor&) { return false; }
+at::Tensor RmsNorm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
+at::Tensor SiluMul(const at::Tensor&) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
+RopeKvOutput RopeKvWrite(const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&, int64_t,
+                         int64_t, const at::Tensor&, const at::Tensor&, bool) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+at::Tensor DecodeAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                           int64_t) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+
+}  // namespace vlmgraph::ops

@@ -1,0 +1,133 @@
+#include "model/image_processor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+// stb_image: only the two formats the API documents, private to this file.
+#define STB_IMAGE_STATIC
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_ONLY_PNG
+#define STBI_ONLY_JPEG
+#define STBI_NO_STDIO
+#define STBI_NO_HDR
+#define STBI_NO_LINEAR
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#endif
+#include <stb/stb_image.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+namespace vlmgraph {
+namespace {
+
+int64_t RoundUpTo(double x, int64_t multiple) {
+  return static_cast<int64_t>(std::ceil(x / static_cast<double>(multiple))) * multiple;
+}
+
+}  // namespace
+
+std::string DetectImageFormat(const std::string& bytes) {
+  static const unsigned char kPng[] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (bytes.size() >= sizeof(kPng) && std::equal(kPng, kPng + sizeof(kPng), bytes.begin(),
+                                                  [](unsigned char a, char b) { return a == static_cast<unsigned char>(b); })) {
+    return "png";
+  }
+  if (bytes.size() >= 3 && static_cast<unsigned char>(bytes[0]) == 0xff &&
+      static_cast<unsigned char>(bytes[1]) == 0xd8 && static_cast<unsigned char>(bytes[2]) == 0xff) {
+    return "jpeg";
+  }
+  return "";
+}
+
+at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
+  if (bytes.empty()) throw ImageError("image is empty (0 bytes); send a PNG or JPEG file");
+  if (static_cast<int64_t>(bytes.size()) > limits.max_bytes) {
+    throw ImageError("image has " + std::to_string(bytes.size()) + " bytes; at most " +
+                     std::to_string(limits.max_bytes) + " are allowed (limits.max_image_bytes)");
+  }
+  const std::string format = DetectImageFormat(bytes);
+  if (format.empty()) {
+    throw ImageError("unknown image format (not PNG or JPEG by its first bytes); send a PNG or JPEG file");
+  }
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    throw ImageError("image is too large to decode");
+  }
+  const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
+  const int len = static_cast<int>(bytes.size());
+  int w = 0, h = 0, comp = 0;
+  if (!stbi_info_from_memory(data, len, &w, &h, &comp)) {
+    throw ImageError("corrupt " + format + " image: " + stbi_failure_reason());
+  }
+  if (w <= 0 || h <= 0) throw ImageError(format + " image has no pixels");
+  if (static_cast<int64_t>(w) * h > limits.max_pixels) {
+    throw ImageError(format + " image is " + std::to_string(w) + "x" + std::to_string(h) + " = " +
+                     std::to_string(static_cast<int64_t>(w) * h) + " pixels; at most " +
+                     std::to_string(limits.max_pixels) + " are allowed (limits.max_image_pixels)");
+  }
+  std::unique_ptr<stbi_uc, void (*)(void*)> pixels(stbi_load_from_memory(data, len, &w, &h, &comp, 3),
+                                                   stbi_image_free);
+  if (!pixels) throw ImageError("corrupt " + format + " image: " + stbi_failure_reason());
+  at::Tensor hwc = at::from_blob(pixels.get(), {h, w, 3}, at::kByte);
+  return hwc.permute({2, 0, 1}).contiguous();  // (3, H, W), owns its memory
+}
+
+std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const VlmConfig& cfg) {
+  const int64_t p = cfg.vit_img_size, m = cfg.max_img_size;
+  const bool wide = width >= height;
+  const int64_t long_side = wide ? width : height, short_side = wide ? height : width;
+  const int64_t target_long = cfg.resize_to_max_side_len ? m : std::min(m, RoundUpTo(long_side, p));
+  const double scale = static_cast<double>(target_long) / static_cast<double>(long_side);
+  const int64_t target_short = std::max(p, RoundUpTo(static_cast<double>(short_side) * scale, p));
+  return wide ? std::make_pair(target_short, target_long) : std::make_pair(target_long, target_short);
+}
+
+ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg) {
+  if (image.dim() != 3 || image.size(0) != 3 || image.size(1) < 1 || image.size(2) < 1) {
+    std::ostringstream o;
+    o << "an image must be (3, H, W) RGB, got shape " << image.sizes();
+    throw ImageError(o.str());
+  }
+  const bool is_uint8 = image.scalar_type() == at::kByte;
+  const auto [out_h, out_w] = ResizedSize(image.size(1), image.size(2), cfg);
+  at::Tensor x = image.to(at::kFloat).unsqueeze(0);  // (1, 3, H, W)
+  at::Tensor resized;                                 // (1, 3, out_h, out_w) in [0, 1]
+  if (is_uint8) {
+    // PIL's bicubic resize on 8-bit data: antialiased Keys kernel (a = -0.5), rounded and
+    // clamped to uint8; ToTensor then divides by 255.
+    resized = at::_upsample_bicubic2d_aa(x, {out_h, out_w}, /*align_corners=*/false)
+                  .round_().clamp_(0, 255).div_(255.0);
+  } else {
+    resized = at::_upsample_bicubic2d_aa(x, {out_h, out_w}, false).clamp_(0, 1);
+  }
+  const int64_t s = cfg.vit_img_size;
+  ImageTiles out;
+  out.grid_rows = out_h / s;
+  out.grid_cols = out_w / s;
+  // (1, 3, nh*s, nw*s) -> (nh*nw, 3, s, s), row-major over the grid (einops
+  // 'b c (nh ph) (nw pw) -> (b nh nw) c ph pw').
+  at::Tensor tiles = resized.view({3, out.grid_rows, s, out.grid_cols, s})
+                         .permute({1, 3, 0, 2, 4})
+                         .reshape({out.grid_rows * out.grid_cols, 3, s, s});
+  if (out.grid_rows * out.grid_cols > 1) {
+    // torchvision resize(tensor, [s, s]): bilinear, antialias=True, on the float image.
+    at::Tensor global = at::_upsample_bilinear2d_aa(resized, {s, s}, /*align_corners=*/false);
+    tiles = at::cat({global, tiles}, 0);
+    out.has_global = true;
+  }
+  out.tiles = tiles.contiguous();
+  return out;
+}
+
+ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg, const ImageLimits& limits) {
+  return TileImage(DecodeImage(bytes, limits), cfg);
+}
+
+}  // namespace vlmgraph

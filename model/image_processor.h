@@ -1,0 +1,67 @@
+// model/image_processor.h: images -> ViT tiles, as upstream nanoVLM preprocesses them
+// (data/processors.py get_image_processor, data/custom_transforms.py DynamicResize and
+// GlobalAndSplitImages).
+//
+//   ImageLimits limits;                                     // bytes / pixel caps, checked first
+//   ImageTiles t = PreprocessEncodedImage(png_bytes, cfg, limits);
+//   t.tiles;  // (N, 3, S, S) float32 in [0, 1], CPU; S = cfg.vit_img_size
+//
+// Steps: decode PNG or JPEG (stb_image) and convert to RGB (alpha dropped, grey replicated);
+// resize (bicubic, antialiased like PIL) to ResizedSize(); split into an n_h x n_w grid of S x S
+// tiles in row-major order; when the grid has more than one tile, prepend a "global" tile: the
+// whole resized image scaled to S x S (bilinear, antialiased, as torchvision's tensor resize).
+// Pixels are uint8 until the bicubic resize, rounded back to uint8 after it (PIL works on uint8),
+// then divided by 255 (torchvision's ToTensor).
+//
+// Errors: ImageError (a std::invalid_argument) saying what is wrong: unknown format, corrupt
+// data, too many bytes or pixels, bad tensor shape or values. Thread rules: pure functions, safe
+// from any thread (no shared state).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <ATen/Tensor.h>
+
+#include "model/config.h"
+
+namespace vlmgraph {
+
+class ImageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct ImageLimits {
+  int64_t max_bytes = 32 << 20;    // encoded size, checked before decoding
+  int64_t max_pixels = 50000000;   // width x height, checked from the header before decoding
+};
+
+struct ImageTiles {
+  at::Tensor tiles;       // (N, 3, S, S) float32 in [0, 1], CPU, contiguous
+  int64_t grid_rows = 1;  // n_h: tiles along the height of the resized image
+  int64_t grid_cols = 1;  // n_w
+  bool has_global = false;  // tiles[0] is the global tile (grid has more than one tile)
+};
+
+// The image file format detected from its first bytes; "" when neither PNG nor JPEG.
+std::string DetectImageFormat(const std::string& bytes);
+
+// Decodes PNG or JPEG bytes to (3, H, W) uint8 RGB. Throws ImageError.
+at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits);
+
+// nanoVLM DynamicResize._get_new_hw: (height, width) after resizing an h x w image. The long side
+// becomes max_img_size (resize_to_max_side_len) or min(max_img_size, long rounded up to a multiple
+// of vit_img_size); the short side keeps the aspect ratio, rounded up to a multiple of
+// vit_img_size, at least vit_img_size.
+std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const VlmConfig& cfg);
+
+// Resizes and tiles one RGB image: (3, H, W) uint8, or float32 in [0, 1] (a raw tensor from a
+// client; rounded to uint8 levels like a decoded image after the bicubic resize).
+ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg);
+
+// DecodeImage + TileImage.
+ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg, const ImageLimits& limits);
+
+}  // namespace vlmgraph
