@@ -81,6 +81,11 @@ int main(int argc, char** argv) {
       {"gate_up linear", [&] { at::linear(x, w_gu); }},
       {"silu_mul", [&] { vlmgraph::ops::SiluMul(gu); }},
       {"down addmm", [&] { at::addmm(x2, act.view({batch, inter}), w_down.t()); }},
+      {"  gemv kernel: qkv", [&] { vlmgraph::ops::Linear(x2, w_qkv); }},
+      {"  gemv kernel: out + residual", [&] { vlmgraph::ops::Linear(q.narrow(1, 0, h).contiguous(), w_out, x2); }},
+      {"  gemv kernel: gate_up", [&] { vlmgraph::ops::Linear(x2, w_gu); }},
+      {"  gemv kernel: down + residual", [&] { vlmgraph::ops::Linear(act.view({batch, inter}), w_down, x2); }},
+      {"  gemv kernel: lm head", [&] { vlmgraph::ops::Linear(x2, head); }},
       {"  alt: down linear", [&] { at::linear(act.view({batch, inter}), w_down); }},
       {"  alt: down matmul W @ a^T", [&] { at::matmul(w_down, act.view({batch, inter}).t()); }},
       {"  alt: out linear", [&] { at::linear(q.narrow(1, 0, h), w_out); }},
@@ -94,7 +99,8 @@ int main(int argc, char** argv) {
   for (const auto& r : rows) {
     const double us = TimeOp(r.op);
     const std::string name = r.name;
-    if (name.find("head") == std::string::npos && name.find("alt:") == std::string::npos) layer += us;
+    if (name.find("head") == std::string::npos && name.find("alt:") == std::string::npos &&
+        name.find("gemv") == std::string::npos) layer += us;
     std::printf("| %s | %.2f |\n", r.name, us);
   }
   std::printf("| one block (sum) | %.2f |\n| %lld blocks + head | %.1f |\n", layer, (long long)cfg.lm_n_blocks,

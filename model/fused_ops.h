@@ -44,4 +44,8 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
 at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
                            const at::Tensor& positions, int64_t kv_len, int64_t n_heads);
 
+// x (rows, k) @ weight (n, k)^T (+ residual (rows, n)): a small-batch GEMV kernel when rows <= 4
+// and the shapes are 16-byte aligned (decode steps), else cuBLAS (at::linear / at::addmm).
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual = {});
+
 }  // namespace vlmgraph::ops

@@ -17,4 +17,8 @@ at::Tensor DecodeAttention(const at::Tensor&, const at::Tensor&, const at::Tenso
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 
+at::Tensor Linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+
 }  // namespace vlmgraph::ops

@@ -99,7 +99,7 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
 at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
                                                    double scaling, const AttentionContext& ctx, int64_t layer) {
   const int64_t b = x.size(0), t = x.size(1);
-  at::Tensor qkv = at::linear(x, w_qkv);  // (B, T, (nh + 2 nkv) D)
+  at::Tensor qkv = ops::Linear(x, w_qkv);  // (B, T, (nh + 2 nkv) D)
   const bool cached = ctx.mode != AttentionContext::Mode::kNoCache;
   at::Tensor cache_k = cached ? ctx.cache->key[layer] : at::Tensor();
   at::Tensor cache_v = cached ? ctx.cache->value[layer] : at::Tensor();
@@ -153,10 +153,10 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
   const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
   at::Tensor x2 = x.reshape({b * t, hidden});
   at::Tensor a = attn->ForwardFused(ops::RmsNorm(x, norm1->weight, norm1->eps), inv_freq, scaling, ctx, layer);
-  at::Tensor h = at::addmm(x2, a.reshape({b * t, hidden}), attn->out_proj->weight.t());  // x + out_proj(a)
-  at::Tensor gu = at::linear(ops::RmsNorm(h, norm2->weight, norm2->eps), mlp->w_gate_up);
+  at::Tensor h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);  // x + out_proj(a)
+  at::Tensor gu = ops::Linear(ops::RmsNorm(h, norm2->weight, norm2->eps), mlp->w_gate_up);
   at::Tensor act = ops::SiluMul(gu);
-  return at::addmm(h, act, mlp->down_proj->weight.t()).view({b, t, hidden});  // h + down(act)
+  return ops::Linear(act, mlp->down_proj->weight, h).view({b, t, hidden});  // h + down(act)
 }
 
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
@@ -266,6 +266,7 @@ bool LanguageModelImpl::UsesFusedPath(const at::Tensor& x) const {
 }
 
 at::Tensor LanguageModelImpl::Logits(const at::Tensor& hidden) {
+  if (UsesFusedPath(hidden)) return ops::Linear(hidden.contiguous(), HeadWeight());
   return at::linear(hidden, HeadWeight());
 }
 

@@ -84,6 +84,23 @@ TEST(FusedOps, Default460mShapesBFloat16MatchReference_CUDA) {
   CheckFusedMatchesReference(Shallow460m(), at::kBFloat16, 0.1);
 }
 
+TEST(FusedOps, SmallBatchGemvMatchesCublas_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t rows : {1, 3, 8, 9}) {  // 9 takes the cuBLAS fallback
+      auto opt = at::dtype(dtype).device(at::kCUDA);
+      at::Tensor x = at::randn({rows, 2560}, opt), w = at::randn({960, 2560}, opt) * 0.02;
+      at::Tensor r = at::randn({rows, 960}, opt);
+      const double tol = dtype == at::kFloat ? 1e-4 : 3e-2;
+      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w), at::linear(x.to(at::kFloat), w.to(at::kFloat))), tol) << rows;
+      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w, r), at::addmm(r.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat).t())),
+                tol)
+          << rows;
+    }
+  }
+}
+
 TEST(FusedOps, CpuTensorsKeepTheReferencePath) {
   VisionLanguageModel m(VlmConfig::Preset("nanovlm-tiny"));
   m->decoder->FuseWeights();

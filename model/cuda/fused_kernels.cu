@@ -250,6 +250,69 @@ cudaError_t DecodeAttentionTyped(const void* q, const void* ck, const void* cv, 
   }
 }
 
+template <typename T, int M>
+__global__ void SmallBatchGemvKernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ residual,
+                                     T* __restrict__ y, int n, int k) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (col >= n) return;
+  const int lane = threadIdx.x & 31;
+  const T* wr = w + int64_t(col) * k;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+#pragma unroll 4
+  for (int i = lane * kVec; i < k; i += 32 * kVec) {
+    const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + i));
+    const T* we = reinterpret_cast<const T*>(&wv);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t(m) * k + i));
+      const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[m] += ToFloat(we[e]) * ToFloat(xe[e]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float r = residual ? ToFloat(residual[int64_t(m) * n + col]) : 0.f;
+      y[int64_t(m) * n + col] = FromFloat<T>(acc[m] + r);
+    }
+  }
+}
+
+template <typename T>
+cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residual, void* y, int64_t rows, int64_t n,
+                                int64_t k, cudaStream_t s) {
+  constexpr int kWarps = 8;
+  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
+  const T* xp = static_cast<const T*>(x);
+  const T* wp = static_cast<const T*>(w);
+  const T* rp = static_cast<const T*>(residual);
+  T* yp = static_cast<T*>(y);
+  const int ni = static_cast<int>(n), ki = static_cast<int>(k);
+  switch (rows) {
+#define VLMGRAPH_GEMV_CASE(M) \
+  case M: SmallBatchGemvKernel<T, M><<<blocks, kWarps * 32, 0, s>>>(xp, wp, rp, yp, ni, ki); break;
+    VLMGRAPH_GEMV_CASE(1)
+    VLMGRAPH_GEMV_CASE(2)
+    VLMGRAPH_GEMV_CASE(3)
+    VLMGRAPH_GEMV_CASE(4)
+    VLMGRAPH_GEMV_CASE(5)
+    VLMGRAPH_GEMV_CASE(6)
+    VLMGRAPH_GEMV_CASE(7)
+    VLMGRAPH_GEMV_CASE(8)
+#undef VLMGRAPH_GEMV_CASE
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 int ThreadsFor(int64_t work) { return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (work + 31) / 32 * 32))); }
 
 }  // namespace
@@ -316,6 +379,18 @@ cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k,
   }
   return DecodeAttentionTyped<float>(q, cache_k, cache_v, positions, out, batch, n_heads, n_kv, head_dim, max_seq,
                                      kv_len, scale, stream);
+}
+
+cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual, void* y, int64_t rows,
+                                 int64_t n, int64_t k, cudaStream_t stream) {
+  const int64_t elem = bf16 ? 2 : 4;
+  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if ((k * elem) % 16 != 0 || !aligned(x) || !aligned(w) || !aligned(residual) || !aligned(y)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || n == 0) return cudaSuccess;
+  return bf16 ? SmallBatchGemvTyped<__nv_bfloat16>(x, w, residual, y, rows, n, k, stream)
+              : SmallBatchGemvTyped<float>(x, w, residual, y, rows, n, k, stream);
 }
 
 }  // namespace vlmgraph::cuda

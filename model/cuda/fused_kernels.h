@@ -40,4 +40,11 @@ cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k,
                                   int64_t n_kv, int64_t head_dim, int64_t max_seq, int64_t kv_len, float scale,
                                   cudaStream_t stream);
 
+// y (rows, n) = x (rows, k) W^T (+ residual (rows, n) when given), W: (n, k) row-major, for
+// rows <= 8 (decode): one warp per output column streams its weight row with 16-byte loads, the
+// memory-bound regime where a general GEMM leaves bandwidth unused. k * sizeof(element) must be a
+// multiple of 16 and every pointer 16-byte aligned; returns cudaErrorInvalidValue otherwise.
+cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual, void* y,
+                                 int64_t rows, int64_t n, int64_t k, cudaStream_t stream);
+
 }  // namespace vlmgraph::cuda
