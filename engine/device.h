@@ -16,6 +16,9 @@ void SynchronizeDevice(const at::Device& device);
 // Allocated and reserved bytes of the CUDA caching allocator on `device` (zeros on CPU).
 MemoryStats DeviceMemory(const at::Device& device);
 
+// Restarts the peak counters of DeviceMemory (no-op on CPU).
+void ResetPeakDeviceMemory(const at::Device& device);
+
 // True when this build has the CUDA graph sources compiled in.
 bool BuiltWithCudaGraphs();
 

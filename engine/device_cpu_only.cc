@@ -6,6 +6,7 @@ namespace vlmgraph {
 
 void SynchronizeDevice(const at::Device&) {}
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
+void ResetPeakDeviceMemory(const at::Device&) {}
 bool BuiltWithCudaGraphs() { return false; }
 std::unique_ptr<StepRunner> MakeCudaGraphStepRunner(int) { return nullptr; }
 

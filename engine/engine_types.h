@@ -106,6 +106,8 @@ struct MemoryStats {
   int64_t reserved_bytes = 0;    // device memory reserved by the caching allocator
   int64_t graph_pool_bytes = 0;  // reserved by the shared CUDA graph pool
   int64_t kv_cache_bytes = 0;
+  int64_t peak_allocated_bytes = 0;  // since start (or the last ResetPeakDeviceMemory)
+  int64_t peak_reserved_bytes = 0;
 };
 
 }  // namespace vlmgraph

@@ -21,7 +21,14 @@ MemoryStats DeviceMemory(const at::Device& device) {
   constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
   m.allocated_bytes = stats.allocated_bytes[kAll].current;
   m.reserved_bytes = stats.reserved_bytes[kAll].current;
+  m.peak_allocated_bytes = stats.allocated_bytes[kAll].peak;
+  m.peak_reserved_bytes = stats.reserved_bytes[kAll].peak;
   return m;
+}
+
+void ResetPeakDeviceMemory(const at::Device& device) {
+  if (!device.is_cuda()) return;
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : c10::cuda::current_device());
 }
 
 bool BuiltWithCudaGraphs() { return true; }

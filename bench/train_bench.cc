@@ -1,0 +1,111 @@
+// bench/train_bench.cc: training step time of a preset (default nanovlm-460m, random weights) at
+// batch 8 x 256 tokens with one 512px image tile per sample (64 image tokens + 192 text tokens),
+// AdamW, bf16 autocast with float32 master weights; eager vs CUDA graphs.
+//
+//   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json out.json]
+//
+// Figures: first step (including capture for graphs, from Trainer construction), median of the
+// following steps, peak device memory allocated and reserved over the run.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
+#include "engine/device.h"
+#include "engine/trainer.h"
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps) {
+  at::manual_seed(0);
+  vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
+  const auto& cfg = source->cfg;
+  std::vector<vlmgraph::TrainExample> examples;
+  for (int64_t i = 0; i < batch; ++i) {
+    vlmgraph::TrainExample e;
+    for (int64_t t = 0; t < cfg.mp_image_token_length; ++t) e.input_ids.push_back(cfg.image_token_id);
+    while (static_cast<int64_t>(e.input_ids.size()) < seq) e.input_ids.push_back(100 + (e.input_ids.size() * 7 + i) % 5000);
+    e.targets.assign(e.input_ids.size(), -100);
+    for (size_t t = cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t) e.targets[t] = e.input_ids[t + 1];
+    e.tiles = at::rand({1, 3, cfg.vit_img_size, cfg.vit_img_size});
+    examples.push_back(e);
+  }
+  vlmgraph::TrainOptions o;
+  o.device = at::kCUDA;
+  o.compute_dtype = at::kBFloat16;
+  o.cuda_graphs = graphs;
+  o.lr = 1e-4;
+  o.lr_projector = 1e-3;
+  o.max_grad_norm = 1.0;
+  o.buckets.train_batch_sizes = {batch};
+  o.buckets.train_seq_lens = {seq};
+  o.log_captures = false;
+  vlmgraph::SynchronizeDevice(at::kCUDA);
+  vlmgraph::ResetPeakDeviceMemory(at::kCUDA);
+  const auto t0 = Clock::now();
+  vlmgraph::Trainer trainer(source, o);
+  auto first = trainer.Step(examples);
+  const double first_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<double> ms;
+  double loss = first.loss;
+  for (int i = 0; i < steps; ++i) {
+    auto r = trainer.Step(examples);
+    ms.push_back(r.seconds * 1e3);
+    loss = r.loss;
+  }
+  std::sort(ms.begin(), ms.end());
+  const auto mem = vlmgraph::DeviceMemory(at::kCUDA);
+  return {{"first_step_seconds", first_s},
+          {"median_step_ms", ms[ms.size() / 2]},
+          {"first_loss", first.loss},
+          {"last_loss", loss},
+          {"graphs", trainer.captures()},
+          {"graph_pool_bytes", trainer.graph_pool_bytes()},
+          {"peak_allocated_bytes", mem.peak_allocated_bytes},
+          {"peak_reserved_bytes", mem.peak_reserved_bytes}};
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string preset = "nanovlm-460m", json, mode = "both";
+  int64_t batch = 8, seq = 256;
+  int steps = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--preset") preset = v;
+    else if (k == "--batch") batch = std::stoll(v);
+    else if (k == "--seq") seq = std::stoll(v);
+    else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--json") json = v;
+    else if (k == "--mode") mode = v;  // graph | eager | both (separate processes give clean peaks)
+  }
+  if (!torch::cuda::is_available()) {
+    std::fprintf(stderr, "needs a CUDA device\n");
+    return 1;
+  }
+  nlohmann::json report = {{"preset", preset}, {"batch", batch}, {"seq", seq}};
+  for (const char* m : {"graph", "eager"}) {
+    if (mode != "both" && mode != m) continue;
+    report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps);
+    std::printf("%s %s\n", m, report[m].dump(2).c_str());
+    std::fflush(stdout);
+  }
+  if (!json.empty()) std::ofstream(json) << report.dump(2);
+  if (mode != "both") return 0;
+  auto gib = [](const nlohmann::json& v) { return v.get<int64_t>() / 1073741824.0; };
+  std::printf("\n| figure | eager | CUDA graphs |\n|---|---|---|\n");
+  std::printf("| step (median) | %.1f ms | %.1f ms |\n", report["eager"]["median_step_ms"].get<double>(),
+              report["graph"]["median_step_ms"].get<double>());
+  std::printf("| first step (incl. capture) | %.2f s | %.2f s |\n", report["eager"]["first_step_seconds"].get<double>(),
+              report["graph"]["first_step_seconds"].get<double>());
+  std::printf("| peak allocated | %.2f GiB | %.2f GiB |\n| peak reserved | %.2f GiB | %.2f GiB |\n",
+              gib(report["eager"]["peak_allocated_bytes"]), gib(report["graph"]["peak_allocated_bytes"]),
+              gib(report["eager"]["peak_reserved_bytes"]), gib(report["graph"]["peak_reserved_bytes"]));
+  return 0;
+}

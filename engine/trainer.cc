@@ -1,0 +1,404 @@
+#include "engine/trainer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/nn/module.h>
+
+#include "engine/device.h"
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
+
+namespace vlmgraph {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+EngineError Invalid(const std::string& m) { return EngineError(EngineError::Code::kInvalidArgument, m); }
+
+// The optimizer part's graph key (no batch or sequence shape).
+const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
+
+// CUDA autocast to bfloat16 for the forward pass; weights stay float32 (master weights). The
+// cache of casted weights is off: a CUDA graph must recompute the casts on every replay.
+class AutocastScope {
+ public:
+  AutocastScope(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    prev_cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastScope() {
+    if (!enabled_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+    at::autocast::set_autocast_cache_enabled(prev_cache_);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool enabled_;
+  bool prev_cache_ = true;
+};
+
+}  // namespace
+
+struct Trainer::Group {
+  std::string name;
+  double lr_ratio = 1;  // group rate / base rate
+  at::Tensor lr;        // device float32 scalar, read by the captured optimizer graph
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
+};
+
+// Static inputs of one training bucket: examples right-padded with a pad id and target -100,
+// missing rows all -100, missing tiles zero (their embeddings are never selected).
+struct Trainer::MicroBuffers {
+  BucketKey key;
+  at::Tensor ids;      // (b, s) int64
+  at::Tensor targets;  // (b, s) int64
+  at::Tensor tiles;    // (b * max_tiles_per_example, 3, S, S) float32, or undefined
+};
+
+Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
+    : model_(VisionLanguageModel(source->cfg)), options_(std::move(options)) {
+  try {
+    options_.buckets.Validate();
+  } catch (const std::invalid_argument& e) {
+    throw Invalid(e.what());
+  }
+  if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
+  if (options_.compute_dtype == at::kBFloat16 && !options_.device.is_cuda()) {
+    throw Invalid("bfloat16 mixed-precision training needs a CUDA device; use float32 on CPU");
+  }
+  {
+    // Deep float32 copy: the trainer's master weights never alias the inference engine's.
+    torch::NoGradGuard no_grad;
+    auto src = source->named_parameters();
+    for (auto& p : model_->named_parameters()) p.value().copy_(src[p.key()].to(at::kCPU, at::kFloat));
+    auto src_buf = source->named_buffers();
+    for (auto& b : model_->named_buffers()) b.value().copy_(src_buf[b.key()].to(at::kCPU, at::kFloat));
+  }
+  model_->to(options_.device, at::kFloat);
+  model_->train();
+  base_lr_ = options_.lr;
+  struct Spec {
+    const char* name;
+    const char* prefix;
+    bool train;
+    double lr;
+  };
+  const Spec specs[] = {
+      {"vision", "vision_encoder.", options_.train_vision, options_.lr_vision},
+      {"projector", "MP.", options_.train_projector, options_.lr_projector},
+      {"language", "decoder.", options_.train_language, options_.lr_language},
+  };
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(options_.device);
+  for (const auto& spec : specs) {
+    Group g;
+    g.name = spec.name;
+    g.lr_ratio = spec.lr >= 0 && options_.lr > 0 ? spec.lr / options_.lr : 1.0;
+    g.lr = at::full({}, options_.lr * g.lr_ratio, f32);
+    for (auto& p : model_->named_parameters()) {
+      if (p.key().rfind(spec.prefix, 0) != 0) continue;
+      p.value().set_requires_grad(spec.train);
+      if (!spec.train) continue;
+      p.value().mutable_grad() = at::zeros_like(p.value());
+      g.names.push_back(p.key());
+      g.params.push_back(p.value());
+      g.grads.push_back(p.value().grad());
+      g.exp_avg.push_back(at::zeros_like(p.value()));
+      g.exp_avg_sq.push_back(at::zeros_like(p.value()));
+      g.steps.push_back(at::zeros({}, f32));
+      params_.push_back(p.value());
+      grads_.push_back(p.value().grad());
+    }
+    if (!g.params.empty()) groups_.push_back(std::move(g));
+  }
+  if (params_.empty()) throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
+  max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
+  if (options_.device.is_cuda() && options_.cuda_graphs) {
+    runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
+  }
+  if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+}
+
+Trainer::~Trainer() = default;
+
+int64_t Trainer::graph_pool_bytes() const { return runner_->pool_bytes(); }
+
+void Trainer::ValidateExample(const TrainExample& e) const {
+  const VlmConfig& cfg = model_->cfg;
+  if (e.input_ids.empty()) throw Invalid("a training example has no input_ids");
+  if (e.targets.size() != e.input_ids.size()) {
+    throw Invalid("targets has " + std::to_string(e.targets.size()) + " entries but input_ids has " +
+                  std::to_string(e.input_ids.size()) + "; give one target per input position (-100 = no loss)");
+  }
+  int64_t image_tokens = 0;
+  for (size_t i = 0; i < e.input_ids.size(); ++i) {
+    if (e.input_ids[i] < 0 || e.input_ids[i] >= cfg.lm_vocab_size) {
+      throw Invalid("input_ids[" + std::to_string(i) + "] = " + std::to_string(e.input_ids[i]) +
+                    " is outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) + ")");
+    }
+    if (e.targets[i] != -100 && (e.targets[i] < 0 || e.targets[i] >= cfg.lm_vocab_size)) {
+      throw Invalid("targets[" + std::to_string(i) + "] = " + std::to_string(e.targets[i]) +
+                    " is outside the vocabulary (use -100 to skip a position)");
+    }
+    image_tokens += e.input_ids[i] == cfg.image_token_id;
+  }
+  const int64_t tiles = e.tiles.defined() ? e.tiles.size(0) : 0;
+  if (tiles > options_.max_tiles_per_example) {
+    throw Invalid("an example has " + std::to_string(tiles) + " image tiles; the trainer allows " +
+                  std::to_string(options_.max_tiles_per_example) + " (max_tiles_per_example)");
+  }
+  if (tiles > 0 && (e.tiles.dim() != 4 || e.tiles.size(1) != 3 || e.tiles.size(2) != cfg.vit_img_size ||
+                    e.tiles.size(3) != cfg.vit_img_size)) {
+    throw Invalid("image tiles must be (N, 3, " + std::to_string(cfg.vit_img_size) + ", " +
+                  std::to_string(cfg.vit_img_size) + ")");
+  }
+  if (image_tokens != tiles * cfg.mp_image_token_length) {
+    throw Invalid("an example has " + std::to_string(image_tokens) + " image tokens but " + std::to_string(tiles) +
+                  " tile(s) need exactly " + std::to_string(tiles * cfg.mp_image_token_length));
+  }
+  if (static_cast<int64_t>(e.input_ids.size()) > cfg.lm_max_position_embeddings) {
+    throw Invalid("an example is longer than lm_max_position_embeddings");
+  }
+}
+
+Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
+  auto it = buffers_.find(key);
+  if (it != buffers_.end()) return *it->second;
+  auto buf = std::make_unique<MicroBuffers>();
+  auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
+  buf->key = key;
+  buf->ids = at::zeros({key.batch, key.seq}, i64);
+  buf->targets = at::full({key.batch, key.seq}, -100, i64);
+  if (options_.max_tiles_per_example > 0) {
+    const int64_t s = model_->cfg.vit_img_size;
+    buf->tiles = at::zeros({key.batch * options_.max_tiles_per_example, 3, s, s},
+                           at::TensorOptions().dtype(at::kFloat).device(options_.device));
+  }
+  return *buffers_.emplace(key, std::move(buf)).first->second;
+}
+
+std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
+  at::AutoGradMode grad_mode(true);
+  at::Tensor loss;
+  {
+    AutocastScope autocast(options_.compute_dtype == at::kBFloat16);
+    at::Tensor rows = buf.tiles.defined() ? model_->EncodeImages(buf.tiles) : at::Tensor();
+    at::Tensor logits = model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
+    at::Tensor targets = buf.targets.reshape({-1});
+    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets, {},
+                                           at::Reduction::Sum, -100);
+    // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
+    at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
+    loss = ce / count / static_cast<double>(options_.grad_accum_steps);
+  }
+  loss.backward();
+  return {loss.detach()};
+}
+
+std::vector<at::Tensor> Trainer::RunOptimizer() {
+  at::NoGradGuard no_grad;
+  at::Tensor total;
+  if (options_.max_grad_norm > 0) {
+    total = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads_, 2)), 2);
+    at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);
+    at::_foreach_mul_(grads_, coef);
+  }
+  for (auto& g : groups_) {
+    at::_foreach_add_(g.steps, 1);  // _fused_adamw_ reads but does not advance the step counters
+    at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1, options_.beta2,
+                      options_.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+  }
+  at::_foreach_zero_(grads_);
+  return {total.defined() ? total : at::full({}, -1.0, max_grad_norm_.options())};
+}
+
+void Trainer::Warmup() {
+  if (warmed_up_) return;
+  warmed_up_ = true;
+  if (!runner_->captures()) return;
+  const auto t0 = Clock::now();
+  // Optimizer graph: warm-up runs with zero gradients and zero learning rates leave the weights
+  // unchanged; the state they touch (step counters) is reset after the capture.
+  std::vector<at::Tensor> saved_lr;
+  for (auto& g : groups_) {
+    saved_lr.push_back(g.lr.clone());
+    g.lr.zero_();
+  }
+  double seconds = runner_->Capture(kOptimizerKey, [this] { return RunOptimizer(); });
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    groups_[i].lr.copy_(saved_lr[i]);
+    at::_foreach_zero_(groups_[i].steps);
+    at::_foreach_zero_(groups_[i].exp_avg);
+    at::_foreach_zero_(groups_[i].exp_avg_sq);
+  }
+  ++captures_;
+  if (options_.log_captures) std::fprintf(stderr, "[vlmgraph] captured train   optimizer  in %7.1f ms\n", seconds * 1e3);
+  // Micro-step graphs: warm-up inputs have every target -100, so the loss and its gradients are 0.
+  for (const auto& key : options_.buckets.All(Region::kTrain)) {
+    MicroBuffers& buf = BuffersFor(key);
+    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf); });
+    ++captures_;
+    if (options_.log_captures) {
+      std::fprintf(stderr, "[vlmgraph] captured train   %-10s in %7.1f ms\n", key.Label().c_str(), seconds * 1e3);
+    }
+  }
+  at::_foreach_zero_(grads_);
+  SynchronizeDevice(options_.device);
+  if (options_.log_captures) {
+    std::fprintf(stderr, "[vlmgraph] train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB\n",
+                 static_cast<long long>(captures_), std::chrono::duration<double>(Clock::now() - t0).count(),
+                 runner_->pool_bytes() / 1048576.0);
+  }
+}
+
+void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro, int64_t* target_tokens) {
+  const int64_t b = buf.key.batch, s = buf.key.seq;
+  const int64_t pad = model_->cfg.image_token_id == 0 ? 1 : 0;
+  at::Tensor ids = at::full({b, s}, pad, at::kLong);
+  at::Tensor targets = at::full({b, s}, -100, at::kLong);
+  int64_t* ids_p = ids.data_ptr<int64_t>();
+  int64_t* tgt_p = targets.data_ptr<int64_t>();
+  std::vector<at::Tensor> tiles;
+  int64_t n_tiles = 0;
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const auto& e = *micro[i];
+    std::copy(e.input_ids.begin(), e.input_ids.end(), ids_p + i * s);
+    std::copy(e.targets.begin(), e.targets.end(), tgt_p + i * s);
+    for (int64_t t : e.targets) *target_tokens += t != -100;
+    if (e.tiles.defined() && e.tiles.numel() > 0) {
+      tiles.push_back(e.tiles);
+      n_tiles += e.tiles.size(0);
+    }
+  }
+  buf.ids.copy_(ids);
+  buf.targets.copy_(targets);
+  if (buf.tiles.defined()) {
+    buf.tiles.zero_();
+    if (n_tiles > 0) buf.tiles.narrow(0, 0, n_tiles).copy_(at::cat(tiles, 0));
+  }
+}
+
+at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
+                              int64_t* target_tokens) {
+  int64_t max_len = 0;
+  for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
+  const int64_t n = static_cast<int64_t>(micro.size());
+  if (auto k = options_.buckets.PickTrain(n, max_len)) {
+    *key = *k;
+    MicroBuffers& buf = BuffersFor(*k);
+    FillBuffers(buf, micro, target_tokens);
+    std::vector<at::Tensor> out;
+    *kind = runner_->Run(*k, [this, &buf] { return RunMicro(buf); }, /*capture_if_missing=*/runner_->captures(), &out);
+    if (*kind == RunKind::kCaptureAndReplay) ++captures_;
+    if (*kind != RunKind::kEager) ++replays_;
+    return out[0].clone();  // the static output is overwritten by this bucket's next replay
+  }
+  // No bucket fits: exact shape, eagerly.
+  *key = BucketKey{Region::kTrain, n, max_len, 0};
+  *kind = RunKind::kEager;
+  MicroBuffers exact;
+  exact.key = *key;
+  auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
+  exact.ids = at::zeros({n, max_len}, i64);
+  exact.targets = at::full({n, max_len}, -100, i64);
+  if (options_.max_tiles_per_example > 0) {
+    const int64_t s = model_->cfg.vit_img_size;
+    exact.tiles = at::zeros({n * options_.max_tiles_per_example, 3, s, s},
+                            at::TensorOptions().dtype(at::kFloat).device(options_.device));
+  }
+  FillBuffers(exact, micro, target_tokens);
+  return RunMicro(exact)[0];
+}
+
+TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
+  if (examples.empty()) throw Invalid("a training step needs at least one example");
+  for (const auto& e : examples) ValidateExample(e);
+  Warmup();
+  const auto t0 = Clock::now();
+  TrainStepResult r;
+  r.lr = base_lr_;
+  const int64_t accum = options_.grad_accum_steps;
+  const int64_t per_micro = (static_cast<int64_t>(examples.size()) + accum - 1) / accum;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
+  r.kind = RunKind::kReplay;
+  for (int64_t m = 0; m < accum; ++m) {
+    std::vector<const TrainExample*> micro;
+    for (int64_t i = m * per_micro; i < std::min<int64_t>((m + 1) * per_micro, examples.size()); ++i) {
+      micro.push_back(&examples[i]);
+      r.real_tokens += static_cast<int64_t>(examples[i].input_ids.size());
+    }
+    if (micro.empty()) continue;
+    BucketKey key;
+    RunKind kind;
+    loss_sum += MicroStep(micro, &key, &kind, &r.target_tokens);
+    r.buckets.push_back(key);
+    r.padded_tokens += key.batch * key.seq;
+    if (kind == RunKind::kEager) r.kind = RunKind::kEager;
+    if (kind == RunKind::kCaptureAndReplay && r.kind != RunKind::kEager) r.kind = RunKind::kCaptureAndReplay;
+  }
+  std::vector<at::Tensor> opt_out;
+  const RunKind opt_kind = runner_->Run(kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &opt_out);
+  if (opt_kind != RunKind::kEager) ++replays_;
+  ++steps_;
+  r.step = steps_;
+  r.loss = loss_sum.item<double>();  // the step's one host synchronisation
+  r.grad_norm = opt_out[0].item<double>();
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  return r;
+}
+
+void Trainer::SetLearningRate(double lr) {
+  base_lr_ = lr;
+  for (auto& g : groups_) g.lr.fill_(lr * g.lr_ratio);
+}
+
+void Trainer::SaveCheckpoint(const std::string& dir) {
+  SaveModel(model_, dir);
+  std::map<std::string, at::Tensor> state;
+  for (const auto& g : groups_) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      state["exp_avg." + g.names[i]] = g.exp_avg[i];
+      state["exp_avg_sq." + g.names[i]] = g.exp_avg_sq[i];
+      state["step." + g.names[i]] = g.steps[i];
+    }
+  }
+  std::map<std::string, std::string> meta = {
+      {"optimizer", "adamw"},
+      {"lr", std::to_string(base_lr_)},
+      {"betas", std::to_string(options_.beta1) + "," + std::to_string(options_.beta2)},
+      {"eps", std::to_string(options_.eps)},
+      {"weight_decay", std::to_string(options_.weight_decay)},
+      {"steps", std::to_string(steps_)},
+  };
+  WriteSafetensors((std::filesystem::path(dir) / "optimizer.safetensors").string(), state, meta);
+}
+
+void Trainer::LoadOptimizerState(const std::string& path) {
+  SafetensorsFile f = ReadSafetensors(path);
+  at::NoGradGuard no_grad;
+  for (auto& g : groups_) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      for (auto [prefix, dst] : {std::pair<const char*, at::Tensor*>{"exp_avg.", &g.exp_avg[i]},
+                                 {"exp_avg_sq.", &g.exp_avg_sq[i]},
+                                 {"step.", &g.steps[i]}}) {
+        auto it = f.tensors.find(prefix + g.names[i]);
+        if (it == f.tensors.end() || !it->second.sizes().equals(dst->sizes())) {
+          throw std::runtime_error("optimizer state '" + path + "' lacks or mis-shapes " + prefix + g.names[i]);
+        }
+        dst->copy_(it->second);
+      }
+    }
+  }
+  if (auto it = f.metadata.find("steps"); it != f.metadata.end()) steps_ = std::stoll(it->second);
+}
+
+}  // namespace vlmgraph

@@ -1,0 +1,135 @@
+// engine/trainer.h: training steps replayed from CUDA graphs, one per training bucket.
+//
+// A training step is: for each micro-batch (gradient accumulation), forward + loss + backward into
+// persistent .grad tensors; then gradient-norm clipping, AdamW and zeroing the gradients in place.
+// On CUDA with graphs on, each micro-batch bucket (batch x seq) is one captured graph and the
+// optimizer part another; every tensor they touch keeps its address (grads zeroed in place,
+// optimizer state preallocated, learning rates and step counters are device tensors), so a
+// learning-rate schedule changes the rate without recapture. CPU, graphs off, or a micro-batch
+// larger than every bucket run the same code eagerly.
+//
+//   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;
+//   Trainer trainer(LoadModel(dir), opt);     // keeps its own float32 master copy of the model
+//   trainer.Warmup();                         // captures every train bucket
+//   TrainStepResult r = trainer.Step(examples);
+//   trainer.SaveCheckpoint("out/");           // nanoVLM config.json + model.safetensors + optimizer
+//
+// Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
+// divided by the accumulation steps and summed over micro-batches, as nanoVLM's train.py does;
+// clipping as torch.nn.utils.clip_grad_norm_ (total L2 norm, coef = min(1, max / (norm + 1e-6)));
+// AdamW (Loshchilov & Hutter 2019) via at::_fused_adamw_ with decoupled weight decay.
+// Mixed precision: compute_dtype bfloat16 runs forward/backward under CUDA autocast (bf16 matmuls,
+// float32 reductions) while weights, gradients and optimizer state stay float32.
+//
+// Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
+// Errors: EngineError(kInvalidArgument) for bad examples (ids out of range, image-token count not
+// matching tiles, targets length); std::runtime_error for I/O.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/Tensor.h>
+
+#include "engine/bucket.h"
+#include "engine/engine_types.h"
+#include "engine/step_runner.h"
+#include "model/vision_language_model.h"
+
+namespace vlmgraph {
+
+struct TrainOptions {
+  at::Device device = at::kCPU;
+  at::ScalarType compute_dtype = at::kFloat;  // kFloat, or kBFloat16 (autocast, CUDA only)
+  double lr = 1e-4;               // base learning rate
+  double lr_vision = -1;          // per-group rates; < 0 = lr
+  double lr_projector = -1;
+  double lr_language = -1;
+  bool train_vision = true, train_projector = true, train_language = true;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  double max_grad_norm = 0;       // 0 = no clipping
+  int64_t grad_accum_steps = 1;   // micro-batches per optimizer step
+  int64_t max_tiles_per_example = 1;  // image tiles each example may carry (sizes the tile buffers)
+  bool cuda_graphs = true;
+  BucketSpec buckets;             // train_batch_sizes x train_seq_lens
+  bool log_captures = true;
+};
+
+struct TrainExample {
+  std::vector<int64_t> input_ids;
+  std::vector<int64_t> targets;  // same length, -100 = no loss at that position
+  at::Tensor tiles;              // (N, 3, S, S) float in [0, 1] or undefined
+};
+
+struct TrainStepResult {
+  int64_t step = 0;          // optimizer steps taken so far (1 after the first)
+  double loss = 0;           // as nanoVLM logs it: sum over micro-batches of mean loss / accum
+  double grad_norm = -1;     // total gradient norm before clipping (-1 when clipping is off)
+  double lr = 0;             // base learning rate used
+  double seconds = 0;        // wall time of the whole step
+  std::vector<BucketKey> buckets;  // one per micro-batch
+  RunKind kind = RunKind::kEager;  // kCaptureAndReplay / kReplay when graphed
+  int64_t target_tokens = 0, real_tokens = 0, padded_tokens = 0;
+};
+
+class Trainer {
+ public:
+  // Takes a deep float32 copy of `model` onto options.device.
+  Trainer(VisionLanguageModel& model, TrainOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // Captures the optimizer graph and every train bucket (CUDA with graphs). Idempotent; Step()
+  // calls it on first use.
+  void Warmup();
+
+  // One optimizer step over `examples`, split in order into grad_accum_steps micro-batches.
+  TrainStepResult Step(const std::vector<TrainExample>& examples);
+
+  // Sets the base learning rate (group rates keep their ratio to it). No recapture.
+  void SetLearningRate(double lr);
+
+  // Writes config.json + model.safetensors (nanoVLM format) and optimizer.safetensors (exp_avg.*,
+  // exp_avg_sq.*, step.* per trained parameter; metadata with the hyperparameters) into `dir`.
+  void SaveCheckpoint(const std::string& dir);
+  // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
+  // LoadWeights). Throws std::runtime_error naming a missing or mis-shaped state tensor.
+  void LoadOptimizerState(const std::string& path);
+
+  VisionLanguageModel& model() { return model_; }
+  int64_t steps() const { return steps_; }
+  int64_t captures() const { return captures_; }
+  int64_t replays() const { return replays_; }
+  int64_t graph_pool_bytes() const;
+  const TrainOptions& options() const { return options_; }
+
+ private:
+  struct Group;
+  struct MicroBuffers;
+
+  void ValidateExample(const TrainExample& e) const;
+  // Returns the micro-batch's scaled loss (device scalar) after forward + backward.
+  at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
+                       int64_t* target_tokens);
+  std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
+  std::vector<at::Tensor> RunOptimizer();
+  void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro, int64_t* target_tokens);
+  MicroBuffers& BuffersFor(const BucketKey& key);
+
+  VisionLanguageModel model_;
+  TrainOptions options_;
+  std::vector<Group> groups_;
+  std::vector<at::Tensor> params_, grads_;
+  std::unique_ptr<StepRunner> runner_;
+  std::map<BucketKey, std::unique_ptr<MicroBuffers>> buffers_;
+  std::vector<at::Tensor> optimizer_outputs_;
+  at::Tensor max_grad_norm_;  // device scalar
+  bool warmed_up_ = false;
+  int64_t steps_ = 0, captures_ = 0, replays_ = 0;
+  double base_lr_ = 0;
+};
+
+}  // namespace vlmgraph
