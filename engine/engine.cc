@@ -14,8 +14,8 @@
 
 namespace vlmgraph {
 namespace {
+using Clock = Engine::Clock;
 
-using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -144,10 +144,17 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
   throw EngineError(EngineError::Code::kInternal, "no inference region function for train buckets");
 }
 
-std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens) {
+std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
+                                          const Clock::time_point* dispatch_start) {
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs;
   RunKind kind = runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
+  if (dispatch_start != nullptr && kind == RunKind::kReplay) {
+    // Replays return once launched: everything so far was host-side dispatch.
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    counters_.decode_dispatch_seconds_total += SecondsSince(*dispatch_start);
+    counters_.decode_steps++;
+  }
   SynchronizeDevice(options_.device);
   if (kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
   Count(key, kind, SecondsSince(t0), real_tokens, padded_tokens);
@@ -206,13 +213,18 @@ void Engine::Warmup() {
   };
   std::stable_sort(keys.begin(), keys.end(),
                    [&](const BucketKey& x, const BucketKey& y) { return activation(x) > activation(y); });
+  int64_t pool_before = runner_->pool_bytes();
   for (const auto& key : keys) {
     const double seconds = runner_->Capture(key, MakeRegionFn(key));
+    const int64_t pool_after = runner_->pool_bytes();
     {
       std::lock_guard<std::mutex> lock(counters_mu_);
       counters_.captures[CounterKey(key)]++;
       counters_.capture_seconds_total += seconds;
+      counters_.capture_seconds[CounterKey(key)] = seconds;
+      counters_.capture_pool_growth_bytes[CounterKey(key)] = pool_after - pool_before;
     }
+    pool_before = pool_after;
     if (observer_) observer_->OnCapture(key, seconds);
     if (options_.log_captures) {
       std::fprintf(stderr, "[vlmgraph] captured %-7s %-10s in %7.1f ms\n", RegionName(key.region),
@@ -463,6 +475,7 @@ void Engine::Step(std::vector<TokenEvent>* events) {
     context = std::max(context, s->length + 1);
   }
   if (active.empty()) return;
+  const auto dispatch_start = Clock::now();
   at::NoGradGuard no_grad;
   Buffers& buf = *buffers_;
   // Every row in [0, rows) runs; free rows get a pad token at position 0 of their own (unused) row.
@@ -483,7 +496,7 @@ void Engine::Step(std::vector<TokenEvent>* events) {
   if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(active.size()));
   at::Tensor logits;
   if (key) {
-    logits = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch)[0];
+    logits = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch, &dispatch_start)[0];
   } else {
     const BucketKey exact{Region::kDecode, rows, context, 0};
     RegionFn fn = MakeRegionFn(exact);
@@ -594,6 +607,10 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
 
 double Engine::TimeRegion(const BucketKey& key, int iters) {
   at::NoGradGuard no_grad;
+  if (key.region == Region::kDecode && ActiveSequences() == 0) {
+    // Representative attention length: every row at the end of the bucket's context.
+    buffers_->dec_pos.narrow(0, 0, key.batch).fill_(key.seq - 1);
+  }
   RegionFn fn = MakeRegionFn(key);
   std::vector<at::Tensor> outputs;
   runner_->Run(key, fn, runner_->captures(), &outputs);

@@ -51,6 +51,8 @@ struct EngineOptions {
 
 class Engine {
  public:
+  using Clock = std::chrono::steady_clock;
+
   Engine(VisionLanguageModel model, EngineOptions options);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -88,7 +90,8 @@ class Engine {
   // Diagnostics (GPU thread): runs the region of `key` `iters` times back to back on the inputs
   // its buffers hold (replays of its graph, captured first if missing, or eager calls) and returns
   // mean seconds per run, the device synchronised once at the end: the region's device time
-  // without the engine's per-step host work. Regions are idempotent on unchanged inputs.
+  // without the engine's per-step host work. Regions are idempotent on unchanged inputs. With no
+  // active sequence, a decode bucket is timed with every row attending to its full context.
   double TimeRegion(const BucketKey& key, int iters);
 
   // --- observation (any thread) ----------------------------------------------------------------
@@ -108,7 +111,10 @@ class Engine {
   // The region function of a bucket, over the static buffers.
   RegionFn MakeRegionFn(const BucketKey& key);
   // Runs a bucketed region (replay, capture on first use, or eager) and records it.
-  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens);
+  // `dispatch_start`: when set, the host time from it until the replay is launched is recorded as
+  // decode dispatch time.
+  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
+                                    const Clock::time_point* dispatch_start = nullptr);
   // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
   std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn, int64_t real_tokens);
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);

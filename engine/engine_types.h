@@ -97,6 +97,14 @@ struct EngineCounters {
   int64_t rejected_oversize = 0;             // shapes with no bucket that were rejected
   int64_t real_tokens = 0, padded_tokens = 0;
   double capture_seconds_total = 0;
+  // Per captured bucket ("region/bucket"): capture wall time and how much the shared graph pool
+  // grew with it (0 when an earlier, larger capture's blocks were reused).
+  std::map<std::string, double> capture_seconds;
+  std::map<std::string, int64_t> capture_pool_growth_bytes;
+  // Host time of decode steps before the device work is waited for: choosing the bucket, filling
+  // and copying the inputs, launching the replay (the analogue of torch.compile's guard checks).
+  double decode_dispatch_seconds_total = 0;
+  int64_t decode_steps = 0;
   int64_t TotalCaptures() const;
   int64_t TotalReplays() const;
 };
