@@ -63,6 +63,7 @@ struct Trainer::MicroBuffers {
   at::Tensor ids;      // (b, s) int64
   at::Tensor targets;  // (b, s) int64
   at::Tensor tiles;    // (b * max_tiles_per_example, 3, S, S) float32, or undefined
+  int64_t real_tiles = 0;  // tiles the current micro-batch filled (eager runs encode only these)
 };
 
 Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
@@ -191,7 +192,10 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   at::Tensor loss;
   {
     AutocastScope autocast(options_.compute_dtype == at::kBFloat16);
-    at::Tensor rows = buf.tiles.defined() ? model_->EncodeImages(buf.tiles) : at::Tensor();
+    // A graph encodes the whole static tile buffer; an eager run only the tiles in use.
+    at::Tensor tiles = buf.tiles;
+    if (tiles.defined() && !runner_->captures()) tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
+    at::Tensor rows = tiles.defined() ? model_->EncodeImages(tiles) : at::Tensor();
     at::Tensor logits = model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
     at::Tensor targets = buf.targets.reshape({-1});
     at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets, {},
@@ -281,8 +285,9 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
   }
   buf.ids.copy_(ids);
   buf.targets.copy_(targets);
+  buf.real_tiles = n_tiles;
   if (buf.tiles.defined()) {
-    buf.tiles.zero_();
+    // Stale tiles beyond n_tiles are never selected by an image token: no need to clear them.
     if (n_tiles > 0) buf.tiles.narrow(0, 0, n_tiles).copy_(at::cat(tiles, 0));
   }
 }

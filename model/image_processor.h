@@ -18,11 +18,11 @@
 // from any thread (no shared state).
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-
-#include <ATen/Tensor.h>
 
 #include "model/config.h"
 
@@ -34,14 +34,14 @@ class ImageError : public std::invalid_argument {
 };
 
 struct ImageLimits {
-  int64_t max_bytes = 32 << 20;    // encoded size, checked before decoding
-  int64_t max_pixels = 50000000;   // width x height, checked from the header before decoding
+  int64_t max_bytes = 32 << 20;   // encoded size, checked before decoding
+  int64_t max_pixels = 50000000;  // width x height, checked from the header before decoding
 };
 
 struct ImageTiles {
-  at::Tensor tiles;       // (N, 3, S, S) float32 in [0, 1], CPU, contiguous
-  int64_t grid_rows = 1;  // n_h: tiles along the height of the resized image
-  int64_t grid_cols = 1;  // n_w
+  at::Tensor tiles;         // (N, 3, S, S) float32 in [0, 1], CPU, contiguous
+  int64_t grid_rows = 1;    // n_h: tiles along the height of the resized image
+  int64_t grid_cols = 1;    // n_w
   bool has_global = false;  // tiles[0] is the global tile (grid has more than one tile)
 };
 
@@ -62,6 +62,7 @@ std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const Vlm
 ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg);
 
 // DecodeImage + TileImage.
-ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg, const ImageLimits& limits);
+ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg,
+                                  const ImageLimits& limits);
 
 }  // namespace vlmgraph

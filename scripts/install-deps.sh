@@ -18,6 +18,13 @@ apt_pkgs=(
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libstb-dev
 )
+# Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
+# only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image
+# build (Ubuntu, Dockerfile) has no use for them; check_deploy.sh skips what is missing outside CI.
+if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(docker-compose prometheus); fi
+# Server end-to-end tests (tests/e2e): a real photo (chelsea.png from scikit-image's data) and a real
+# Prometheus server that scrapes the metrics endpoint.
+apt_pkgs+=(python3-skimage prometheus)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -50,6 +57,8 @@ if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
   fi
   # Python client, end-to-end tests and the digits training demo.
   $PY -m pip install "${pip_flags[@]}" "grpcio>=1.60" "grpcio-tools>=1.60" "protobuf>=4.25" \
-    "grpcio-health-checking>=1.60" numpy pillow
+    "grpcio-health-checking>=1.60" numpy pillow pyyaml
+  # Server reflection client (tests/e2e lists the services the way grpcurl does).
+  $PY -m pip install "${pip_flags[@]}" "grpcio-reflection>=1.60"
 fi
 echo "install-deps: done"

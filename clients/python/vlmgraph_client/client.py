@@ -1,0 +1,134 @@
+"""A small synchronous client for the vlmgraph gRPC API (proto/vlmgraph/v1/service.proto).
+
+    from vlmgraph_client import VlmGraphClient
+    with VlmGraphClient("127.0.0.1:50051") as c:
+        info = c.model_info()
+        for kind, value in c.generate([5, 6, 7], max_new_tokens=8):
+            print(kind, value)        # ("tokens", [12]), ..., ("summary", GenerateSummary)
+        print(c.forward([5, 6, 7], target_ids=[6, 7, -100]).loss)
+
+Errors are grpc.RpcError (`.code()`, `.details()`), as the server returns them.
+"""
+import grpc
+
+from . import protos
+
+
+def encoded_image(data):
+    """An Image message from PNG/JPEG bytes."""
+    pb = protos.load()
+    return pb.image_pb2.Image(encoded=data)
+
+
+def tensor_image(shape, values):
+    """An Image message from raw float pixels in [0, 1]: shape [3, H, W] or [N, 3, S, S]."""
+    pb = protos.load()
+    return pb.image_pb2.Image(tensor=pb.image_pb2.FloatTensor(shape=list(shape), values=list(values)))
+
+
+def _as_images(images):
+    out = []
+    for img in images or []:
+        if isinstance(img, (bytes, bytearray)):
+            out.append(encoded_image(bytes(img)))
+        else:
+            out.append(img)  # already an Image message
+    return out
+
+
+class VlmGraphClient:
+    def __init__(self, address, timeout=None, max_message_bytes=256 << 20):
+        self.pb = protos.load()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = self.pb.service_pb2_grpc.VlmGraphStub(self.channel)
+        self.timeout = timeout
+
+    def close(self):
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def wait_ready(self, timeout=30):
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def model_info(self):
+        return self.stub.GetModelInfo(self.pb.model_info_pb2.GetModelInfoRequest(), timeout=self.timeout)
+
+    def generate_request(self, input_ids, images=None, max_new_tokens=None, sample=False, temperature=None,
+                         top_k=0, top_p=None, seed=0, stop_token_ids=(), request_id=""):
+        g = self.pb.generate_pb2
+        sampling = g.SamplingParams(sample=sample, top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids))
+        if max_new_tokens is not None:
+            sampling.max_new_tokens = max_new_tokens
+        if temperature is not None:
+            sampling.temperature = temperature
+        if top_p is not None:
+            sampling.top_p = top_p
+        return g.GenerateRequest(input_ids=list(input_ids), images=_as_images(images), sampling=sampling,
+                                 request_id=request_id)
+
+    def generate_stream(self, request, timeout=None):
+        """The raw response stream (a grpc call object: iterate it, or .cancel() it)."""
+        return self.stub.Generate(request, timeout=timeout or self.timeout)
+
+    def generate(self, input_ids, images=None, timeout=None, **sampling):
+        """Yields ("tokens", [ids]) as they stream, then ("summary", GenerateSummary)."""
+        for msg in self.generate_stream(self.generate_request(input_ids, images, **sampling), timeout):
+            if msg.HasField("tokens"):
+                yield "tokens", list(msg.tokens.token_ids)
+            elif msg.HasField("summary"):
+                yield "summary", msg.summary
+
+    def generate_all(self, input_ids, images=None, timeout=None, **sampling):
+        """(all new token ids, summary)."""
+        tokens, summary = [], None
+        for kind, value in self.generate(input_ids, images, timeout, **sampling):
+            if kind == "tokens":
+                tokens.extend(value)
+            else:
+                summary = value
+        return tokens, summary
+
+    def forward(self, input_ids, images=None, target_ids=(), logits_positions=(), timeout=None):
+        req = self.pb.forward_pb2.ForwardRequest(input_ids=list(input_ids), images=_as_images(images),
+                                                 target_ids=list(target_ids),
+                                                 logits_positions=list(logits_positions))
+        return self.stub.Forward(req, timeout=timeout or self.timeout)
+
+    def train_config(self, **kwargs):
+        """A TrainConfig: language_learning_rate=..., trainable_parts=["LANGUAGE", ...], ..."""
+        t = self.pb.train_pb2
+        parts = kwargs.pop("trainable_parts", None)
+        cfg = t.TrainConfig(**kwargs)
+        for p in parts or []:
+            cfg.trainable_parts.append(t.ModelPart.Value(f"MODEL_PART_{p.upper()}"))
+        return cfg
+
+    def train_batch(self, examples):
+        """A TrainRequest{batch} from dicts {input_ids, target_ids, images (bytes or Image)}."""
+        t = self.pb.train_pb2
+        batch = t.TrainBatch(examples=[
+            t.TrainExample(input_ids=list(e["input_ids"]), target_ids=list(e["target_ids"]),
+                           images=_as_images(e.get("images"))) for e in examples])
+        return t.TrainRequest(batch=batch)
+
+    def train_save(self, directory):
+        t = self.pb.train_pb2
+        return t.TrainRequest(save=t.SaveCheckpoint(directory=directory))
+
+    def train(self, config, requests, timeout=None):
+        """Streams TrainRequest{config} then `requests` (TrainRequest messages); yields TrainResponses.
+        The job ends when `requests` is exhausted (the client half-closes)."""
+        t = self.pb.train_pb2
+
+        def messages():
+            yield t.TrainRequest(config=config)
+            yield from requests
+
+        return self.stub.Train(messages(), timeout=timeout or self.timeout)

@@ -1,0 +1,52 @@
+#include "server/engine_factory.h"
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include "model/checkpoint.h"
+
+namespace vlmgraph::server {
+
+EngineOptions ToEngineOptions(const ServerConfig& config) {
+  EngineOptions o;
+  if (config.device == "cpu") {
+    o.device = at::Device(at::kCPU);
+  } else {
+    if (!torch::cuda::is_available()) {
+      throw ServerConfigError("device", "'" + config.device +
+                                            "' requested but no CUDA device is available "
+                                            "(use device: cpu, or --device cpu)");
+    }
+    o.device = at::Device(config.device);
+    if (o.device.has_index() && o.device.index() >= static_cast<int>(torch::cuda::device_count())) {
+      throw ServerConfigError("device",
+                              "'" + config.device + "' does not exist; this machine has " +
+                                  std::to_string(torch::cuda::device_count()) + " CUDA device(s)");
+    }
+  }
+  o.dtype = config.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  o.buckets = config.buckets;
+  o.cuda_graphs = config.capture.enabled;
+  o.lazy_capture = config.capture.lazy;
+  return o;
+}
+
+VisionLanguageModel BuildModel(const ServerConfig& config) {
+  if (IsPresetModel(config.model)) {
+    // Random weights, but the same ones every run: the demo and the e2e tests compare outputs.
+    at::manual_seed(config.seed);
+    return VisionLanguageModel(VlmConfig::Preset(config.model));
+  }
+  try {
+    return LoadModel(config.model);
+  } catch (const std::exception& e) {
+    throw ServerConfigError("model", std::string("cannot load checkpoint: ") + e.what());
+  }
+}
+
+std::unique_ptr<Engine> BuildEngine(const ServerConfig& config) {
+  EngineOptions options = ToEngineOptions(config);
+  return std::make_unique<Engine>(BuildModel(config), std::move(options));
+}
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,29 @@
+// server/engine_factory.h: a ServerConfig -> the model and the Engine that serves it.
+//
+// Used by vlmgraph-server and by vlmgraph-generate (the direct, no-gRPC reference tool), so both
+// build the same weights from the same config: a preset model is initialised after
+// at::manual_seed(config.seed), a checkpoint directory is loaded with LoadModel.
+//
+//   std::unique_ptr<Engine> engine = BuildEngine(config);   // not warmed up yet
+//
+// Errors: ServerConfigError naming the key ("device", "model") for what the config got wrong
+// (no CUDA device, unreadable checkpoint); EngineError from the engine's own checks.
+// Thread rules: call from the thread that will drive the engine (or before starting it).
+#pragma once
+
+#include <memory>
+
+#include "engine/engine.h"
+#include "server/config.h"
+
+namespace vlmgraph::server {
+
+EngineOptions ToEngineOptions(const ServerConfig& config);
+
+// The configured model on the CPU in float32: a preset initialised after at::manual_seed(seed),
+// or a checkpoint directory.
+VisionLanguageModel BuildModel(const ServerConfig& config);
+
+std::unique_ptr<Engine> BuildEngine(const ServerConfig& config);
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,40 @@
+// server/flags.h: command-line flags of vlmgraph-server and vlmgraph-generate. Flags override
+// the YAML file key by key: each flag names a key path, and `--set key.path=value` reaches any
+// key (the value is YAML: `--set buckets.batch_sizes=[1,2]`).
+//
+//   CommandLine cl = ParseCommandLine(argc, argv);     // throws ServerConfigError("--flag", ...)
+//   ServerConfig cfg = LoadServerConfig(cl);           // file -> overrides -> parse -> defaults ->
+//   validate
+//
+// Thread rules: pure functions.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/config.h"
+
+namespace vlmgraph::server {
+
+struct CommandLine {
+  std::string config_path;  // --config; empty = built-in defaults
+  std::vector<std::pair<std::string, std::string>> overrides;  // (key path, YAML value), in order
+  bool print_config = false;                                   // --print-config: print and exit
+  bool help = false;
+  std::vector<std::string> positional;                     // arguments that are not flags
+  std::vector<std::pair<std::string, std::string>> extra;  // flags in `extra_flags` (name, value)
+};
+
+// `extra_flags`: additional "--name" flags taking a value that the caller handles itself
+// (vlmgraph-generate's request flags). Unknown flags throw.
+CommandLine ParseCommandLine(int argc, const char* const* argv,
+                             const std::vector<std::string>& extra_flags = {});
+
+// Reads the file (if any), applies the overrides, then ParseConfig, FillDefaults, ValidateConfig.
+ServerConfig LoadServerConfig(const CommandLine& command_line);
+
+// The --help text of the shared flags.
+std::string FlagsHelp();
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,127 @@
+#include "server/graphed_trainer.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "engine/trainer.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOptions& o) {
+  const bool vision = o.train_vision && o.vision_learning_rate > 0;
+  const bool projector = o.train_projector && o.projector_learning_rate > 0;
+  const bool language = o.train_language && o.language_learning_rate > 0;
+  if (!vision && !projector && !language) {
+    throw InvalidArgument("config: nothing to train (every part is frozen or has learning rate 0)");
+  }
+  vlmgraph::TrainOptions t;
+  const EngineOptions& e = engine.options();
+  t.device = e.device;
+  t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;  // bf16 autocast is CUDA-only
+  // The base rate must be positive for the per-group rates to apply (each is given explicitly).
+  t.lr = std::max({o.language_learning_rate, o.vision_learning_rate, o.projector_learning_rate});
+  t.lr_language = o.language_learning_rate;
+  t.lr_vision = o.vision_learning_rate;
+  t.lr_projector = o.projector_learning_rate;
+  t.train_vision = vision;
+  t.train_projector = projector;
+  t.train_language = language;
+  t.beta1 = o.beta1;
+  t.beta2 = o.beta2;
+  t.eps = o.eps;
+  t.weight_decay = o.weight_decay;
+  t.max_grad_norm = o.max_grad_norm;
+  if (o.max_tiles_per_example > e.max_tiles_per_request) {
+    throw InvalidArgument("config.max_tiles_per_example: " + std::to_string(o.max_tiles_per_example) +
+                          " exceeds the server's max_tiles_per_request (" +
+                          std::to_string(e.max_tiles_per_request) + ")");
+  }
+  t.max_tiles_per_example = o.max_tiles_per_example;
+  t.cuda_graphs = engine.graphs_enabled();
+  t.buckets = e.buckets;
+  t.log_captures = false;
+  return t;
+}
+
+class GraphedTrainer final : public TrainBackend {
+ public:
+  GraphedTrainer(Engine& engine, const TrainOptions& options, EngineObserver* observer)
+      : serving_(engine.model()),
+        options_(options),
+        observer_(observer),
+        trainer_(engine.model(), ToEngineTrainOptions(engine, options)) {
+    if (options.padding != TrainPadding::kPadToBucket) {
+      throw InvalidArgument(
+          "config.bucket_policy: the graphed trainer always pads to a train bucket");
+    }
+  }
+
+  TrainStepStats Step(const std::vector<TrainExampleData>& batch) override {
+    const BucketSpec& buckets = trainer_.options().buckets;
+    int64_t longest = 0;
+    std::vector<vlmgraph::TrainExample> examples;
+    for (const auto& d : batch) {
+      longest = std::max<int64_t>(longest, d.input_ids.size());
+      examples.push_back(vlmgraph::TrainExample{d.input_ids, d.target_ids, d.tiles});
+    }
+    const int64_t rows = static_cast<int64_t>(batch.size());
+    const bool fits = buckets.PickTrain(rows, longest).has_value();
+    if (!fits && buckets.oversize == OversizePolicy::kReject) {
+      throw InvalidArgument("batch: " + std::to_string(rows) + " examples of up to " +
+                            std::to_string(longest) +
+                            " tokens fit no train bucket (buckets.train_batch_sizes x "
+                            "train_seq_lens) and buckets.oversize is reject; send smaller batches");
+    }
+    const TrainStepResult r = trainer_.Step(examples);
+    CopyWeightsToServingModel();
+
+    TrainStepStats s;
+    s.step = r.step;
+    s.loss = r.loss;
+    s.loss_tokens = r.target_tokens;
+    s.grad_norm = r.grad_norm;
+    s.learning_rate = options_.language_learning_rate;
+    s.seconds = r.seconds;
+    s.bucket = r.buckets.empty() ? BucketKey{Region::kTrain, rows, longest, 0} : r.buckets.front();
+    s.mode = r.kind;
+    if (observer_) {
+      if (!fits) observer_->OnEagerFallback(Region::kTrain, "no bucket fits " + s.bucket.Label());
+      if (r.kind == RunKind::kCaptureAndReplay) observer_->OnCapture(s.bucket, r.seconds);
+      observer_->OnStep(s.bucket, r.kind != RunKind::kEager, r.seconds);
+      observer_->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
+    }
+    return s;
+  }
+
+  void Save(const std::string& directory) override { trainer_.SaveCheckpoint(directory); }
+
+  int64_t steps() const override { return trainer_.steps(); }
+
+ private:
+  // The trainer's float32 master weights -> the engine's weights (their dtype and device), in
+  // place: the serving tensors keep their addresses, so captured inference graphs stay valid.
+  void CopyWeightsToServingModel() {
+    at::NoGradGuard no_grad;
+    auto master = trainer_.model()->named_parameters();
+    for (auto& p : serving_->named_parameters()) {
+      if (const at::Tensor* src = master.find(p.key())) p.value().copy_(*src);
+    }
+  }
+
+  VisionLanguageModel serving_;  // the engine's model (shared module)
+  const TrainOptions options_;
+  EngineObserver* observer_;
+  vlmgraph::Trainer trainer_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> MakeGraphedTrainer(Engine& engine, const TrainOptions& options,
+                                                 EngineObserver* observer) {
+  return std::make_unique<GraphedTrainer>(engine, options, observer);
+}
+
+}  // namespace vlmgraph::server

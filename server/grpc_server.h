@@ -1,0 +1,52 @@
+// server/grpc_server.h: the gRPC server process part: listening port, the VlmGraph service, the
+// standard grpc.health.v1.Health service and server reflection (so grpcurl works).
+//
+//   GrpcServer server(config, &service);        // binds and starts; throws on a bad address
+//   server.SetServing(true);                     // health: SERVING
+//   ...
+//   server.Shutdown(30.0);                       // NOT_SERVING, stop accepting, drain, cancel
+//
+// Note [Graceful shutdown]: main() on SIGTERM calls Shutdown(shutdown_timeout_seconds): health
+// turns NOT_SERVING (load balancers stop routing), new calls are refused, in-flight calls get the
+// timeout to finish; then gRPC cancels the rest, whose handlers notice within
+// VlmGraphService::kPollInterval and cancel their sequences. Only then is the scheduler stopped.
+//
+// Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
+// Errors: the constructor throws std::runtime_error naming server.grpc_address when it cannot bind.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "server/config.h"
+
+namespace vlmgraph::server {
+
+class GrpcServer {
+ public:
+  GrpcServer(const ServerConfig& config, grpc::Service* service);
+  ~GrpcServer();
+  GrpcServer(const GrpcServer&) = delete;
+  GrpcServer& operator=(const GrpcServer&) = delete;
+
+  // The bound port (resolves port 0) and "host:port" with it.
+  int port() const { return port_; }
+  std::string address() const;
+
+  void SetServing(bool serving);
+  // Stops accepting calls, waits up to `timeout_seconds` for running calls, cancels the rest and
+  // waits for their handlers to return. Idempotent.
+  void Shutdown(double timeout_seconds);
+
+  static constexpr const char* kServiceName = "vlmgraph.v1.VlmGraph";
+
+ private:
+  std::string host_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  bool shut_down_ = false;
+};
+
+}  // namespace vlmgraph::server

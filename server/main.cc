@@ -1,0 +1,121 @@
+// vlmgraph-server: serves a nanoVLM model over gRPC with Prometheus metrics.
+//
+//   vlmgraph-server                                  # built-in nanovlm-tiny on CPU (quick start)
+//   vlmgraph-server --config deploy/config.yaml      # a deployment
+//   vlmgraph-server --config c.yaml --device cuda:1 --grpc-address 0.0.0.0:50051
+//
+// Only wiring lives here: config -> metrics -> engine (on the scheduler's GPU thread) -> gRPC ->
+// wait for SIGTERM/SIGINT -> graceful shutdown (Note [Graceful shutdown], server/grpc_server.h).
+// Prints one line "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT" on stdout when it
+// serves (scripts and tests wait for it). Exit status: 0 after a clean shutdown, 2 for a bad
+// config or flags, 1 for other start-up failures.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "server/engine_factory.h"
+#include "server/flags.h"
+#include "server/grpc_server.h"
+#include "server/log.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+#include "server/service.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: vlmgraph-server [--config FILE] [flags]\n"
+    "Serves a nanoVLM model over gRPC (vlmgraph.v1.VlmGraph, health, reflection) with Prometheus\n"
+    "metrics on a separate port. With no flags: the built-in nanovlm-tiny model on "
+    "CPU.\n\nflags:\n";
+
+std::string Host(const std::string& address) { return address.substr(0, address.rfind(':')); }
+
+int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
+  using namespace vlmgraph::server;
+  LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
+  Metrics metrics(config.server.metrics_address);
+  Scheduler scheduler(&metrics, SchedulerOptions{config.batching.max_queue_delay_us,
+                                                 config.batching.max_queue_size});
+  scheduler.Start([&] {
+    std::unique_ptr<vlmgraph::Engine> engine = BuildEngine(config);
+    engine->SetObserver(&metrics);
+    engine->Warmup();
+    return engine;
+  });
+  vlmgraph::Engine& engine = scheduler.engine();
+  metrics.InitBuckets(engine.options().buckets);
+  metrics.SetMemory(engine.Memory());
+  VlmGraphService service(&engine, &scheduler, &metrics, config);
+  GrpcServer grpc_server(config, &service);
+  grpc_server.SetServing(true);
+  const std::string metrics_address =
+      Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
+  LogInfo(std::string("serving: graphs ") + (engine.graphs_enabled() ? "on" : "off") +
+          ", max context " + std::to_string(engine.max_context()) + ", gRPC " +
+          grpc_server.address() + ", metrics http://" + metrics_address + "/metrics");
+  std::printf("vlmgraph-server ready: grpc %s metrics %s\n", grpc_server.address().c_str(),
+              metrics_address.c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  char drain[96];
+  std::snprintf(drain, sizeof(drain), "received %s: draining for up to %g s",
+                signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_timeout_seconds);
+  LogInfo(drain);
+  scheduler.StopAccepting();
+  grpc_server.Shutdown(config.shutdown_timeout_seconds);  // every handler has returned after this
+  const vlmgraph::EngineCounters counters = engine.Counters();
+  scheduler.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engine
+  LogInfo("stopped: " + std::to_string(counters.TotalReplays()) + " graph replays, " +
+          std::to_string(counters.TotalCaptures()) + " captures, " +
+          std::to_string(counters.eager_fallbacks) + " eager fallbacks, " +
+          std::to_string(counters.real_tokens) + " real / " +
+          std::to_string(counters.padded_tokens) + " padded tokens");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace vlmgraph::server;
+  // SIGTERM/SIGINT are taken by sigwait() in main only: block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  ServerConfig config;
+  try {
+    const CommandLine cl = ParseCommandLine(argc, argv);
+    if (cl.help) {
+      std::cout << kUsage << FlagsHelp();
+      return 0;
+    }
+    if (!cl.positional.empty())
+      throw ServerConfigError(cl.positional[0], "unexpected argument; see --help");
+    config = LoadServerConfig(cl);
+    if (cl.print_config) {
+      std::cout << ConfigToYaml(config) << std::endl;
+      return 0;
+    }
+  } catch (const ServerConfigError& e) {
+    std::fprintf(stderr, "vlmgraph-server: config error: %s\n", e.what());
+    return 2;
+  }
+  SetLogLevel(config.log_level);
+  try {
+    return Serve(config, signals);
+  } catch (const ServerConfigError& e) {
+    LogError(std::string("config error: ") + e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    LogError(std::string("start-up failed: ") + e.what());
+    return 1;
+  }
+}

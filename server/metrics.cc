@@ -1,0 +1,267 @@
+#include "server/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <cctype>
+#include <sstream>
+#include <stdexcept>
+
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+using prometheus::Histogram;
+
+// Seconds, 100 us .. 60 s: covers a graph replay of a tiny bucket up to a long generation.
+const Histogram::BucketBoundaries& LatencyBuckets() {
+  static const Histogram::BucketBoundaries b = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                                                0.01,   0.025,   0.05,   0.1,   0.25,   0.5,
+                                                1,      2.5,     5,      10,    30,     60};
+  return b;
+}
+
+const Histogram::BucketBoundaries& BatchBuckets() {
+  static const Histogram::BucketBoundaries b = {1,  2,  3,  4,  6,  8,   12, 16,
+                                                24, 32, 48, 64, 96, 128, 256};
+  return b;
+}
+
+std::string ModeLabel(bool graphed) { return graphed ? "graph" : "eager"; }
+
+// "no bucket fits b1xs300" -> "no bucket fits": the last word is dropped when it holds a digit.
+std::string ReasonLabel(const std::string& reason) {
+  const size_t space = reason.find_last_of(' ');
+  if (space == std::string::npos) return reason;
+  const std::string last = reason.substr(space + 1);
+  for (char c : last) {
+    if (std::isdigit(static_cast<unsigned char>(c))) return reason.substr(0, space);
+  }
+  return reason;
+}
+
+}  // namespace
+
+Metrics::Metrics(const std::string& metrics_address)
+    : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& r = *registry_;
+  captures_ =
+      &BuildCounter()
+           .Name("vlmgraph_graph_captures_total")
+           .Help(
+               "CUDA graph captures (the analogue of torch.compile recompiles); flat after warm-up")
+           .Register(r);
+  replays_ =
+      &BuildCounter().Name("vlmgraph_graph_replays_total").Help("CUDA graph replays").Register(r);
+  eager_runs_ = &BuildCounter()
+                     .Name("vlmgraph_eager_runs_total")
+                     .Help("Region runs without a graph (CPU, capture off, or oversize)")
+                     .Register(r);
+  eager_fallbacks_ = &BuildCounter()
+                          .Name("vlmgraph_eager_fallbacks_total")
+                          .Help("Shapes larger than every bucket that ran eagerly")
+                          .Register(r);
+  capture_seconds_ = &BuildCounter()
+                          .Name("vlmgraph_capture_seconds_total")
+                          .Help("Time spent capturing graphs")
+                          .Register(r)
+                          .Add({});
+  tokens_ = &BuildCounter()
+                 .Name("vlmgraph_tokens_total")
+                 .Help("Tokens processed; padded counts the whole bucket, so waste = padded / real")
+                 .Register(r);
+  step_latency_ = &BuildHistogram()
+                       .Name("vlmgraph_step_latency_seconds")
+                       .Help(
+                           "Wall time of one region run (inputs copied, graph replayed or eager "
+                           "ops, outputs ready)")
+                       .Register(r);
+  batch_size_ = &BuildHistogram()
+                     .Name("vlmgraph_batch_size")
+                     .Help("Real sequences per prefill / decode step")
+                     .Register(r);
+  queue_time_ = &BuildHistogram()
+                     .Name("vlmgraph_queue_time_seconds")
+                     .Help("Time from accepting a request to its first engine work")
+                     .Register(r);
+  time_to_first_token_ = &BuildHistogram()
+                              .Name("vlmgraph_time_to_first_token_seconds")
+                              .Help("Accepted -> first generated token sent")
+                              .Register(r)
+                              .Add({}, LatencyBuckets());
+  inter_token_latency_ = &BuildHistogram()
+                              .Name("vlmgraph_inter_token_latency_seconds")
+                              .Help("Gap between consecutive streamed tokens of one request")
+                              .Register(r)
+                              .Add({}, LatencyBuckets());
+  request_duration_ = &BuildHistogram()
+                           .Name("vlmgraph_request_duration_seconds")
+                           .Help("Accepted -> final message")
+                           .Register(r);
+  requests_ = &BuildCounter()
+                   .Name("vlmgraph_requests_total")
+                   .Help("Finished RPCs by gRPC status code")
+                   .Register(r);
+  generated_tokens_ = &BuildCounter()
+                           .Name("vlmgraph_generated_tokens_total")
+                           .Help("Tokens streamed to clients")
+                           .Register(r)
+                           .Add({});
+  queue_depth_ = &BuildGauge()
+                      .Name("vlmgraph_queue_depth")
+                      .Help("Requests waiting for a decode slot")
+                      .Register(r)
+                      .Add({});
+  active_sequences_ = &BuildGauge()
+                           .Name("vlmgraph_active_sequences")
+                           .Help("Sequences holding a KV-cache slot")
+                           .Register(r)
+                           .Add({});
+  gpu_allocated_ = &BuildGauge()
+                        .Name("vlmgraph_gpu_memory_allocated_bytes")
+                        .Help("Device memory held by live tensors")
+                        .Register(r)
+                        .Add({});
+  gpu_reserved_ = &BuildGauge()
+                       .Name("vlmgraph_gpu_memory_reserved_bytes")
+                       .Help("Device memory reserved by the caching allocator")
+                       .Register(r)
+                       .Add({});
+  graph_pool_ = &BuildGauge()
+                     .Name("vlmgraph_graph_pool_bytes")
+                     .Help("Device memory of the shared CUDA graph pool")
+                     .Register(r)
+                     .Add({});
+  kv_cache_ = &BuildGauge()
+                   .Name("vlmgraph_kv_cache_bytes")
+                   .Help("Static KV cache size")
+                   .Register(r)
+                   .Add({});
+  train_steps_ = &BuildCounter()
+                      .Name("vlmgraph_train_steps_total")
+                      .Help("Optimizer steps taken by Train streams")
+                      .Register(r)
+                      .Add({});
+  train_tokens_ = &BuildCounter()
+                       .Name("vlmgraph_train_tokens_total")
+                       .Help("Target tokens trained on")
+                       .Register(r)
+                       .Add({});
+  train_loss_ = &BuildGauge()
+                     .Name("vlmgraph_train_loss")
+                     .Help("Loss of the latest training step")
+                     .Register(r)
+                     .Add({});
+  train_learning_rate_ = &BuildGauge()
+                              .Name("vlmgraph_train_learning_rate")
+                              .Help("Learning rate of the latest step")
+                              .Register(r)
+                              .Add({});
+  // Every RPC appears at zero from the start, so rate() and dashboards work before traffic.
+  for (const char* rpc : {"Generate", "Forward", "Train"}) {
+    requests_->Add({{"rpc", rpc}, {"code", "OK"}});
+    request_duration_->Add({{"rpc", rpc}}, LatencyBuckets());
+    queue_time_->Add({{"rpc", rpc}}, LatencyBuckets());
+  }
+  if (!metrics_address.empty()) {
+    http_ = std::make_unique<MetricsHttpServer>(metrics_address, [this] { return Render(); });
+  }
+}
+
+Metrics::~Metrics() { http_.reset(); }  // stop serving before the metrics go away
+
+void Metrics::InitBuckets(const BucketSpec& buckets) {
+  for (int r = 0; r < kNumRegions; ++r) {
+    const Region region = static_cast<Region>(r);
+    for (const BucketKey& key : buckets.All(region)) {
+      const prometheus::Labels labels{{"region", RegionName(region)}, {"bucket", key.Label()}};
+      captures_->Add(labels);
+      replays_->Add(labels);
+      eager_runs_->Add(labels);
+    }
+    eager_fallbacks_->Add({{"region", RegionName(region)}, {"reason", "no bucket fits"}});
+  }
+}
+
+int Metrics::port() const { return http_ ? http_->port() : 0; }
+
+std::string Metrics::Render() const {
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+void Metrics::OnCapture(const BucketKey& key, double seconds) {
+  captures_->Add({{"region", RegionName(key.region)}, {"bucket", key.Label()}}).Increment();
+  capture_seconds_->Increment(seconds);
+}
+
+void Metrics::OnStep(const BucketKey& key, bool graphed, double seconds) {
+  const prometheus::Labels labels{{"region", RegionName(key.region)}, {"bucket", key.Label()}};
+  (graphed ? replays_ : eager_runs_)->Add(labels).Increment();
+  prometheus::Labels with_mode = labels;
+  with_mode["mode"] = ModeLabel(graphed);
+  step_latency_->Add(with_mode, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::OnEagerFallback(Region region, const std::string& reason) {
+  eager_fallbacks_->Add({{"region", RegionName(region)}, {"reason", ReasonLabel(reason)}})
+      .Increment();
+}
+
+void Metrics::OnTokens(Region region, int64_t real, int64_t padded) {
+  tokens_->Add({{"region", RegionName(region)}, {"kind", "real"}})
+      .Increment(static_cast<double>(real));
+  tokens_->Add({{"region", RegionName(region)}, {"kind", "padded"}})
+      .Increment(static_cast<double>(padded));
+}
+
+void Metrics::OnBatch(Region region, int64_t real_batch) {
+  batch_size_->Add({{"region", RegionName(region)}}, BatchBuckets())
+      .Observe(static_cast<double>(real_batch));
+}
+
+void Metrics::ObserveQueueTime(const std::string& rpc, double seconds) {
+  queue_time_->Add({{"rpc", rpc}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::ObserveTimeToFirstToken(double seconds) { time_to_first_token_->Observe(seconds); }
+
+void Metrics::ObserveInterTokenLatency(double seconds) { inter_token_latency_->Observe(seconds); }
+
+void Metrics::ObserveRequest(const std::string& rpc, grpc::StatusCode code, double seconds) {
+  requests_->Add({{"rpc", rpc}, {"code", StatusCodeName(code)}}).Increment();
+  request_duration_->Add({{"rpc", rpc}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::AddGeneratedTokens(int64_t tokens) {
+  generated_tokens_->Increment(static_cast<double>(tokens));
+}
+
+void Metrics::SetQueueDepth(int64_t requests) { queue_depth_->Set(static_cast<double>(requests)); }
+
+void Metrics::SetActiveSequences(int64_t sequences) {
+  active_sequences_->Set(static_cast<double>(sequences));
+}
+
+void Metrics::SetMemory(const MemoryStats& m) {
+  gpu_allocated_->Set(static_cast<double>(m.allocated_bytes));
+  gpu_reserved_->Set(static_cast<double>(m.reserved_bytes));
+  graph_pool_->Set(static_cast<double>(m.graph_pool_bytes));
+  kv_cache_->Set(static_cast<double>(m.kv_cache_bytes));
+}
+
+void Metrics::ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate) {
+  train_steps_->Increment();
+  train_tokens_->Increment(static_cast<double>(target_tokens));
+  train_loss_->Set(loss);
+  train_learning_rate_->Set(learning_rate);
+}
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,109 @@
+// server/metrics.h: every Prometheus metric of vlmgraph, owned by one class.
+//
+// Names, types and labels are fixed by docs/metrics.md (a Grafana dashboard is generated from
+// that list). Metrics implements the engine's EngineObserver (captures, replays, eager runs,
+// tokens, batch sizes, step latency per region and bucket) and takes the server's own
+// observations (queue time, time to first token, inter-token latency, requests by RPC and status
+// code, memory, training). `/metrics` is served on its own port by MetricsHttpServer
+// (Note [Own metrics endpoint], server/metrics_http.h).
+//
+//   Metrics metrics("127.0.0.1:9464");   // "" = no HTTP endpoint (tests read Render())
+//   engine.SetObserver(&metrics);
+//   metrics.ObserveRequest("Generate", grpc::StatusCode::OK, 0.8);
+//
+// Thread rules: every method is safe from any thread (prometheus-cpp metrics are thread-safe);
+// the EngineObserver methods are cheap, as the engine requires. Errors: the constructor throws
+// std::runtime_error naming the address when the port cannot be bound.
+#pragma once
+
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine_types.h"
+#include "server/metrics_http.h"
+
+namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace vlmgraph::server {
+
+class Metrics : public EngineObserver {
+ public:
+  explicit Metrics(const std::string& metrics_address);
+  ~Metrics() override;
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The bound HTTP port (useful with port 0), or 0 without an endpoint.
+  int port() const;
+  // The current exposition (Prometheus text format), as /metrics serves it.
+  std::string Render() const;
+
+  // Creates the zero-valued series of every configured bucket (captures, replays, eager runs per
+  // region and bucket; eager fallbacks per region), so dashboards see each family before its
+  // first event (Prometheus' advice: initialise known label sets). Call once at start-up.
+  void InitBuckets(const BucketSpec& buckets);
+
+  // --- EngineObserver (GPU thread) --------------------------------------------------------------
+  void OnCapture(const BucketKey& key, double seconds) override;
+  void OnStep(const BucketKey& key, bool graphed, double seconds) override;
+  // `reason`'s trailing shape label ("no bucket fits b1xs300" -> "no bucket fits") is dropped
+  // to keep the label's values few.
+  void OnEagerFallback(Region region, const std::string& reason) override;
+  void OnTokens(Region region, int64_t real, int64_t padded) override;
+  void OnBatch(Region region, int64_t real_batch) override;
+
+  // --- server observations ----------------------------------------------------------------------
+  void ObserveQueueTime(const std::string& rpc, double seconds);
+  void ObserveTimeToFirstToken(double seconds);
+  void ObserveInterTokenLatency(double seconds);
+  // A finished RPC: vlmgraph_requests_total{rpc, code} and vlmgraph_request_duration_seconds{rpc}.
+  void ObserveRequest(const std::string& rpc, grpc::StatusCode code, double seconds);
+  void AddGeneratedTokens(int64_t tokens);
+  void SetQueueDepth(int64_t requests);
+  void SetActiveSequences(int64_t sequences);
+  void SetMemory(const MemoryStats& memory);
+  // One optimizer step of a Train stream (its latency goes to OnStep with region train).
+  void ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<MetricsHttpServer> http_;
+
+  prometheus::Family<prometheus::Counter>* captures_;
+  prometheus::Family<prometheus::Counter>* replays_;
+  prometheus::Family<prometheus::Counter>* eager_runs_;
+  prometheus::Family<prometheus::Counter>* eager_fallbacks_;
+  prometheus::Counter* capture_seconds_;
+  prometheus::Family<prometheus::Counter>* tokens_;
+  prometheus::Family<prometheus::Histogram>* step_latency_;
+  prometheus::Family<prometheus::Histogram>* batch_size_;
+  prometheus::Family<prometheus::Histogram>* queue_time_;
+  prometheus::Histogram* time_to_first_token_;
+  prometheus::Histogram* inter_token_latency_;
+  prometheus::Family<prometheus::Histogram>* request_duration_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Counter* generated_tokens_;
+  prometheus::Gauge* queue_depth_;
+  prometheus::Gauge* active_sequences_;
+  prometheus::Gauge* gpu_allocated_;
+  prometheus::Gauge* gpu_reserved_;
+  prometheus::Gauge* graph_pool_;
+  prometheus::Gauge* kv_cache_;
+  prometheus::Counter* train_steps_;
+  prometheus::Counter* train_tokens_;
+  prometheus::Gauge* train_loss_;
+  prometheus::Gauge* train_learning_rate_;
+};
+
+}  // namespace vlmgraph::server

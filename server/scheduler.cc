@@ -1,0 +1,341 @@
+#include "server/scheduler.h"
+
+#include <algorithm>
+
+#include "server/log.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+std::exception_ptr ShuttingDown() {
+  return std::make_exception_ptr(
+      ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down"));
+}
+
+std::exception_ptr Cancelled() {
+  return std::make_exception_ptr(
+      ServerError(grpc::StatusCode::CANCELLED, "request cancelled by the client"));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// GenerationStream
+
+GenerationStream::Update GenerationStream::Wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, timeout, [this] { return done_ || !tokens_.empty(); });
+  Update u;
+  u.tokens.swap(tokens_);
+  u.done = done_;
+  u.reason = reason_;
+  u.error = error_;
+  return u;
+}
+
+bool GenerationStream::done() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+void GenerationStream::Push(const TokenEvent& event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    tokens_.push_back(event.token);
+    if (event.finished) {
+      done_ = true;
+      reason_ = event.reason;
+    }
+  }
+  cv_.notify_all();
+}
+
+void GenerationStream::Fail(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scheduler: submission (any thread)
+
+Scheduler::Scheduler(Metrics* metrics, SchedulerOptions options)
+    : metrics_(metrics), options_(options) {}
+
+Scheduler::~Scheduler() { Stop(); }
+
+void Scheduler::Start(const EngineFactory& make_engine) {
+  std::promise<void> ready;
+  std::future<void> started = ready.get_future();
+  thread_ = std::thread([this, make_engine, &ready] { Loop(make_engine, &ready); });
+  try {
+    started.get();
+  } catch (...) {
+    thread_.join();
+    throw;
+  }
+}
+
+void Scheduler::StopAccepting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+}
+
+void Scheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    accepting_ = false;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Scheduler::CheckAccepting() const {
+  if (!accepting_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
+  const int64_t depth = static_cast<int64_t>(pending_.size() + work_.size());
+  if (depth >= options_.max_queue_size) {
+    throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      "request queue is full (" + std::to_string(depth) +
+                          " waiting, batching.max_queue_size = " +
+                          std::to_string(options_.max_queue_size) + "); retry later");
+  }
+}
+
+std::shared_ptr<GenerationStream> Scheduler::SubmitGenerate(GenerateRequest request,
+                                                            Clock::time_point accepted) {
+  auto stream = std::make_shared<GenerationStream>(accepted);
+  stream->request_ = std::move(request);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    CheckAccepting();
+    pending_.push_back(stream);
+    if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size()));
+  }
+  cv_.notify_all();
+  return stream;
+}
+
+void Scheduler::Cancel(const std::shared_ptr<GenerationStream>& stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancels_.push_back(stream);
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
+                               Clock::time_point accepted, bool cleanup) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> result = done->get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cleanup) {
+      CheckAccepting();
+    } else if (stopping_) {
+      throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
+    }
+    work_.push_back(WorkItem{rpc, work, accepted, cleanup, done});
+  }
+  cv_.notify_all();
+  result.get();  // rethrows the work's exception; Stop() fails queued items, so this returns
+}
+
+int64_t Scheduler::QueueDepth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(pending_.size() + work_.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scheduler: the GPU thread
+
+bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
+  if (pending_.empty()) return false;
+  const int64_t free = engine_->FreeSlots();
+  if (free == 0) return false;
+  if (static_cast<int64_t>(pending_.size()) >= free) return true;
+  return now - pending_.front()->accepted() >=
+         std::chrono::microseconds(options_.max_queue_delay_us);
+}
+
+void Scheduler::Loop(const EngineFactory& make_engine, std::promise<void>* ready) {
+  try {
+    owned_engine_ = make_engine();
+    engine_ = owned_engine_.get();
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      accepting_ = false;
+      stopping_ = true;
+    }
+    ready->set_exception(std::current_exception());
+    return;
+  }
+  ready->set_value();
+  Serve();
+  FailEverything();
+  engine_ = nullptr;  // engine() is valid from Start() to Stop() only
+  owned_engine_.reset();
+}
+
+void Scheduler::Serve() {
+  std::vector<TokenEvent> events;
+  while (true) {
+    std::vector<std::shared_ptr<GenerationStream>> cancels, admit;
+    std::deque<WorkItem> work;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!stopping_ && cancels_.empty() && work_.empty() && engine_->ActiveSequences() == 0 &&
+             !ReadyToAdmit(Clock::now())) {
+        // Idle, or holding requests back to batch them: sleep until the oldest one's delay ends
+        // (or a second passes, to refresh the memory gauges) unless something arrives first.
+        const auto deadline = pending_.empty()
+                                  ? Clock::now() + std::chrono::seconds(1)
+                                  : pending_.front()->accepted() +
+                                        std::chrono::microseconds(options_.max_queue_delay_us);
+        if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && pending_.empty()) {
+          lock.unlock();
+          UpdateGauges(/*force=*/true);
+          lock.lock();
+        }
+      }
+      if (stopping_) break;
+      cancels.swap(cancels_);
+      work.swap(work_);
+      if (ReadyToAdmit(Clock::now())) {
+        const int64_t n =
+            std::min<int64_t>(engine_->FreeSlots(), static_cast<int64_t>(pending_.size()));
+        for (int64_t i = 0; i < n; ++i) {
+          admit.push_back(std::move(pending_.front()));
+          pending_.pop_front();
+        }
+      }
+      if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size() + work_.size()));
+    }
+    for (const auto& stream : cancels) CancelOnGpuThread(stream);
+    for (auto& item : work) {
+      if (metrics_ && !item.cleanup)
+        metrics_->ObserveQueueTime(item.rpc, Seconds(Clock::now() - item.accepted));
+      try {
+        item.fn(*engine_);
+        item.done->set_value();
+      } catch (...) {
+        item.done->set_exception(std::current_exception());
+      }
+    }
+    if (!admit.empty()) Admit(std::move(admit), &events);
+    if (engine_->ActiveSequences() > 0) {
+      try {
+        engine_->Step(&events);
+      } catch (...) {
+        // A failed decode step leaves no sequence in a known state: end them all with the error.
+        LogError("decode step failed; ending every running sequence");
+        std::exception_ptr error = std::current_exception();
+        for (auto& [id, stream] : running_) {
+          engine_->Cancel(id);
+          stream->Fail(error);
+        }
+        running_.clear();
+      }
+    }
+    Route(&events);
+    UpdateGauges(/*force=*/false);
+  }
+}
+
+void Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
+                      std::vector<TokenEvent>* events) {
+  // Validate again here (cheap), so one bad request cannot fail the others of its group.
+  std::vector<std::shared_ptr<GenerationStream>> ok;
+  std::vector<GenerateRequest> requests;
+  const auto now = Clock::now();
+  for (auto& stream : batch) {
+    if (stream->done()) continue;  // cancelled between queueing and admission
+    try {
+      engine_->Validate(stream->request_);
+    } catch (...) {
+      stream->Fail(std::current_exception());
+      continue;
+    }
+    const double waited = Seconds(now - stream->accepted());
+    stream->queue_seconds_ = waited;
+    if (metrics_) metrics_->ObserveQueueTime("Generate", waited);
+    requests.push_back(std::move(stream->request_));
+    ok.push_back(std::move(stream));
+  }
+  if (ok.empty()) return;
+  try {
+    const std::vector<SequenceId> ids = engine_->Admit(std::move(requests), events);
+    for (size_t i = 0; i < ids.size() && i < ok.size(); ++i) {
+      ok[i]->id_ = ids[i];
+      running_[ids[i]] = ok[i];
+    }
+  } catch (...) {
+    std::exception_ptr error = std::current_exception();
+    for (auto& stream : ok) stream->Fail(error);
+  }
+}
+
+void Scheduler::Route(std::vector<TokenEvent>* events) {
+  for (const TokenEvent& ev : *events) {
+    auto it = running_.find(ev.id);
+    if (it == running_.end()) {
+      // A sequence nobody owns (its admission failed half-way): free its slot.
+      if (!ev.finished) engine_->Cancel(ev.id);
+      continue;
+    }
+    it->second->Push(ev);
+    if (ev.finished) running_.erase(it);
+  }
+  events->clear();
+}
+
+void Scheduler::CancelOnGpuThread(const std::shared_ptr<GenerationStream>& stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find(pending_.begin(), pending_.end(), stream);
+    if (it != pending_.end()) pending_.erase(it);
+    if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size() + work_.size()));
+  }
+  if (stream->id_ >= 0 && running_.erase(stream->id_) > 0) engine_->Cancel(stream->id_);
+  stream->Fail(Cancelled());
+}
+
+void Scheduler::FailEverything() {
+  std::deque<std::shared_ptr<GenerationStream>> pending;
+  std::deque<WorkItem> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(pending_);
+    work.swap(work_);
+    cancels_.clear();
+  }
+  for (auto& stream : pending) stream->Fail(ShuttingDown());
+  for (auto& item : work) item.done->set_exception(ShuttingDown());
+  for (auto& [id, stream] : running_) {
+    engine_->Cancel(id);
+    stream->Fail(ShuttingDown());
+  }
+  running_.clear();
+  UpdateGauges(/*force=*/true);
+}
+
+void Scheduler::UpdateGauges(bool force) {
+  if (!metrics_) return;
+  const auto now = Clock::now();
+  if (!force && now - last_gauges_ < std::chrono::milliseconds(250)) return;
+  last_gauges_ = now;
+  metrics_->SetQueueDepth(QueueDepth());
+  metrics_->SetActiveSequences(engine_->ActiveSequences());
+  metrics_->SetMemory(engine_->Memory());
+}
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,174 @@
+// server/scheduler.h: the bounded request queue and the one GPU thread that drives the Engine.
+//
+// Every engine call happens on the scheduler's GPU thread (engine.h's thread rule). RPC handlers
+// (gRPC threads) validate and convert requests, then:
+//   Scheduler scheduler(&metrics, options);
+//   scheduler.Start([&] { auto e = BuildEngine(cfg); e->Warmup(); return e; });  // on the GPU
+//   thread auto stream = scheduler.SubmitGenerate(std::move(request), accepted);  // throws when
+//   full while (!(u = stream->Wait(50ms)).done) Send(u.tokens); ...       // tokens as they decode
+//   scheduler.Cancel(stream);                                        // the client went away
+//   scheduler.RunOnGpuThread("Forward", [&](Engine& e) { ... });     // Forward, Train steps
+//
+// Note [Batching policy]: the GPU thread loops over
+//   1. cancellations (Engine::Cancel frees the KV slot at once),
+//   2. queued work items (Forward, training steps, checkpoint saves), in arrival order,
+//   3. admission: waiting Generate requests are admitted (vision + prefill in bucket-sized groups,
+//      first token) when the engine has free slots and either as many requests wait as slots are
+//      free or the oldest has waited max_queue_delay_us, so a burst of requests lands in one
+//      prefill bucket (Triton's max_queue_delay);
+//   4. one decode step for every active sequence (continuous batching: a finished sequence frees
+//      its slot, and the next iteration's admission refills it, so long generations never block
+//      short ones).
+// The queue is bounded: more than max_queue_size waiting requests (Generate and work items
+// together) -> RESOURCE_EXHAUSTED. After StopAccepting() submissions fail with UNAVAILABLE.
+//
+// Thread rules: Submit*, Cancel, RunOnGpuThread, QueueDepth and engine() (for the Engine's
+// thread-safe methods only) are safe from any thread; Start and Stop from the owning (main)
+// thread. The engine is built, warmed up, driven and destroyed on the GPU thread. Errors reach
+// handlers as exception_ptrs (Update::error) or exceptions (RunOnGpuThread), never as statuses; the
+// RPC guard converts them.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine.h"
+#include "server/metrics.h"
+
+namespace vlmgraph::server {
+
+using Clock = std::chrono::steady_clock;
+
+struct SchedulerOptions {
+  int64_t max_queue_delay_us = 2000;
+  int64_t max_queue_size = 256;
+};
+
+// One Generate request's channel from the GPU thread to its RPC handler.
+class GenerationStream {
+ public:
+  struct Update {
+    std::vector<int64_t> tokens;  // new since the previous Wait
+    bool done = false;            // no more tokens will come
+    FinishReason reason = FinishReason::kNone;
+    std::exception_ptr error;  // set when the request failed (done is true)
+  };
+
+  explicit GenerationStream(Clock::time_point accepted) : accepted_(accepted) {}
+
+  // Blocks until tokens arrive, the stream ends, or `timeout` passes (empty update).
+  Update Wait(std::chrono::milliseconds timeout);
+
+  Clock::time_point accepted() const { return accepted_; }
+  // Seconds from acceptance to admission (prefill start); 0 before admission.
+  double queue_seconds() const { return queue_seconds_.load(); }
+
+ private:
+  friend class Scheduler;
+  bool done();
+  void Push(const TokenEvent& event);
+  void Fail(std::exception_ptr error);
+
+  const Clock::time_point accepted_;
+  std::atomic<double> queue_seconds_{0};
+  GenerateRequest request_;  // moved into the engine at admission
+  SequenceId id_ = -1;       // GPU thread only
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int64_t> tokens_;
+  bool done_ = false;
+  FinishReason reason_ = FinishReason::kNone;
+  std::exception_ptr error_;
+};
+
+class Scheduler {
+ public:
+  using EngineFactory = std::function<std::unique_ptr<Engine>()>;
+
+  // `metrics` may be null (tests).
+  Scheduler(Metrics* metrics, SchedulerOptions options);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Starts the GPU thread, which calls `make_engine` (build + warm-up) and then serves. Returns
+  // when the engine is ready; rethrows what `make_engine` threw (the thread has then ended).
+  void Start(const EngineFactory& make_engine);
+  // The engine, from Start() until Stop(). Other threads may only call its thread-safe methods
+  // (Validate, Counters, Memory, accessors).
+  Engine& engine() const { return *engine_; }
+  // New submissions fail with UNAVAILABLE from now on; queued and running work continues.
+  void StopAccepting();
+  // Ends everything still queued or running (streams and work items fail with UNAVAILABLE
+  // "server is shutting down"), then joins the GPU thread. Idempotent.
+  void Stop();
+
+  // Queues a validated request. Throws ServerError RESOURCE_EXHAUSTED (queue full) or
+  // UNAVAILABLE (stopping).
+  std::shared_ptr<GenerationStream> SubmitGenerate(GenerateRequest request,
+                                                   Clock::time_point accepted);
+  // Ends `stream` (queued or running) with CANCELLED; a finished stream is left alone.
+  void Cancel(const std::shared_ptr<GenerationStream>& stream);
+
+  // Runs `work` on the GPU thread between decode steps and waits for it; rethrows what `work`
+  // throws. Records vlmgraph_queue_time_seconds{rpc} from `accepted` (when the RPC or message
+  // arrived). Throws ServerError RESOURCE_EXHAUSTED or UNAVAILABLE like SubmitGenerate; a
+  // `cleanup` item (releasing a job's state) skips the queue limit and StopAccepting() and is
+  // refused only once the GPU thread is stopping.
+  void RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
+                      Clock::time_point accepted = Clock::now(), bool cleanup = false);
+
+  int64_t QueueDepth() const;
+
+ private:
+  struct WorkItem {
+    std::string rpc;
+    std::function<void(Engine&)> fn;
+    Clock::time_point accepted;
+    bool cleanup = false;
+    std::shared_ptr<std::promise<void>> done;
+  };
+
+  void Loop(const EngineFactory& make_engine, std::promise<void>* ready);
+  void Serve();
+  void CheckAccepting() const;                     // mu_ held
+  bool ReadyToAdmit(Clock::time_point now) const;  // mu_ held, GPU thread
+  void Admit(std::vector<std::shared_ptr<GenerationStream>> batch, std::vector<TokenEvent>* events);
+  void Route(std::vector<TokenEvent>* events);
+  void CancelOnGpuThread(const std::shared_ptr<GenerationStream>& stream);
+  void FailEverything();
+  void UpdateGauges(bool force);
+
+  std::unique_ptr<Engine> owned_engine_;  // GPU thread: created, used and destroyed there
+  Engine* engine_ = nullptr;
+  Metrics* metrics_;
+  const SchedulerOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<GenerationStream>> pending_;
+  std::deque<WorkItem> work_;
+  std::vector<std::shared_ptr<GenerationStream>> cancels_;
+  bool accepting_ = true;
+  bool stopping_ = false;
+
+  // GPU thread only.
+  std::map<SequenceId, std::shared_ptr<GenerationStream>> running_;
+  Clock::time_point last_gauges_{};
+
+  std::thread thread_;
+};
+
+}  // namespace vlmgraph::server

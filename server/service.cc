@@ -1,0 +1,217 @@
+#include "server/service.h"
+
+#include <exception>
+
+#include "server/convert.h"
+#include "server/log.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+v1::FinishReason ToProto(FinishReason r) {
+  switch (r) {
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStopToken:
+      return v1::FINISH_REASON_STOP_TOKEN;
+    case FinishReason::kContextFull:
+      return v1::FINISH_REASON_CONTEXT_FULL;
+    default:
+      return v1::FINISH_REASON_UNSPECIFIED;
+  }
+}
+
+// Cancels the stream's sequence unless it finished: covers every early exit of a handler.
+class CancelUnlessDone {
+ public:
+  CancelUnlessDone(Scheduler* scheduler, std::shared_ptr<GenerationStream> stream)
+      : scheduler_(scheduler), stream_(std::move(stream)) {}
+  ~CancelUnlessDone() {
+    if (!done_) scheduler_->Cancel(stream_);
+  }
+  void set_done() { done_ = true; }
+
+ private:
+  Scheduler* scheduler_;
+  std::shared_ptr<GenerationStream> stream_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
+                                 const ServerConfig& config)
+    : engine_(engine), scheduler_(scheduler), metrics_(metrics), config_(config) {}
+
+grpc::Status VlmGraphService::RpcGuard(const char* rpc, grpc::ServerContext* context,
+                                       Clock::time_point accepted,
+                                       const std::function<void()>& body) {
+  grpc::Status status;
+  try {
+    body();
+  } catch (...) {
+    status = StatusFromException(std::current_exception());
+  }
+  if (!status.ok() && context->IsCancelled() &&
+      status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    const bool expired = context->deadline() <= std::chrono::system_clock::now();
+    status =
+        grpc::Status(expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
+                     expired ? "deadline exceeded" : "cancelled by the client");
+  }
+  const double seconds = SecondsSince(accepted);
+  if (metrics_) metrics_->ObserveRequest(rpc, status.error_code(), seconds);
+  if (!status.ok()) {
+    const bool server_fault = status.error_code() == grpc::StatusCode::INTERNAL;
+    Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
+        std::string(rpc) + " from " + context->peer() + " -> " +
+            StatusCodeName(status.error_code()) + ": " + status.error_message());
+  }
+  return status;
+}
+
+grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
+                                           v1::ModelInfo* info) {
+  const VlmConfig& m = engine_->model_config();
+  const EngineOptions& o = engine_->options();
+  const BucketSpec& b = o.buckets;
+  info->set_model(config_.model);
+  info->set_dtype(config_.dtype);
+  info->set_device(o.device.str());
+  info->set_cuda_graphs(engine_->graphs_enabled());
+  info->set_vocab_size(m.lm_vocab_size);
+  info->set_image_token_id(m.image_token_id);
+  info->set_mp_image_token_length(m.mp_image_token_length);
+  info->set_vit_img_size(m.vit_img_size);
+  info->set_max_img_size(m.max_img_size);
+  info->set_resize_to_max_side_len(m.resize_to_max_side_len);
+  info->set_max_tiles_per_request(o.max_tiles_per_request);
+  info->set_max_context(engine_->max_context());
+  for (int64_t v : b.batch_sizes) info->add_batch_sizes(v);
+  for (int64_t v : b.seq_lens) info->add_seq_lens(v);
+  for (int64_t v : b.context_lens) info->add_context_lens(v);
+  for (int64_t v : b.tile_counts) info->add_tile_counts(v);
+  for (int64_t v : b.train_batch_sizes) info->add_train_batch_sizes(v);
+  for (int64_t v : b.train_seq_lens) info->add_train_seq_lens(v);
+  info->set_oversize(b.oversize == OversizePolicy::kReject ? "reject" : "eager");
+  const auto& l = config_.limits;
+  info->set_max_new_tokens_limit(l.max_new_tokens);
+  info->set_default_max_new_tokens(l.default_max_new_tokens);
+  info->set_max_images_per_request(l.max_images_per_request);
+  info->set_max_image_bytes(l.max_image_bytes);
+  info->set_max_image_pixels(l.max_image_pixels);
+  for (int64_t v : config_.model_stop_token_ids) info->add_suggested_stop_token_ids(v);
+  return grpc::Status::OK;
+}
+
+grpc::Status VlmGraphService::Generate(grpc::ServerContext* context,
+                                       const v1::GenerateRequest* request,
+                                       grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  const auto accepted = Clock::now();
+  return RpcGuard("Generate", context, accepted,
+                  [&] { RunGenerate(context, *request, writer, accepted); });
+}
+
+void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                                  grpc::ServerWriter<v1::GenerateResponse>* writer,
+                                  Clock::time_point accepted) {
+  GenerateRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits);
+  engine_->Validate(req);  // ids, image tokens vs tiles, context; thread-safe
+  const int64_t prompt_tokens = static_cast<int64_t>(req.input_ids.size());
+  const int64_t tiles = req.tiles.defined() ? req.tiles.size(0) : 0;
+  if (LogEnabled(LogLevel::kDebug)) {
+    LogDebug("Generate " + request.request_id() + " from " + context->peer() + ": " +
+             std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
+             " tiles, max_new_tokens " + std::to_string(req.sampling.max_new_tokens));
+  }
+  auto stream = scheduler_->SubmitGenerate(std::move(req), accepted);
+  CancelUnlessDone guard(scheduler_, stream);
+
+  int64_t generated = 0;
+  double ttft = 0;
+  Clock::time_point last_write = accepted;
+  FinishReason reason = FinishReason::kNone;
+  while (true) {
+    GenerationStream::Update u = stream->Wait(kPollInterval);
+    if (context->IsCancelled())
+      throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    if (!u.tokens.empty()) {
+      v1::GenerateResponse chunk;
+      for (int64_t t : u.tokens) chunk.mutable_tokens()->add_token_ids(t);
+      if (!writer->Write(chunk))
+        throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+      const auto now = Clock::now();
+      const int64_t k = static_cast<int64_t>(u.tokens.size());
+      if (generated == 0) {
+        ttft = std::chrono::duration<double>(now - accepted).count();
+        metrics_->ObserveTimeToFirstToken(ttft);
+        for (int64_t i = 1; i < k; ++i) metrics_->ObserveInterTokenLatency(0);
+      } else {
+        const double gap =
+            std::chrono::duration<double>(now - last_write).count() / static_cast<double>(k);
+        for (int64_t i = 0; i < k; ++i) metrics_->ObserveInterTokenLatency(gap);
+      }
+      last_write = now;
+      generated += k;
+      metrics_->AddGeneratedTokens(k);
+    }
+    if (u.error) std::rethrow_exception(u.error);
+    if (u.done) {
+      reason = u.reason;
+      break;
+    }
+  }
+  guard.set_done();
+  v1::GenerateResponse last;
+  v1::GenerateSummary* s = last.mutable_summary();
+  s->set_finish_reason(ToProto(reason));
+  s->set_prompt_tokens(prompt_tokens);
+  s->set_image_tiles(tiles);
+  s->set_generated_tokens(generated);
+  s->set_queue_seconds(stream->queue_seconds());
+  s->set_time_to_first_token_seconds(ttft);
+  s->set_total_seconds(SecondsSince(accepted));
+  if (!writer->Write(last))
+    throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+}
+
+grpc::Status VlmGraphService::Forward(grpc::ServerContext* context,
+                                      const v1::ForwardRequest* request,
+                                      v1::ForwardResponse* response) {
+  const auto accepted = Clock::now();
+  return RpcGuard("Forward", context, accepted, [&] { RunForward(*request, response, accepted); });
+}
+
+void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                                 Clock::time_point accepted) {
+  const ForwardRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits);
+  CheckPrompt(req.input_ids, req.tiles, engine_->model_config(), engine_->max_context(),
+              "input_ids");
+  ForwardResult result;
+  double queue_seconds = 0;
+  scheduler_->RunOnGpuThread(
+      "Forward",
+      [&](Engine& engine) {
+        queue_seconds = SecondsSince(accepted);
+        result = engine.Forward(req);
+      },
+      accepted);
+  response->set_loss(result.loss);
+  response->set_loss_tokens(result.loss_tokens);
+  for (size_t i = 0; i < result.logits.size(); ++i) {
+    v1::PositionLogits* row = response->add_logits();
+    row->set_position(req.logits_positions[i]);
+    row->mutable_logits()->Add(result.logits[i].begin(), result.logits[i].end());
+  }
+  response->set_bucket(result.bucket.Label());
+  response->set_graphed(result.graphed);
+  response->set_queue_seconds(queue_seconds);
+  response->set_total_seconds(SecondsSince(accepted));
+}
+
+}  // namespace vlmgraph::server

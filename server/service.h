@@ -1,0 +1,67 @@
+// server/service.h: the vlmgraph.v1.VlmGraph gRPC service (proto/vlmgraph/v1/service.proto).
+//
+// Handlers run on gRPC's synchronous-server threads: they convert and check requests
+// (server/convert.h, Engine::Validate) on their own thread, hand the work to the Scheduler's GPU
+// thread, and stream results back. Every handler body runs inside RpcGuard, the one place where
+// exceptions become grpc::Status and where vlmgraph_requests_total / request_duration_seconds are
+// recorded.
+//
+//   VlmGraphService service(&engine, &scheduler, &metrics, config);
+//   builder.RegisterService(&service);
+//
+// Thread rules: handlers are called concurrently by gRPC; the service only touches the engine
+// through the scheduler (plus Engine::Validate and accessors, which are thread-safe). Cancelled
+// calls and clients that vanish mid-stream are noticed within kPollInterval and their sequence is
+// cancelled in the engine.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+
+#include "engine/engine.h"
+#include "server/config.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+#include "vlmgraph/v1/service.grpc.pb.h"
+
+namespace vlmgraph::server {
+
+class VlmGraphService final : public v1::VlmGraph::Service {
+ public:
+  static constexpr std::chrono::milliseconds kPollInterval{50};
+
+  VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
+                  const ServerConfig& config);
+
+  grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
+                            v1::ModelInfo* response) override;
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        grpc::ServerWriter<v1::GenerateResponse>* writer) override;
+  grpc::Status Forward(grpc::ServerContext* context, const v1::ForwardRequest* request,
+                       v1::ForwardResponse* response) override;
+  grpc::Status Train(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) override;
+
+ private:
+  // Runs `body`; converts any exception to a status (StatusFromException), reports CANCELLED when
+  // the client cancelled, records the request metrics and logs failures.
+  grpc::Status RpcGuard(const char* rpc, grpc::ServerContext* context, Clock::time_point accepted,
+                        const std::function<void()>& body);
+
+  void RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
+                   grpc::ServerWriter<v1::GenerateResponse>* writer, Clock::time_point accepted);
+  void RunForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
+                  Clock::time_point accepted);
+  void RunTrain(grpc::ServerContext* context,
+                grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream);
+
+  Engine* engine_;
+  Scheduler* scheduler_;
+  Metrics* metrics_;
+  const ServerConfig config_;
+  std::atomic<bool> train_running_{false};
+};
+
+}  // namespace vlmgraph::server

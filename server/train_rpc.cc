@@ -1,0 +1,206 @@
+// The Train RPC of VlmGraphService (server/service.h): one training job per stream, its steps
+// and saves run on the scheduler's GPU thread by a TrainBackend: the engine's graphed Trainer
+// (server/graphed_trainer.h) for bucket policy PAD, the in-place EagerTrainer
+// (server/eager_trainer.h) for EXACT.
+#include <cmath>
+
+#include "server/eager_trainer.h"
+#include "server/graphed_trainer.h"
+#include "server/log.h"
+#include "server/service.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double NonNegative(bool has, double value, double fallback, const char* field) {
+  const double v = has ? value : fallback;
+  if (!(v >= 0) || !std::isfinite(v))
+    throw InvalidArgument(std::string("config.") + field + ": must be >= 0");
+  return v;
+}
+
+TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
+  if (c.optimizer() != v1::OPTIMIZER_UNSPECIFIED && c.optimizer() != v1::OPTIMIZER_ADAMW) {
+    throw InvalidArgument("config.optimizer: only OPTIMIZER_ADAMW is supported");
+  }
+  TrainOptions o;
+  o.language_learning_rate = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
+                                         o.language_learning_rate, "language_learning_rate");
+  o.vision_learning_rate = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(),
+                                       o.vision_learning_rate, "vision_learning_rate");
+  o.projector_learning_rate =
+      NonNegative(c.has_projector_learning_rate(), c.projector_learning_rate(),
+                  o.projector_learning_rate, "projector_learning_rate");
+  if (c.trainable_parts_size() > 0) {
+    o.train_language = o.train_vision = o.train_projector = false;
+    for (int i = 0; i < c.trainable_parts_size(); ++i) {
+      switch (c.trainable_parts(i)) {
+        case v1::MODEL_PART_LANGUAGE:
+          o.train_language = true;
+          break;
+        case v1::MODEL_PART_VISION:
+          o.train_vision = true;
+          break;
+        case v1::MODEL_PART_PROJECTOR:
+          o.train_projector = true;
+          break;
+        default:
+          throw InvalidArgument(
+              "config.trainable_parts[" + std::to_string(i) +
+              "]: must be MODEL_PART_VISION, MODEL_PART_PROJECTOR or MODEL_PART_LANGUAGE");
+      }
+    }
+  }
+  o.weight_decay =
+      NonNegative(c.has_weight_decay(), c.weight_decay(), o.weight_decay, "weight_decay");
+  o.beta1 = c.has_beta1() ? c.beta1() : o.beta1;
+  o.beta2 = c.has_beta2() ? c.beta2() : o.beta2;
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) throw InvalidArgument("config.beta1: must lie in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) throw InvalidArgument("config.beta2: must lie in [0, 1)");
+  o.eps = c.has_eps() ? c.eps() : o.eps;
+  if (!(o.eps > 0) || !std::isfinite(o.eps)) throw InvalidArgument("config.eps: must be > 0");
+  o.max_grad_norm =
+      NonNegative(c.has_max_grad_norm(), c.max_grad_norm(), o.max_grad_norm, "max_grad_norm");
+  if (c.has_max_tiles_per_example()) {
+    if (c.max_tiles_per_example() < 1) {
+      throw InvalidArgument("config.max_tiles_per_example: must be >= 1, got " +
+                            std::to_string(c.max_tiles_per_example()));
+    }
+    o.max_tiles_per_example = c.max_tiles_per_example();
+  }
+  o.padding = c.bucket_policy() == v1::TRAIN_BUCKET_POLICY_EXACT ? TrainPadding::kExact
+                                                                 : TrainPadding::kPadToBucket;
+  return o;
+}
+
+v1::StepMode ToProto(RunKind kind) {
+  switch (kind) {
+    case RunKind::kEager:
+      return v1::STEP_MODE_EAGER;
+    case RunKind::kReplay:
+      return v1::STEP_MODE_GRAPH_REPLAY;
+    case RunKind::kCaptureAndReplay:
+      return v1::STEP_MODE_GRAPH_CAPTURE;
+  }
+  return v1::STEP_MODE_UNSPECIFIED;
+}
+
+}  // namespace
+
+grpc::Status VlmGraphService::Train(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) {
+  const auto accepted = Clock::now();
+  return RpcGuard("Train", context, accepted, [&] { RunTrain(context, stream); });
+}
+
+void VlmGraphService::RunTrain(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) {
+  if (train_running_.exchange(true)) {
+    throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      "a training job is already running (one at a time); retry when it ends");
+  }
+  struct Release {
+    std::atomic<bool>* flag;
+    ~Release() { *flag = false; }
+  } release{&train_running_};
+
+  v1::TrainRequest message;
+  if (!stream->Read(&message)) {
+    if (context->IsCancelled())
+      throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
+    throw InvalidArgument(
+        "the stream ended before its first message; send TrainRequest{config} first");
+  }
+  if (!message.has_config())
+    throw InvalidArgument("the first message must be TrainRequest{config}");
+  const TrainOptions options = ToTrainOptions(message.config());
+
+  // The job lives on the GPU thread: created, stepped and destroyed there.
+  std::unique_ptr<TrainBackend> job;
+  scheduler_->RunOnGpuThread("Train", [&](Engine& engine) {
+    job = options.padding == TrainPadding::kExact ? MakeEagerTrainer(engine, options, metrics_)
+                                                  : MakeGraphedTrainer(engine, options, metrics_);
+  });
+  struct Destroy {
+    Scheduler* scheduler;
+    std::unique_ptr<TrainBackend>* job;
+    ~Destroy() {
+      try {
+        scheduler->RunOnGpuThread(
+            "Train", [this](Engine&) { job->reset(); }, Clock::now(), /*cleanup=*/true);
+      } catch (...) {
+        job->reset();  // the GPU thread has stopped: nothing else touches the model now
+      }
+    }
+  } destroy{scheduler_, &job};
+  LogInfo("Train job started by " + context->peer());
+
+  while (stream->Read(&message)) {
+    const auto received = Clock::now();
+    v1::TrainResponse response;
+    switch (message.kind_case()) {
+      case v1::TrainRequest::kBatch: {
+        const std::vector<TrainExampleData> batch = ToTrainBatch(
+            message.batch(), engine_->model_config(), config_.limits, engine_->max_context());
+        TrainStepStats stats;
+        double queue_seconds = 0;
+        scheduler_->RunOnGpuThread(
+            "Train",
+            [&](Engine&) {
+              queue_seconds = SecondsSince(received);
+              stats = job->Step(batch);
+            },
+            received);
+        metrics_->ObserveTrainStep(stats.loss_tokens, stats.loss, stats.learning_rate);
+        v1::TrainStepResult* r = response.mutable_step();
+        r->set_step(stats.step);
+        r->set_loss(stats.loss);
+        r->set_loss_tokens(stats.loss_tokens);
+        r->set_grad_norm(stats.grad_norm);
+        r->set_learning_rate(stats.learning_rate);
+        r->set_step_seconds(stats.seconds);
+        r->set_queue_seconds(queue_seconds);
+        r->set_bucket(stats.bucket.Label());
+        r->set_mode(ToProto(stats.mode));
+        break;
+      }
+      case v1::TrainRequest::kSave: {
+        const std::string dir =
+            ResolveCheckpointDir(config_.train.checkpoint_dir, message.save().directory());
+        int64_t steps = 0;
+        scheduler_->RunOnGpuThread(
+            "Train",
+            [&](Engine&) {
+              job->Save(dir);
+              steps = job->steps();
+            },
+            received);
+        v1::CheckpointSaved* s = response.mutable_saved();
+        s->set_directory(dir);
+        s->set_step(steps);
+        s->set_seconds(SecondsSince(received));
+        LogInfo("Train job saved a checkpoint to " + dir + " after " + std::to_string(steps) +
+                " steps");
+        break;
+      }
+      case v1::TrainRequest::kConfig:
+        throw InvalidArgument("config may only be sent once, as the first message");
+      default:
+        throw InvalidArgument("empty TrainRequest; set batch or save");
+    }
+    if (!stream->Write(response))
+      throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+  }
+  if (context->IsCancelled())
+    throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  LogInfo("Train job ended after " + std::to_string(job ? job->steps() : 0) + " steps");
+}
+
+}  // namespace vlmgraph::server

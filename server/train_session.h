@@ -1,0 +1,61 @@
+// server/train_session.h: the interface the Train RPC drives, and its settings.
+//
+// A TrainBackend is one training job on the serving model: Step() takes a checked batch
+// (server/convert.h), runs forward + backward + optimizer and reports the step; Save() writes a
+// nanoVLM checkpoint. EagerTrainer (server/eager_trainer.h) is the first implementation; a
+// graphed trainer from engine/ can replace it behind this interface.
+//
+//   std::unique_ptr<TrainBackend> job = MakeEagerTrainer(engine, options, &metrics);  // GPU thread
+//   TrainStepStats s = job->Step(batch);                                               // GPU
+//   thread job->Save("/srv/checkpoints/run1");
+//
+// Thread rules: create, use and destroy a backend on the GPU thread only (it touches the
+// engine's model). Errors: ServerError INVALID_ARGUMENT for batches no bucket accepts (oversize
+// policy reject); torch errors propagate (the RPC guard maps them).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/bucket.h"
+#include "engine/step_runner.h"
+#include "server/convert.h"
+
+namespace vlmgraph::server {
+
+enum class TrainPadding { kPadToBucket, kExact };
+
+struct TrainOptions {
+  // Learning rate per part; 0 freezes the part (upstream nanoVLM: lr_backbones, lr_mp).
+  double language_learning_rate = 5e-5;
+  double vision_learning_rate = 5e-5;
+  double projector_learning_rate = 5.12e-3;
+  bool train_language = true, train_vision = true, train_projector = true;
+  double weight_decay = 0.01;  // torch.optim.AdamW defaults
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 1.0;  // 0 = no clipping
+  int64_t max_tiles_per_example = 1;  // sizes the graphed step's tile buffer
+  TrainPadding padding = TrainPadding::kPadToBucket;
+};
+
+struct TrainStepStats {
+  int64_t step = 0;  // 1-based
+  double loss = 0;   // before the update
+  int64_t loss_tokens = 0;
+  double grad_norm = 0;      // before clipping
+  double learning_rate = 0;  // language part's
+  double seconds = 0;
+  BucketKey bucket;  // region kTrain; the exact shape when no bucket was used
+  RunKind mode = RunKind::kEager;
+};
+
+class TrainBackend {
+ public:
+  virtual ~TrainBackend() = default;
+  virtual TrainStepStats Step(const std::vector<TrainExampleData>& batch) = 0;
+  virtual void Save(const std::string& directory) = 0;
+  virtual int64_t steps() const = 0;
+};
+
+}  // namespace vlmgraph::server

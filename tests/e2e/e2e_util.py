@@ -1,0 +1,174 @@
+"""Helpers of the end-to-end tests: start the real vlmgraph-server on loopback ports, read its
+metrics, run vlmgraph-generate, find the demo photo.
+
+Environment (set by CTest, tests/CMakeLists.txt): VLMGRAPH_SERVER, VLMGRAPH_GENERATE (binaries),
+PYTHONPATH (clients/python), VLMGRAPH_CLIENT_GEN_DIR (generated stubs), VLMGRAPH_E2E_TMP (scratch).
+Without them the defaults point at ./build. Every wait is bounded.
+"""
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+
+from vlmgraph_client import VlmGraphClient  # noqa: E402
+
+SERVER = os.environ.get("VLMGRAPH_SERVER", os.path.join(ROOT, "build", "server", "vlmgraph-server"))
+GENERATE = os.environ.get("VLMGRAPH_GENERATE", os.path.join(ROOT, "build", "server", "vlmgraph-generate"))
+CHELSEA = "/usr/lib/python3/dist-packages/skimage/data/chelsea.png"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def scratch_dir(name):
+    base = os.environ.get("VLMGRAPH_E2E_TMP") or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=base)
+
+
+def require(condition, what):
+    """Skips the test when a tool or file is missing, except under CI where it must exist."""
+    if not condition:
+        if IN_CI:
+            raise AssertionError(f"{what} is missing (run scripts/install-deps.sh)")
+        raise unittest.SkipTest(f"{what} is missing (run scripts/install-deps.sh)")
+
+
+def chelsea():
+    require(os.path.isfile(CHELSEA), f"{CHELSEA} (Debian package python3-skimage)")
+    with open(CHELSEA, "rb") as fh:
+        return fh.read()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A vlmgraph-server process with `config` (a dict, written as YAML) on free loopback ports."""
+
+    def __init__(self, config=None, args=(), name="server"):
+        self.dir = scratch_dir(name)
+        self.config_path = os.path.join(self.dir, "config.yaml")
+        with open(self.config_path, "w") as fh:
+            json.dump(config or {}, fh)  # JSON is YAML
+        self.log_path = os.path.join(self.dir, "server.log")
+        self.args = [SERVER, "--config", self.config_path, "--grpc-address", "127.0.0.1:0",
+                     "--metrics-address", "127.0.0.1:0", *args]
+        self.proc = None
+        self.address = self.metrics_address = None
+
+    def start(self, timeout=120):
+        if not os.path.isfile(SERVER):
+            raise AssertionError(f"server binary {SERVER} not built")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        deadline = time.time() + timeout
+        line = ""
+        while time.time() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                m = re.match(r"vlmgraph-server ready: grpc (\S+) metrics (\S+)", line)
+                if m:
+                    self.address, self.metrics_address = m.group(1), m.group(2)
+                    return self
+            if self.proc.poll() is not None:
+                break
+        self.kill()
+        raise AssertionError(f"server did not start (last stdout {line!r}); log:\n{self.log()}")
+
+    def log(self):
+        with open(self.log_path) as fh:
+            return fh.read()
+
+    def client(self, timeout=60):
+        return VlmGraphClient(self.address, timeout=timeout)
+
+    def stop(self, timeout=60):
+        """SIGTERM, then wait; returns the exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError("server did not exit within %s s of SIGTERM" % timeout)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def cleanup(self):
+        self.kill()
+        if getattr(self, "_log", None):
+            self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def metrics_text(self):
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def metric(self, name, **labels):
+        """Sum of the samples of `name` whose labels include `labels` (0 when none)."""
+        return sum_samples(self.metrics_text(), name, **labels)
+
+    def wait_metric(self, name, predicate, timeout=20, **labels):
+        deadline = time.time() + timeout
+        value = None
+        while time.time() < deadline:
+            value = self.metric(name, **labels)
+            if predicate(value):
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"{name}{labels} stayed at {value}")
+
+
+SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)$")
+
+
+def parse_samples(text):
+    for line in text.splitlines():
+        m = SAMPLE_RE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        yield m.group(1), labels, float(m.group(4))
+
+
+def sum_samples(text, name, **labels):
+    return sum(v for n, l, v in parse_samples(text)
+               if n == name and all(l.get(k) == str(val) for k, val in labels.items()))
+
+
+def engine_generate(config_path, input_ids, images=(), max_new_tokens=16, **sampling):
+    """New tokens from vlmgraph-generate (Engine::Generate, no gRPC) with the server's config."""
+    args = [GENERATE, "--config", config_path, "--ids", ",".join(map(str, input_ids)),
+            "--max-new-tokens", str(max_new_tokens)]
+    for path in images:
+        args += ["--image", path]
+    if sampling.get("sample"):
+        args += ["--sample", "1", "--temperature", str(sampling.get("temperature", 1.0)),
+                 "--top-k", str(sampling.get("top_k", 0)), "--top-p", str(sampling.get("top_p", 1.0)),
+                 "--seed-sampling", str(sampling.get("seed", 0))]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise AssertionError(f"vlmgraph-generate failed: {out.stderr}")
+    return json.loads(out.stdout)

@@ -1,0 +1,139 @@
+"""End to end: a training stream whose loss goes down, on image + text examples; the trained weights
+serve Forward at once; a checkpoint saved in nanoVLM's format loads into a fresh server with the
+same loss; protocol errors and a second concurrent job are refused."""
+import os
+import queue
+import random
+import unittest
+
+import grpc
+
+from e2e_util import Server, chelsea, scratch_dir
+from vlmgraph_client import build_prompt, image_tiles
+from vlmgraph_client.cli import next_token_targets
+
+
+class TrainTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.image = chelsea()
+        cls.ckpt_root = scratch_dir("ckpt")
+        cls.server = Server({"train": {"checkpoint_dir": cls.ckpt_root}}, name="train").start()
+        cls.client = cls.server.client()
+        cls.info = cls.client.model_info()
+        rng = random.Random(0)
+        tiles = image_tiles(cls.image, cls.info)
+        cls.tiles = tiles
+        cls.examples = []
+        for i in range(8):
+            text = [rng.randrange(0, 60) for _ in range(10)]
+            images = [cls.image] if i % 2 == 0 else []
+            ids = build_prompt(cls.info, [tiles] * len(images), text)
+            cls.examples.append({"input_ids": ids, "target_ids": next_token_targets(ids, cls.info.image_token_id),
+                                 "images": images})
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        status = cls.server.stop()
+        cls.server.cleanup()
+        assert status == 0, f"server exit status {status}"
+
+    def config(self, lr=2e-3):
+        return self.client.train_config(language_learning_rate=lr, vision_learning_rate=lr, projector_learning_rate=lr,
+                                        max_tiles_per_example=self.tiles)
+
+    def score(self, client, example):
+        return client.forward(example["input_ids"], example["images"], target_ids=example["target_ids"]).loss
+
+    def test_a_loss_goes_down_and_checkpoint_round_trips(self):
+        c = self.client
+        before = self.score(c, self.examples[0])
+        batches = [c.train_batch(self.examples[:4]), c.train_batch(self.examples[4:])]
+        requests = batches * 8 + [c.train_save("run1/final")]
+        steps, saved = [], []
+        for r in c.train(self.config(), iter(requests)):
+            (steps if r.HasField("step") else saved).append(r.step if r.HasField("step") else r.saved)
+        self.assertEqual([s.step for s in steps], list(range(1, 17)))
+        losses = [s.loss for s in steps]
+        first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+        self.assertLess(last, first * 0.8, f"loss did not go down: {losses}")
+        for s in steps:
+            self.assertEqual(self.client.pb.train_pb2.StepMode.Name(s.mode), "STEP_MODE_EAGER")
+            self.assertGreater(s.loss_tokens, 0)
+            self.assertGreater(s.step_seconds, 0)
+            self.assertRegex(s.bucket, r"^b\d+xs\d+$")
+        # The serving model is the trained one.
+        after = self.score(c, self.examples[0])
+        self.assertLess(after, before)
+        # nanoVLM-format checkpoint under train.checkpoint_dir, loadable by a fresh server.
+        self.assertEqual(len(saved), 1)
+        self.assertEqual(saved[0].step, 16)
+        path = saved[0].directory
+        self.assertTrue(path.startswith(os.path.realpath(self.ckpt_root)) or path.startswith(self.ckpt_root), path)
+        self.assertTrue(os.path.isfile(os.path.join(path, "config.json")))
+        self.assertTrue(os.path.isfile(os.path.join(path, "model.safetensors")))
+        fresh = Server({"model": path}, name="reload").start()
+        try:
+            with fresh.client() as fc:
+                self.assertAlmostEqual(self.score(fc, self.examples[0]), after, places=4)
+            self.assertEqual(fresh.stop(), 0)
+        finally:
+            fresh.cleanup()
+        self.assertGreaterEqual(self.server.metric("vlmgraph_train_steps_total"), 16)
+        self.assertGreater(self.server.metric("vlmgraph_train_tokens_total"), 0)
+
+    def assertTrainFails(self, code, text, messages):
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(self.client.stub.Train(iter(messages), timeout=60))
+        self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+        self.assertIn(text, ctx.exception.details())
+
+    def test_protocol_errors(self):
+        t = self.client.pb.train_pb2
+        INVALID = grpc.StatusCode.INVALID_ARGUMENT
+        batch = self.client.train_batch(self.examples[:1])
+        self.assertTrainFails(INVALID, "first message must be TrainRequest{config}", [batch])
+        self.assertTrainFails(INVALID, "before its first message", [])
+        cfg = t.TrainRequest(config=self.config())
+        self.assertTrainFails(INVALID, "only be sent once", [cfg, cfg])
+        self.assertTrainFails(INVALID, "must not contain '..'", [cfg, self.client.train_save("../escape")])
+        self.assertTrainFails(INVALID, "must be relative", [cfg, self.client.train_save("/tmp/x")])
+        bad = dict(self.examples[1], target_ids=self.examples[1]["target_ids"][:-1])
+        self.assertTrainFails(INVALID, "batch.examples[0].target_ids", [cfg, self.client.train_batch([bad])])
+        frozen = t.TrainRequest(config=self.client.train_config(language_learning_rate=0, vision_learning_rate=0,
+                                                                projector_learning_rate=0))
+        self.assertTrainFails(INVALID, "nothing to train", [frozen, batch])
+        self.assertTrainFails(INVALID, "config.beta1", [t.TrainRequest(config=t.TrainConfig(beta1=1.0))])
+
+    def test_one_job_at_a_time(self):
+        t = self.client.pb.train_pb2
+        pending = queue.Queue()
+        # A valid job whose steps barely move the weights (this server's other tests score them).
+        cfg = self.client.train_config(language_learning_rate=1e-12, trainable_parts=["language"],
+                                       max_tiles_per_example=self.tiles)
+
+        def job():
+            yield t.TrainRequest(config=cfg)
+            while True:
+                item = pending.get(timeout=60)
+                if item is None:
+                    return  # half-close: the job ends cleanly
+                yield item
+
+        responses = self.client.stub.Train(job(), timeout=120)
+        pending.put(self.client.train_batch(self.examples[:1]))
+        self.assertTrue(next(responses).HasField("step"))  # the first job is running now
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(self.client.train(cfg, iter([self.client.train_batch(self.examples[:1])])))
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("already running", ctx.exception.details())
+        pending.put(None)
+        self.assertEqual(list(responses), [])
+        # Once it ended, a new job is accepted.
+        steps = list(self.client.train(cfg, iter([self.client.train_batch(self.examples[:1])])))
+        self.assertEqual(len(steps), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,163 @@
+// Image preprocessing (model/image_processor.h) as the server uses it: nanoVLM's resize rule,
+// tiling order, the global tile, RGB conversion and refusal of bad or oversized images.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "model/image_processor.h"
+
+#define STB_IMAGE_WRITE_STATIC
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#endif
+#include <stb/stb_image_write.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+namespace vlmgraph {
+namespace {
+
+void Append(void* context, void* data, int size) {
+  static_cast<std::string*>(context)->append(static_cast<const char*>(data),
+                                             static_cast<size_t>(size));
+}
+
+// (H, W, C) uint8 pixels -> PNG or JPEG bytes.
+std::string Encode(const at::Tensor& hwc, bool jpeg = false) {
+  at::Tensor p = hwc.contiguous();
+  std::string out;
+  const int h = static_cast<int>(p.size(0)), w = static_cast<int>(p.size(1)),
+            c = static_cast<int>(p.size(2));
+  if (jpeg) {
+    stbi_write_jpg_to_func(Append, &out, w, h, c, p.data_ptr<uint8_t>(), 95);
+  } else {
+    stbi_write_png_to_func(Append, &out, w, h, c, p.data_ptr<uint8_t>(), w * c);
+  }
+  return out;
+}
+
+at::Tensor Gradient(int64_t h, int64_t w) {
+  at::Tensor y = at::arange(h).view({h, 1, 1}).expand({h, w, 1});
+  at::Tensor x = at::arange(w).view({1, w, 1}).expand({h, w, 1});
+  return at::cat({x * 255 / std::max<int64_t>(1, w - 1), y * 255 / std::max<int64_t>(1, h - 1),
+                  at::full({h, w, 1}, 77, at::kLong)},
+                 2)
+      .to(at::kByte);
+}
+
+std::pair<int64_t, int64_t> HW(int64_t h, int64_t w) { return {h, w}; }
+
+VlmConfig Tiny() { return VlmConfig::Preset("nanovlm-tiny"); }  // 64 px tiles, max 256 px
+
+TEST(ServerImage, ResizedSizeFollowsNanoVlm) {
+  VlmConfig cfg = Tiny();
+  ASSERT_TRUE(cfg.resize_to_max_side_len);
+  // Long side -> max_img_size; short side scaled, rounded up to a multiple of the tile.
+  EXPECT_EQ(ResizedSize(300, 451, cfg), HW(192, 256));  // chelsea.png
+  EXPECT_EQ(ResizedSize(451, 300, cfg), HW(256, 192));
+  EXPECT_EQ(ResizedSize(10, 10, cfg), HW(256, 256));  // upscales
+  EXPECT_EQ(ResizedSize(1, 1000, cfg), HW(64, 256));  // at least a tile
+  cfg.resize_to_max_side_len = false;
+  EXPECT_EQ(ResizedSize(10, 10, cfg), HW(64, 64));
+  EXPECT_EQ(ResizedSize(100, 130, cfg), HW(192, 192));
+  EXPECT_EQ(ResizedSize(2000, 3000, cfg), HW(192, 256));
+}
+
+TEST(ServerImage, TilesAreRowMajorCropsAfterTheGlobalTile) {
+  const VlmConfig cfg = Tiny();
+  at::Tensor img = Gradient(30, 45).permute({2, 0, 1}).contiguous();  // (3, 30, 45) -> 192 x 256
+  ImageTiles t = TileImage(img, cfg);
+  EXPECT_EQ(t.grid_rows, 3);
+  EXPECT_EQ(t.grid_cols, 4);
+  EXPECT_TRUE(t.has_global);
+  ASSERT_EQ(t.tiles.sizes(), (std::vector<int64_t>{13, 3, 64, 64}));
+  EXPECT_GE(t.tiles.min().item<float>(), 0.0f);
+  EXPECT_LE(t.tiles.max().item<float>(), 1.0f);
+  // Rebuild the resized image from tiles 1.. and compare a tile to its crop: tile (r, c) is index
+  // 1 + r * cols + c. The red channel grows left to right, green top to bottom.
+  at::Tensor grid = t.tiles.narrow(0, 1, 12)
+                        .view({3, 4, 3, 64, 64})
+                        .permute({2, 0, 3, 1, 4})
+                        .reshape({3, 192, 256});
+  EXPECT_TRUE(at::equal(grid.narrow(1, 64, 64).narrow(2, 128, 64), t.tiles[1 + 1 * 4 + 2]));
+  EXPECT_LT(grid[0][100][10].item<float>(), grid[0][100][250].item<float>());
+  EXPECT_LT(grid[1][10][100].item<float>(), grid[1][180][100].item<float>());
+  // The global tile is the whole image scaled down: its mean matches the grid's.
+  EXPECT_NEAR(t.tiles[0].mean().item<float>(), grid.mean().item<float>(), 0.01);
+  // Values are uint8 levels after the bicubic resize (PIL works on 8-bit images).
+  at::Tensor levels = grid * 255;
+  EXPECT_LT((levels - levels.round()).abs().max().item<float>(), 1e-3);
+}
+
+TEST(ServerImage, OneTileImageHasNoGlobalTile) {
+  VlmConfig cfg = Tiny();
+  cfg.max_img_size = 64;
+  ImageTiles t = TileImage(Gradient(40, 50).permute({2, 0, 1}), cfg);
+  EXPECT_FALSE(t.has_global);
+  EXPECT_EQ(t.tiles.size(0), 1);
+}
+
+TEST(ServerImage, ConstantColourSurvivesResizeAndTiling) {
+  at::Tensor img = at::full({3, 50, 70}, 200, at::kByte);
+  ImageTiles t = TileImage(img, Tiny());
+  EXPECT_NEAR(t.tiles.min().item<float>(), 200.0 / 255, 1e-4);
+  EXPECT_NEAR(t.tiles.max().item<float>(), 200.0 / 255, 1e-4);
+}
+
+TEST(ServerImage, DecodesPngAndJpegToRgb) {
+  const ImageLimits limits;
+  at::Tensor rgb = Gradient(20, 30);
+  at::Tensor png = DecodeImage(Encode(rgb), limits);
+  ASSERT_EQ(png.sizes(), (std::vector<int64_t>{3, 20, 30}));
+  EXPECT_TRUE(at::equal(png, rgb.permute({2, 0, 1})));
+  at::Tensor jpg = DecodeImage(Encode(rgb, /*jpeg=*/true), limits);
+  ASSERT_EQ(jpg.sizes(), (std::vector<int64_t>{3, 20, 30}));
+  EXPECT_LT((jpg.to(at::kFloat) - rgb.permute({2, 0, 1}).to(at::kFloat)).abs().mean().item<float>(),
+            8.0f);
+  // Grey replicates to three channels; alpha is dropped.
+  at::Tensor grey = at::full({5, 6, 1}, 90, at::kByte);
+  at::Tensor g = DecodeImage(Encode(grey), limits);
+  EXPECT_EQ(g.size(0), 3);
+  EXPECT_EQ(g.min().item<int>(), 90);
+  EXPECT_EQ(g.max().item<int>(), 90);
+  at::Tensor rgba = at::cat({rgb, at::zeros({20, 30, 1}, at::kByte)}, 2);
+  EXPECT_TRUE(at::equal(DecodeImage(Encode(rgba), limits), rgb.permute({2, 0, 1})));
+}
+
+std::string ErrorOf(const std::string& bytes, const ImageLimits& limits) {
+  try {
+    DecodeImage(bytes, limits);
+  } catch (const ImageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ServerImage, RefusesBadImagesWithPreciseMessages) {
+  const ImageLimits limits;
+  const std::string png = Encode(Gradient(20, 30));
+  EXPECT_NE(ErrorOf("GIF89a....", limits).find("unknown image format"), std::string::npos);
+  EXPECT_NE(ErrorOf("", limits).find("empty"), std::string::npos);
+  EXPECT_NE(ErrorOf(png.substr(0, 40), limits).find("corrupt png"), std::string::npos);
+  ImageLimits few_bytes;
+  few_bytes.max_bytes = 100;
+  EXPECT_NE(ErrorOf(png, few_bytes).find("limits.max_image_bytes"), std::string::npos);
+  ImageLimits few_pixels;
+  few_pixels.max_pixels = 599;  // 20 x 30 = 600
+  const std::string msg = ErrorOf(png, few_pixels);
+  EXPECT_NE(msg.find("30x20"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("limits.max_image_pixels"), std::string::npos) << msg;
+  EXPECT_THROW(TileImage(at::zeros({4, 10, 10}, at::kByte), Tiny()), ImageError);
+}
+
+TEST(ServerImage, DetectsFormatFromMagicBytes) {
+  EXPECT_EQ(DetectImageFormat(Encode(Gradient(4, 4))), "png");
+  EXPECT_EQ(DetectImageFormat(Encode(Gradient(4, 4), true)), "jpeg");
+  EXPECT_EQ(DetectImageFormat("BM\x36\x00"), "");
+}
+
+}  // namespace
+}  // namespace vlmgraph

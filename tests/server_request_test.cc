@@ -1,0 +1,323 @@
+// Request conversion and checks (server/convert.h), the one exception -> status mapping
+// (server/status.h) and the metrics (server/metrics.h): names fixed by docs/metrics.md, labels,
+// and the /metrics HTTP endpoint.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "engine/engine_types.h"
+#include "model/image_processor.h"
+#include "server/config.h"
+#include "server/convert.h"
+#include "server/metrics.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+Limits TestLimits() {
+  Limits l = FillDefaults(RawConfig{}).limits;
+  l.max_new_tokens = 100;
+  l.default_max_new_tokens = 7;
+  l.max_images_per_request = 2;
+  l.max_logits_positions = 2;
+  return l;
+}
+
+const VlmConfig& Tiny() {
+  static const VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
+  return cfg;
+}
+
+// The status an expression's exception maps to.
+template <typename F>
+grpc::Status StatusOf(F&& f) {
+  try {
+    f();
+  } catch (...) {
+    return StatusFromException(std::current_exception());
+  }
+  return grpc::Status::OK;
+}
+
+TEST(ServerConvert, SamplingDefaultsAndLimits) {
+  v1::GenerateRequest r;
+  r.add_input_ids(5);
+  GenerateRequest g = ToEngineRequest(r, Tiny(), TestLimits());
+  EXPECT_EQ(g.sampling.max_new_tokens, 7);  // unset -> default
+  EXPECT_TRUE(g.sampling.greedy);
+  EXPECT_FALSE(g.tiles.defined());
+
+  r.mutable_sampling()->set_max_new_tokens(0);
+  grpc::Status s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("sampling.max_new_tokens"), std::string::npos);
+  r.mutable_sampling()->set_max_new_tokens(101);
+  s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("limits.max_new_tokens"), std::string::npos);
+
+  r.mutable_sampling()->set_max_new_tokens(3);
+  r.mutable_sampling()->set_sample(true);
+  r.mutable_sampling()->set_temperature(0);
+  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  r.mutable_sampling()->set_temperature(0.7);
+  r.mutable_sampling()->set_top_p(1.5);
+  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  r.mutable_sampling()->set_top_p(0.9);
+  g = ToEngineRequest(r, Tiny(), TestLimits());
+  EXPECT_FALSE(g.sampling.greedy);
+  EXPECT_DOUBLE_EQ(g.sampling.temperature, 0.7);
+}
+
+TEST(ServerConvert, TensorImages) {
+  v1::GenerateRequest r;
+  r.add_input_ids(5);
+  // Ready tiles (N, 3, S, S) pass through unchanged.
+  v1::FloatTensor* t = r.add_images()->mutable_tensor();
+  for (int64_t d : {2, 3, 64, 64}) t->add_shape(d);
+  for (int i = 0; i < 2 * 3 * 64 * 64; ++i) t->add_values(static_cast<float>(i % 7) / 7.0f);
+  GenerateRequest g = ToEngineRequest(r, Tiny(), TestLimits());
+  ASSERT_EQ(g.tiles.sizes(), (std::vector<int64_t>{2, 3, 64, 64}));
+  EXPECT_FLOAT_EQ(g.tiles[0][0][0][3].item<float>(), 3.0f / 7.0f);
+  // A (3, H, W) image is resized and tiled like a decoded one.
+  t->clear_shape();
+  t->clear_values();
+  for (int64_t d : {3, 30, 45}) t->add_shape(d);
+  for (int i = 0; i < 3 * 30 * 45; ++i) t->add_values(0.5f);
+  EXPECT_EQ(ToEngineRequest(r, Tiny(), TestLimits()).tiles.size(0), 13);
+  // Wrong value count, out-of-range values, bad shapes.
+  t->add_values(0.5f);
+  grpc::Status s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("images[0].tensor.values"), std::string::npos)
+      << s.error_message();
+  t->mutable_values()->RemoveLast();
+  t->set_values(0, 2.0f);
+  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  t->clear_shape();
+  for (int64_t d : {4, 30, 45}) t->add_shape(d);
+  s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_NE(s.error_message().find("images[0].tensor.shape"), std::string::npos)
+      << s.error_message();
+}
+
+TEST(ServerConvert, ImageCountAndEmptyImages) {
+  v1::GenerateRequest r;
+  r.add_input_ids(5);
+  r.add_images();
+  grpc::Status s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_NE(s.error_message().find("images[0]: empty image"), std::string::npos)
+      << s.error_message();
+  r.mutable_images(0)->set_encoded("not an image");
+  s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("images[0]: unknown image format"), std::string::npos)
+      << s.error_message();
+  r.add_images();
+  r.add_images();
+  s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+  EXPECT_NE(s.error_message().find("limits.max_images_per_request"), std::string::npos)
+      << s.error_message();
+}
+
+TEST(ServerConvert, ForwardAndTrainChecks) {
+  v1::ForwardRequest f;
+  f.add_input_ids(1);
+  for (int i = 0; i < 3; ++i) f.add_logits_positions(0);
+  EXPECT_EQ(StatusOf([&] { ToEngineRequest(f, Tiny(), TestLimits()); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+
+  v1::TrainBatch b;
+  v1::TrainExample* ex = b.add_examples();
+  for (int64_t id : {1, 2, 3}) ex->add_input_ids(id);
+  for (int64_t id : {2, 3}) ex->add_target_ids(id);
+  grpc::Status s = StatusOf([&] { ToTrainBatch(b, Tiny(), TestLimits(), 64); });
+  EXPECT_NE(s.error_message().find("batch.examples[0].target_ids"), std::string::npos)
+      << s.error_message();
+  ex->add_target_ids(5000);
+  s = StatusOf([&] { ToTrainBatch(b, Tiny(), TestLimits(), 64); });
+  EXPECT_NE(s.error_message().find("target_ids[2]"), std::string::npos) << s.error_message();
+  ex->set_target_ids(2, -100);
+  EXPECT_EQ(ToTrainBatch(b, Tiny(), TestLimits(), 64).size(), 1u);
+  ex->set_input_ids(0, Tiny().image_token_id);  // an image token with no image
+  s = StatusOf([&] { ToTrainBatch(b, Tiny(), TestLimits(), 64); });
+  EXPECT_NE(s.error_message().find("image tokens"), std::string::npos) << s.error_message();
+  ex->set_input_ids(0, 1);
+  s = StatusOf([&] { ToTrainBatch(b, Tiny(), TestLimits(), 2); });
+  EXPECT_NE(s.error_message().find("longest context"), std::string::npos) << s.error_message();
+  for (int i = 0; i < 3; ++i) ex->set_target_ids(i, -100);
+  EXPECT_EQ(StatusOf([&] { ToTrainBatch(b, Tiny(), TestLimits(), 64); }).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(ServerConvert, CheckpointDirectoriesStayUnderTheRoot) {
+  EXPECT_EQ(ResolveCheckpointDir("/srv/ckpt", "run1/step_10"), "/srv/ckpt/run1/step_10");
+  for (const char* bad : {"", "../etc", "a/../../b", "/abs", "a b", "a;b"}) {
+    EXPECT_EQ(StatusOf([&] { ResolveCheckpointDir("/srv/ckpt", bad); }).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT)
+        << bad;
+  }
+}
+
+TEST(ServerStatus, OnePlaceMapsEveryErrorKind) {
+  using C = grpc::StatusCode;
+  EXPECT_EQ(StatusOf([] { throw ServerError(C::RESOURCE_EXHAUSTED, "full"); }).error_code(),
+            C::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(
+      StatusOf([] { throw EngineError(EngineError::Code::kInvalidArgument, "x"); }).error_code(),
+      C::INVALID_ARGUMENT);
+  EXPECT_EQ(
+      StatusOf([] { throw EngineError(EngineError::Code::kResourceExhausted, "x"); }).error_code(),
+      C::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(
+      StatusOf([] { throw EngineError(EngineError::Code::kFailedPrecondition, "x"); }).error_code(),
+      C::FAILED_PRECONDITION);
+  EXPECT_EQ(StatusOf([] { throw EngineError(EngineError::Code::kUnavailable, "x"); }).error_code(),
+            C::UNAVAILABLE);
+  EXPECT_EQ(StatusOf([] { throw EngineError(EngineError::Code::kInternal, "x"); }).error_code(),
+            C::INTERNAL);
+  EXPECT_EQ(StatusOf([] { throw ImageError("bad"); }).error_code(), C::INVALID_ARGUMENT);
+  EXPECT_EQ(StatusOf([] { throw std::invalid_argument("bad"); }).error_code(), C::INVALID_ARGUMENT);
+  EXPECT_EQ(StatusOf([] { throw std::bad_alloc(); }).error_code(), C::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(StatusOf([] { at::ones({2}).view({3}); }).error_code(), C::INTERNAL);
+  EXPECT_EQ(StatusOf([] { throw 42; }).error_code(), C::INTERNAL);
+  const grpc::Status s =
+      StatusOf([] { throw EngineError(EngineError::Code::kInvalidArgument, "say what"); });
+  EXPECT_EQ(s.error_message(), "say what");
+  EXPECT_STREQ(StatusCodeName(C::INVALID_ARGUMENT), "INVALID_ARGUMENT");
+}
+
+// Every metric name of docs/metrics.md's table.
+std::set<std::string> DocumentedMetrics() {
+  std::ifstream in(std::string(VLMGRAPH_FIXTURES_DIR) + "/../../docs/metrics.md");
+  std::set<std::string> names;
+  const std::regex row(R"(^\| `(vlmgraph_[a-z_]+)` \|)");
+  for (std::string line; std::getline(in, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, row)) names.insert(m[1]);
+  }
+  return names;
+}
+
+TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
+  Metrics metrics("");
+  // One observation of everything, so every labelled family has a series.
+  const BucketKey prefill{Region::kPrefill, 2, 64, 0};
+  metrics.OnCapture(prefill, 0.5);
+  metrics.OnStep(prefill, true, 0.001);
+  metrics.OnStep(BucketKey{Region::kDecode, 2, 128, 0}, false, 0.002);
+  metrics.OnEagerFallback(Region::kPrefill, "no bucket fits b1xs300");
+  metrics.OnTokens(Region::kPrefill, 100, 128);
+  metrics.OnBatch(Region::kDecode, 2);
+  metrics.ObserveQueueTime("Generate", 0.01);
+  metrics.ObserveTimeToFirstToken(0.02);
+  metrics.ObserveInterTokenLatency(0.003);
+  metrics.ObserveRequest("Generate", grpc::StatusCode::INVALID_ARGUMENT, 0.1);
+  metrics.AddGeneratedTokens(5);
+  metrics.SetQueueDepth(3);
+  metrics.SetActiveSequences(2);
+  metrics.SetMemory(MemoryStats{10, 20, 30, 40});
+  metrics.ObserveTrainStep(64, 2.5, 1e-3);
+  const std::string text = metrics.Render();
+
+  std::set<std::string> exported;
+  const std::regex type_line(R"(# TYPE (\S+) (\S+))");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), type_line);
+       it != std::sregex_iterator(); ++it) {
+    exported.insert((*it)[1]);
+  }
+  const std::set<std::string> documented = DocumentedMetrics();
+  ASSERT_GE(documented.size(), 20u);
+  EXPECT_EQ(exported, documented);
+
+  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xs64",region="prefill"} 1)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b2xc128",region="decode"} 1)"),
+            std::string::npos);
+  EXPECT_NE(
+      text.find(R"(vlmgraph_eager_fallbacks_total{reason="no bucket fits",region="prefill"} 1)"),
+      std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_tokens_total{kind="padded",region="prefill"} 128)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1)"),
+            std::string::npos);
+  EXPECT_NE(
+      text.find(
+          R"(vlmgraph_step_latency_seconds_count{bucket="b2xs64",mode="graph",region="prefill"} 1)"),
+      std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_kv_cache_bytes 40"), std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_train_loss 2.5"), std::string::npos);
+}
+
+TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {
+  Metrics metrics("");
+  BucketSpec spec;
+  spec.batch_sizes = {1, 2};
+  spec.seq_lens = {16};
+  spec.context_lens = {32};
+  spec.tile_counts = {1, 2};
+  spec.Validate();
+  metrics.InitBuckets(spec);
+  const std::string text = metrics.Render();
+  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="t2",region="vision"} 0)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xc32",region="decode"} 0)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",region="prefill"} 0)"),
+            std::string::npos);
+  EXPECT_NE(
+      text.find(R"(vlmgraph_eager_fallbacks_total{reason="no bucket fits",region="train"} 0)"),
+      std::string::npos);
+  EXPECT_EQ(text.find(R"(bucket="b4xs16")"), std::string::npos);  // only configured buckets
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  send(fd, req.data(), req.size(), 0);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return out;
+}
+
+TEST(ServerMetrics, ServesMetricsOverHttp) {
+  Metrics metrics("127.0.0.1:0");
+  ASSERT_GT(metrics.port(), 0);
+  metrics.AddGeneratedTokens(3);
+  const std::string ok = HttpGet(metrics.port(), "/metrics");
+  EXPECT_EQ(ok.rfind("HTTP/1.1 200 OK", 0), 0u) << ok.substr(0, 200);
+  EXPECT_NE(ok.find("text/plain; version=0.0.4"), std::string::npos);
+  EXPECT_NE(ok.find("vlmgraph_generated_tokens_total 3"), std::string::npos);
+  EXPECT_EQ(HttpGet(metrics.port(), "/other").rfind("HTTP/1.1 404", 0), 0u);
+  // A second endpoint on the same port fails with the address in the message.
+  try {
+    Metrics clash("127.0.0.1:" + std::to_string(metrics.port()));
+    FAIL() << "bound a port twice";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("server.metrics_address"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace vlmgraph::server

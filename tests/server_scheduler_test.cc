@@ -1,0 +1,294 @@
+// The scheduler's GPU thread on a real (tiny, CPU) engine: streamed tokens equal Engine::Generate,
+// batching groups requests, continuous batching lets short requests pass long ones, a full queue
+// refuses, cancellation frees the slot, shutdown fails leftovers. And the eager trainer.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+
+#include "model/checkpoint.h"
+#include "server/eager_trainer.h"
+#include "server/graphed_trainer.h"
+#include "server/scheduler.h"
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Records the engine's batch sizes.
+class BatchRecorder : public EngineObserver {
+ public:
+  void OnBatch(Region region, int64_t n) override {
+    std::lock_guard<std::mutex> lock(mu);
+    (region == Region::kPrefill ? prefill : decode).push_back(n);
+  }
+  std::vector<int64_t> Prefill() {
+    std::lock_guard<std::mutex> lock(mu);
+    return prefill;
+  }
+  std::mutex mu;
+  std::vector<int64_t> prefill, decode;
+};
+
+std::unique_ptr<Engine> TinyEngine(std::vector<int64_t> batch_sizes = {1, 2, 4},
+                                   EngineObserver* observer = nullptr) {
+  at::manual_seed(0);
+  EngineOptions o;
+  o.buckets.batch_sizes = std::move(batch_sizes);
+  o.buckets.seq_lens = {16, 32};
+  o.buckets.context_lens = {64, 128};
+  o.buckets.tile_counts = {1, 2};
+  o.buckets.train_batch_sizes = {2, 4};
+  o.buckets.train_seq_lens = {16, 32};
+  o.log_captures = false;
+  auto e = std::make_unique<Engine>(VisionLanguageModel(VlmConfig::Preset("nanovlm-tiny")), o);
+  e->SetObserver(observer);
+  return e;
+}
+
+GenerateRequest Prompt(int64_t first, int64_t len, int64_t max_new) {
+  GenerateRequest r;
+  for (int64_t i = 0; i < len; ++i) r.input_ids.push_back((first + 7 * i) % 900);
+  r.sampling.max_new_tokens = max_new;
+  return r;
+}
+
+// Reads a stream to its end (bounded): (tokens, error or null).
+std::pair<std::vector<int64_t>, std::exception_ptr> Drain(GenerationStream& s) {
+  std::vector<int64_t> tokens;
+  for (int i = 0; i < 600; ++i) {
+    GenerationStream::Update u = s.Wait(milliseconds(100));
+    tokens.insert(tokens.end(), u.tokens.begin(), u.tokens.end());
+    if (u.done) return {tokens, u.error};
+  }
+  ADD_FAILURE() << "stream did not finish in 60 s";
+  return {tokens, nullptr};
+}
+
+grpc::StatusCode CodeOf(std::exception_ptr e) { return StatusFromException(e).error_code(); }
+
+TEST(ServerScheduler, StreamsWhatEngineGenerateReturns) {
+  std::vector<GenerateRequest> reqs = {Prompt(3, 10, 12), Prompt(50, 20, 5), Prompt(9, 7, 9)};
+  const std::vector<std::vector<int64_t>> expected = TinyEngine()->Generate(reqs);
+  Scheduler scheduler(nullptr, SchedulerOptions{1000, 16});
+  scheduler.Start([] { return TinyEngine(); });
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  for (auto& r : reqs) streams.push_back(scheduler.SubmitGenerate(r, Clock::now()));
+  for (size_t i = 0; i < streams.size(); ++i) {
+    auto [tokens, error] = Drain(*streams[i]);
+    EXPECT_FALSE(error);
+    EXPECT_EQ(tokens, expected[i]) << "request " << i;
+  }
+  scheduler.Stop();
+}
+
+TEST(ServerScheduler, GroupsWaitingRequestsIntoOnePrefill) {
+  BatchRecorder recorder;
+  // A long batching delay: four requests for four free slots are admitted together at once.
+  Scheduler scheduler(nullptr, SchedulerOptions{5000000, 16});
+  scheduler.Start([&] { return TinyEngine({1, 2, 4}, &recorder); });
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  for (int i = 0; i < 4; ++i)
+    streams.push_back(scheduler.SubmitGenerate(Prompt(i, 8, 3), Clock::now()));
+  for (auto& s : streams) EXPECT_FALSE(Drain(*s).second);
+  EXPECT_EQ(recorder.Prefill(), (std::vector<int64_t>{4}));
+  scheduler.Stop();
+}
+
+TEST(ServerScheduler, ShortRequestsPassLongOnes) {
+  // Two slots: a long generation holds one; short requests take turns on the other.
+  Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
+  scheduler.Start([] { return TinyEngine({1, 2}); });
+  auto long_stream = scheduler.SubmitGenerate(Prompt(1, 8, 100), Clock::now());
+  std::vector<std::shared_ptr<GenerationStream>> shorts;
+  for (int i = 0; i < 3; ++i)
+    shorts.push_back(scheduler.SubmitGenerate(Prompt(10 + i, 8, 2), Clock::now()));
+  for (auto& s : shorts) {
+    auto [tokens, error] = Drain(*s);
+    EXPECT_FALSE(error);
+    EXPECT_EQ(tokens.size(), 2u);
+  }
+  // The long one is still running when every short one has finished.
+  GenerationStream::Update u = long_stream->Wait(milliseconds(0));
+  EXPECT_FALSE(u.done);
+  EXPECT_EQ(Drain(*long_stream).first.size() + u.tokens.size(), 100u);
+  scheduler.Stop();
+}
+
+TEST(ServerScheduler, FullQueueRefusesAndCancelFreesTheSlot) {
+  Scheduler scheduler(nullptr, SchedulerOptions{5000000, 2});
+  scheduler.Start([] { return TinyEngine({1, 2, 4}); });
+  // Held back by the long batching delay (2 waiting < 4 free slots), so the queue stays full.
+  auto a = scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now());
+  auto b = scheduler.SubmitGenerate(Prompt(2, 8, 4), Clock::now());
+  try {
+    scheduler.SubmitGenerate(Prompt(3, 8, 4), Clock::now());
+    FAIL() << "queue limit not enforced";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  EXPECT_EQ(scheduler.QueueDepth(), 2);
+  scheduler.Cancel(a);
+  scheduler.Cancel(b);
+  EXPECT_EQ(CodeOf(Drain(*a).second), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(CodeOf(Drain(*b).second), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(scheduler.QueueDepth(), 0);
+  scheduler.Stop();
+}
+
+TEST(ServerScheduler, CancellingARunningSequenceFreesItsSlot) {
+  Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
+  scheduler.Start([] { return TinyEngine({1, 2}); });
+  auto s = scheduler.SubmitGenerate(Prompt(1, 8, 110), Clock::now());
+  GenerationStream::Update first = s->Wait(milliseconds(10000));
+  ASSERT_FALSE(first.tokens.empty());
+  scheduler.Cancel(s);
+  auto [rest, error] = Drain(*s);
+  EXPECT_EQ(CodeOf(error), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(first.tokens.size() + rest.size(), 110u);
+  int64_t free_slots = -1;
+  scheduler.RunOnGpuThread("test", [&](Engine& e) { free_slots = e.FreeSlots(); });
+  EXPECT_EQ(free_slots, 2);
+  scheduler.Stop();
+}
+
+TEST(ServerScheduler, WorkItemsRunOnTheGpuThreadAndRethrow) {
+  Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
+  scheduler.Start([] { return TinyEngine(); });
+  ForwardRequest f;
+  f.input_ids = {1, 2, 3, 4};
+  f.target_ids = {2, 3, 4, -100};
+  ForwardResult result;
+  scheduler.RunOnGpuThread("Forward", [&](Engine& e) { result = e.Forward(f); });
+  EXPECT_EQ(result.loss_tokens, 3);
+  EXPECT_GT(result.loss, 0);
+  EXPECT_THROW(
+      scheduler.RunOnGpuThread("Forward", [](Engine&) { throw std::invalid_argument("x"); }),
+      std::invalid_argument);
+  scheduler.Stop();
+  EXPECT_THROW(scheduler.RunOnGpuThread("Forward", [](Engine&) {}), ServerError);
+}
+
+TEST(ServerScheduler, StopFailsQueuedAndRunningWork) {
+  Scheduler scheduler(nullptr, SchedulerOptions{5000000, 16});
+  scheduler.Start([] { return TinyEngine(); });
+  auto queued = scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now());
+  scheduler.Stop();
+  EXPECT_EQ(CodeOf(Drain(*queued).second), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THROW(scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now()), ServerError);
+}
+
+TEST(ServerScheduler, EngineFactoryErrorsReachStart) {
+  Scheduler scheduler(nullptr, SchedulerOptions{});
+  EXPECT_THROW(
+      scheduler.Start([]() -> std::unique_ptr<Engine> { throw std::runtime_error("no model"); }),
+      std::runtime_error);
+}
+
+// --- eager trainer -------------------------------------------------------------------------------
+
+std::vector<TrainExampleData> Batch(int64_t rows, int64_t len) {
+  std::vector<TrainExampleData> out;
+  for (int64_t r = 0; r < rows; ++r) {
+    TrainExampleData d;
+    for (int64_t i = 0; i < len; ++i) d.input_ids.push_back((r * 31 + i * 7) % 200);
+    d.target_ids.assign(d.input_ids.begin() + 1, d.input_ids.end());
+    d.target_ids.push_back(-100);
+    out.push_back(d);
+  }
+  return out;
+}
+
+TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
+  auto engine = TinyEngine();
+  TrainOptions o;
+  o.language_learning_rate = 3e-3;
+  o.train_vision = o.train_projector = false;
+  std::vector<double> losses;
+  {
+    auto job = MakeEagerTrainer(*engine, o, nullptr);
+    for (int i = 0; i < 8; ++i) losses.push_back(job->Step(Batch(3, 12)).loss);
+    EXPECT_EQ(job->steps(), 8);
+  }
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+  for (auto& p : engine->model()->parameters()) EXPECT_FALSE(p.requires_grad());
+  // Generation still works after training, with the trained weights.
+  EXPECT_EQ(engine->Generate({Prompt(1, 8, 3)})[0].size(), 3u);
+}
+
+TEST(ServerTrainer, PaddingToABucketDoesNotChangeTheLoss) {
+  TrainOptions padded, exact;
+  exact.padding = TrainPadding::kExact;
+  auto e1 = TinyEngine();
+  auto e2 = TinyEngine();
+  TrainStepStats a = MakeEagerTrainer(*e1, padded, nullptr)->Step(Batch(3, 12));
+  TrainStepStats b = MakeEagerTrainer(*e2, exact, nullptr)->Step(Batch(3, 12));
+  EXPECT_EQ(a.bucket.Label(), "b4xs16");
+  EXPECT_EQ(b.bucket.Label(), "b3xs12");
+  EXPECT_EQ(a.loss_tokens, b.loss_tokens);
+  EXPECT_NEAR(a.loss, b.loss, 1e-4);
+  EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3);
+}
+
+TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
+  auto engine = TinyEngine();
+  TrainOptions o;
+  auto job = MakeEagerTrainer(*engine, o, nullptr);
+  job->Step(Batch(2, 10));
+  const auto dir = std::filesystem::temp_directory_path() / "vlmgraph_trainer_test_ckpt";
+  job->Save(dir.string());
+  VisionLanguageModel loaded = LoadModel(dir.string());
+  EXPECT_TRUE(at::allclose(loaded->decoder->token_embedding->weight,
+                           engine->model()->decoder->token_embedding->weight));
+  // Not std::filesystem::remove_all: the pip LibTorch exports an incompatible copy of it.
+  for (const char* f : {"config.json", "model.safetensors"}) ::unlink((dir / f).c_str());
+  ::rmdir(dir.c_str());
+  job.reset();
+  TrainOptions none;
+  none.train_language = none.train_vision = none.train_projector = false;
+  EXPECT_THROW(MakeEagerTrainer(*engine, none, nullptr), ServerError);
+}
+
+TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
+  auto engine = TinyEngine();
+  ForwardRequest probe;
+  probe.input_ids = Batch(1, 12)[0].input_ids;
+  probe.target_ids = Batch(1, 12)[0].target_ids;
+  const double before = engine->Forward(probe).loss;
+  TrainOptions o;
+  o.language_learning_rate = 3e-3;
+  o.train_vision = o.train_projector = false;
+  std::vector<double> losses;
+  {
+    auto job = MakeGraphedTrainer(*engine, o, nullptr);
+    for (int i = 0; i < 8; ++i) {
+      TrainStepStats s = job->Step(Batch(3, 12));
+      EXPECT_EQ(s.bucket.Label(), "b4xs16");
+      EXPECT_EQ(s.step, i + 1);
+      losses.push_back(s.loss);
+    }
+  }
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+  // The engine serves the trained weights (the probe is the batch's first example).
+  EXPECT_LT(engine->Forward(probe).loss, before - 0.5);
+  TrainOptions exact = o;
+  exact.padding = TrainPadding::kExact;
+  EXPECT_THROW(MakeGraphedTrainer(*engine, exact, nullptr), ServerError);
+}
+
+TEST(ServerTrainer, GraphedAndEagerTrainersAgreeOnTheFirstStep) {
+  auto e1 = TinyEngine();
+  auto e2 = TinyEngine();
+  TrainOptions o;
+  TrainStepStats graphed = MakeGraphedTrainer(*e1, o, nullptr)->Step(Batch(3, 12));
+  TrainStepStats eager = MakeEagerTrainer(*e2, o, nullptr)->Step(Batch(3, 12));
+  EXPECT_NEAR(graphed.loss, eager.loss, 1e-4);
+  EXPECT_NEAR(graphed.grad_norm, eager.grad_norm, 1e-3);
+}
+
+}  // namespace
+}  // namespace vlmgraph::server
