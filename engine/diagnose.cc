@@ -40,7 +40,8 @@ json TimeBuckets(Engine& engine, const std::vector<BucketKey>& keys, const Diagn
     std::vector<double> ms;
     for (int i = 0; i < o.iters; ++i) ms.push_back(engine.TimeRegion(key, 1) * 1e3);
     rows[std::string(RegionName(key.region)) + "/" + key.Label()] = {
-        {"median_ms", Median(ms)}, {"peak_allocated_bytes", DeviceMemory(device).peak_allocated_bytes}};
+        {"median_ms", Median(ms)},
+        {"peak_allocated_bytes", device.is_cuda() ? json(DeviceMemory(device).peak_allocated_bytes) : json(nullptr)}};
   }
   return rows;
 }
@@ -78,7 +79,7 @@ json TimeTraining(const TrainerFactory& make_trainer, bool graphs, const Diagnos
   return {{"bucket", BucketKey{Region::kTrain, b, s, 0}.Label()},
           {"median_ms", Median(ms)},
           {"first_step_ms", first},
-          {"peak_allocated_bytes", DeviceMemory(device).peak_allocated_bytes},
+          {"peak_allocated_bytes", device.is_cuda() ? json(DeviceMemory(device).peak_allocated_bytes) : json(nullptr)},
           {"captures", t->captures()}};
 }
 
@@ -237,7 +238,7 @@ json RunDiagnostics(const EngineFactory& make_engine, const TrainerFactory& make
   int64_t params = 0;
   for (const auto& p : graphed->model()->parameters()) params += p.numel();
   report["environment"] = {{"device", eo.device.str()},
-                           {"dtype", c10::toString(eo.dtype)},
+                           {"dtype", eo.dtype == at::kBFloat16 ? "bfloat16" : "float32"},
                            {"graphs_available", graphs},
                            {"graphs_note", graphs ? "CUDA graphs captured per bucket"
                                                   : "CUDA graphs not available (CPU device, CPU-only build, or capture "
@@ -339,7 +340,10 @@ json RunDiagnostics(const EngineFactory& make_engine, const TrainerFactory& make
     std::vector<int64_t> fitting;
     int64_t oversize = 0;
     for (int64_t len : lengths) (len <= b.max_seq() ? fitting.push_back(len) : (void)++oversize);
-    const std::vector<int64_t> suggested = SuggestBuckets(fitting, static_cast<int>(b.seq_lens.size()));
+    // Padding-optimal sizes, rounded up to multiples of 8 (tensor-core friendly GEMM shapes).
+    std::vector<int64_t> suggested = SuggestBuckets(fitting, static_cast<int>(b.seq_lens.size()));
+    for (auto& v : suggested) v = (v + 7) / 8 * 8;
+    suggested.erase(std::unique(suggested.begin(), suggested.end()), suggested.end());
     // Graph-pool memory scales with the largest prefill activation (batch x seq); estimate the
     // suggested set's pool from the measured one.
     auto pool_estimate = [&](const std::vector<int64_t>& seqs) -> json {
@@ -357,7 +361,8 @@ json RunDiagnostics(const EngineFactory& make_engine, const TrainerFactory& make
                        {"prefill_graphs", suggested.size() * b.batch_sizes.size()},
                        {"graph_pool_bytes_estimate", pool_estimate(suggested)}}},
         {"note", "padding_waste = padded tokens / real tokens for prompts that fit a bucket; the suggested set "
-                 "has as many seq buckets as the current one and minimises padded tokens for this sample"}};
+                 "has as many seq buckets as the current one, minimises padded tokens for this sample, and is "
+                 "rounded up to multiples of 8"}};
   }
   return report;
 }
@@ -372,8 +377,9 @@ std::string FormatDiagnostics(const json& r) {
     return b;
   };
   const auto& env = r["environment"];
+  std::snprintf(line, sizeof line, "%.1fM parameters", env["parameters"].get<int64_t>() / 1e6);
   o << "vlmgraph-diagnose: " << env["device"].get<std::string>() << ", " << env["dtype"].get<std::string>() << ", "
-    << env["parameters"].get<int64_t>() / 1000000 << "M parameters; " << env["graphs_note"].get<std::string>() << "\n";
+    << line << "; " << env["graphs_note"].get<std::string>() << "\n";
   if (r.contains("baseline")) {
     o << "\n== baseline (" << r["baseline"]["method"].get<std::string>() << ")\n";
     o << "| region | bucket | eager ms | graph ms | speedup | eager peak MiB | graph peak MiB |\n|---|---|---|---|---|---|---|\n";
