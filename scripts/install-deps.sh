@@ -25,6 +25,8 @@ if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(docker-comp
 # Server end-to-end tests (tests/e2e): a real photo (chelsea.png from scikit-image's data) and a real
 # Prometheus server that scrapes the metrics endpoint.
 apt_pkgs+=(python3-skimage prometheus)
+# The real-data training job (clients/python/examples/train_digits.py): sklearn's digits.csv.gz.
+apt_pkgs+=(python3-sklearn)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -57,7 +59,7 @@ if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
   fi
   # Python client, end-to-end tests and the digits training demo.
   $PY -m pip install "${pip_flags[@]}" "grpcio>=1.60" "grpcio-tools>=1.60" "protobuf>=4.25" \
-    "grpcio-health-checking>=1.60" numpy pillow pyyaml
+    "grpcio-health-checking>=1.60" numpy pillow pyyaml matplotlib
   # Server reflection client (tests/e2e lists the services the way grpcurl does).
   $PY -m pip install "${pip_flags[@]}" "grpcio-reflection>=1.60"
 fi
