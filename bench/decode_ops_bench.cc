@@ -3,16 +3,16 @@
 // graph replayed 20 times (so the figure is kernel time plus in-graph launch gaps, no host cost).
 //
 //   vlmgraph-decode-ops-bench [--batch 1] [--context 512] [--length 130]
-#include <chrono>
-#include <cstdio>
-#include <functional>
-#include <string>
-
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
 
 #include "model/fused_ops.h"
 #include "model/vision_language_model.h"
@@ -33,7 +33,8 @@ double TimeOp(const std::function<void()>& op) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 20; ++i) graph.replay();
   stream.synchronize();
-  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / (20 * 50);
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+         (20 * 50);
 }
 
 }  // namespace
@@ -52,8 +53,8 @@ int main(int argc, char** argv) {
   }
   at::NoGradGuard no_grad;
   const auto cfg = vlmgraph::VlmConfig::Preset("nanovlm-460m");
-  const int64_t h = cfg.lm_hidden_dim, nh = cfg.lm_n_heads, nkv = cfg.lm_n_kv_heads, d = cfg.lm_head_dim(),
-                inter = cfg.lm_inter_dim;
+  const int64_t h = cfg.lm_hidden_dim, nh = cfg.lm_n_heads, nkv = cfg.lm_n_kv_heads,
+                d = cfg.lm_head_dim(), inter = cfg.lm_inter_dim;
   auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
   at::Tensor x = at::randn({batch, 1, h}, opt), x2 = x.view({batch, h});
   at::Tensor w_norm = at::ones({h}, opt);
@@ -75,35 +76,50 @@ int main(int argc, char** argv) {
   Row rows[] = {
       {"rms_norm", [&] { vlmgraph::ops::RmsNorm(x, w_norm, 1e-5); }},
       {"qkv linear", [&] { at::linear(x, w_qkv); }},
-      {"rope + kv write", [&] { vlmgraph::ops::RopeKvWrite(qkv, inv_freq, 1.0, pos, {}, nh, nkv, ck, cv, false); }},
+      {"rope + kv write",
+       [&] { vlmgraph::ops::RopeKvWrite(qkv, inv_freq, 1.0, pos, {}, nh, nkv, ck, cv, false); }},
       {"decode attention", [&] { vlmgraph::ops::DecodeAttention(q, ck, cv, pos, context, nh); }},
       {"out addmm", [&] { at::addmm(x2, q.narrow(1, 0, h), w_out.t()); }},
       {"gate_up linear", [&] { at::linear(x, w_gu); }},
       {"silu_mul", [&] { vlmgraph::ops::SiluMul(gu); }},
-      {"down addmm", [&] { at::addmm(x2, act.view({batch, inter}), w_down.t()); }},
+      {"down addmm",
+       [&] {
+         at::addmm(x2, act.view({batch, inter}), w_down.t());
+       }},
       {"  gemv kernel: qkv", [&] { vlmgraph::ops::Linear(x2, w_qkv); }},
-      {"  gemv kernel: out + residual", [&] { vlmgraph::ops::Linear(q.narrow(1, 0, h).contiguous(), w_out, x2); }},
+      {"  gemv kernel: out + residual",
+       [&] { vlmgraph::ops::Linear(q.narrow(1, 0, h).contiguous(), w_out, x2); }},
       {"  gemv kernel: gate_up", [&] { vlmgraph::ops::Linear(x2, w_gu); }},
-      {"  gemv kernel: down + residual", [&] { vlmgraph::ops::Linear(act.view({batch, inter}), w_down, x2); }},
+      {"  gemv kernel: down + residual",
+       [&] {
+         vlmgraph::ops::Linear(act.view({batch, inter}), w_down, x2);
+       }},
       {"  gemv kernel: lm head", [&] { vlmgraph::ops::Linear(x2, head); }},
-      {"  alt: down linear", [&] { at::linear(act.view({batch, inter}), w_down); }},
-      {"  alt: down matmul W @ a^T", [&] { at::matmul(w_down, act.view({batch, inter}).t()); }},
+      {"  alt: down linear",
+       [&] {
+         at::linear(act.view({batch, inter}), w_down);
+       }},
+      {"  alt: down matmul W @ a^T",
+       [&] {
+         at::matmul(w_down, act.view({batch, inter}).t());
+       }},
       {"  alt: out linear", [&] { at::linear(q.narrow(1, 0, h), w_out); }},
       {"  alt: qkv matmul W @ x^T", [&] { at::matmul(w_qkv, x2.t()); }},
       {"lm head (once per step)", [&] { at::linear(x2, head); }},
   };
   double layer = 0;
-  std::printf("batch %lld, context bucket %lld, keys %lld (bf16, nanovlm-460m shapes)\n", (long long)batch,
-              (long long)context, (long long)length + 1);
+  std::printf("batch %lld, context bucket %lld, keys %lld (bf16, nanovlm-460m shapes)\n",
+              (long long)batch, (long long)context, (long long)length + 1);
   std::printf("| op | us |\n|---|---|\n");
   for (const auto& r : rows) {
     const double us = TimeOp(r.op);
     const std::string name = r.name;
     if (name.find("head") == std::string::npos && name.find("alt:") == std::string::npos &&
-        name.find("gemv") == std::string::npos) layer += us;
+        name.find("gemv") == std::string::npos)
+      layer += us;
     std::printf("| %s | %.2f |\n", r.name, us);
   }
-  std::printf("| one block (sum) | %.2f |\n| %lld blocks + head | %.1f |\n", layer, (long long)cfg.lm_n_blocks,
-              layer * cfg.lm_n_blocks);
+  std::printf("| one block (sum) | %.2f |\n| %lld blocks + head | %.1f |\n", layer,
+              (long long)cfg.lm_n_blocks, layer * cfg.lm_n_blocks);
   return 0;
 }

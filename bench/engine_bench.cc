@@ -9,16 +9,16 @@
 // the first token copied to the host), divided by nothing: it is the time until every request of
 // the batch has its first token. Decode = one Step() over N active sequences (embedding, all
 // blocks over the KV cache, head, sampling, token copied to the host).
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-#include <torch/cuda.h>
 
 #include "engine/engine.h"
 #include "model/checkpoint.h"
@@ -73,7 +73,8 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
     if (a.decode_only) break;
     std::vector<double> ms;
     for (int i = 0; i < a.warmup + a.iters; ++i) {
-      std::vector<GenerateRequest> reqs(batch, ImagePrompt(cfg, 64, 1));  // finish at once: slots free
+      std::vector<GenerateRequest> reqs(batch,
+                                        ImagePrompt(cfg, 64, 1));  // finish at once: slots free
       auto s = Clock::now();
       engine.Admit(reqs, &events);
       const double dt = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
@@ -94,8 +95,10 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
       if (i >= a.warmup) ms.push_back(dt);
     }
     events.clear();
-    const auto key = *engine.options().buckets.PickDecode(batch, 64 + cfg.mp_image_token_length + a.iters + a.warmup + 1);
-    out["decode_region_only_ms"]["batch_" + std::to_string(batch)] = engine.TimeRegion(key, 50) * 1e3;
+    const auto key = *engine.options().buckets.PickDecode(
+        batch, 64 + cfg.mp_image_token_length + a.iters + a.warmup + 1);
+    out["decode_region_only_ms"]["batch_" + std::to_string(batch)] =
+        engine.TimeRegion(key, 50) * 1e3;
     for (auto id : ids) engine.Cancel(id);  // free the slots for the next batch size
     out["decode_ms_per_step"]["batch_" + std::to_string(batch)] = Median(ms);
   }
@@ -110,13 +113,20 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--preset") a.preset = v;
-    else if (k == "--dtype") a.dtype = v;
-    else if (k == "--device") a.device = v;
-    else if (k == "--json") a.json = v;
-    else if (k == "--iters") a.iters = std::stoi(v);
-    else if (k == "--warmup") a.warmup = std::stoi(v);
-    else if (k == "--decode-only") a.decode_only = v == "1";
+    if (k == "--preset")
+      a.preset = v;
+    else if (k == "--dtype")
+      a.dtype = v;
+    else if (k == "--device")
+      a.device = v;
+    else if (k == "--json")
+      a.json = v;
+    else if (k == "--iters")
+      a.iters = std::stoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::stoi(v);
+    else if (k == "--decode-only")
+      a.decode_only = v == "1";
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -149,14 +159,16 @@ int main(int argc, char** argv) {
                 e.get<double>() / g.get<double>());
   };
   for (const char* b : {"batch_1", "batch_8"}) {
-    row((std::string("time to first token, ") + b).c_str(), report["eager"]["ttft_ms"][b], report["graph"]["ttft_ms"][b]);
+    row((std::string("time to first token, ") + b).c_str(), report["eager"]["ttft_ms"][b],
+        report["graph"]["ttft_ms"][b]);
   }
   for (const char* b : {"batch_1", "batch_8", "batch_32"}) {
     row((std::string("decode per step, ") + b).c_str(), report["eager"]["decode_ms_per_step"][b],
         report["graph"]["decode_ms_per_step"][b]);
   }
   std::printf("| start-up capture | | %.2f s (%lld graphs, pool %.1f MiB) | |\n",
-              report["graph"]["capture_seconds"].get<double>(), (long long)report["graph"]["graphs"].get<int64_t>(),
+              report["graph"]["capture_seconds"].get<double>(),
+              (long long)report["graph"]["graphs"].get<int64_t>(),
               report["graph"]["graph_pool_bytes"].get<int64_t>() / 1048576.0);
   if (!a.json.empty()) std::ofstream(a.json) << report.dump(2);
   return 0;

@@ -2,19 +2,20 @@
 // batch 8 x 256 tokens with one 512px image tile per sample (64 image tokens + 192 text tokens),
 // AdamW, bf16 autocast with float32 master weights; eager vs CUDA graphs.
 //
-//   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json out.json]
+//   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json
+//   out.json]
 //
 // Figures: first step (including capture for graphs, from Trainer construction), median of the
 // following steps, peak device memory allocated and reserved over the run.
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <string>
-
-#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
-#include <torch/cuda.h>
+#include <string>
 
 #include "engine/device.h"
 #include "engine/trainer.h"
@@ -29,10 +30,13 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   std::vector<vlmgraph::TrainExample> examples;
   for (int64_t i = 0; i < batch; ++i) {
     vlmgraph::TrainExample e;
-    for (int64_t t = 0; t < cfg.mp_image_token_length; ++t) e.input_ids.push_back(cfg.image_token_id);
-    while (static_cast<int64_t>(e.input_ids.size()) < seq) e.input_ids.push_back(100 + (e.input_ids.size() * 7 + i) % 5000);
+    for (int64_t t = 0; t < cfg.mp_image_token_length; ++t)
+      e.input_ids.push_back(cfg.image_token_id);
+    while (static_cast<int64_t>(e.input_ids.size()) < seq)
+      e.input_ids.push_back(100 + (e.input_ids.size() * 7 + i) % 5000);
     e.targets.assign(e.input_ids.size(), -100);
-    for (size_t t = cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t) e.targets[t] = e.input_ids[t + 1];
+    for (size_t t = cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t)
+      e.targets[t] = e.input_ids[t + 1];
     e.tiles = at::rand({1, 3, cfg.vit_img_size, cfg.vit_img_size});
     examples.push_back(e);
   }
@@ -78,12 +82,18 @@ int main(int argc, char** argv) {
   int steps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--preset") preset = v;
-    else if (k == "--batch") batch = std::stoll(v);
-    else if (k == "--seq") seq = std::stoll(v);
-    else if (k == "--steps") steps = std::stoi(v);
-    else if (k == "--json") json = v;
-    else if (k == "--mode") mode = v;  // graph | eager | both (separate processes give clean peaks)
+    if (k == "--preset")
+      preset = v;
+    else if (k == "--batch")
+      batch = std::stoll(v);
+    else if (k == "--seq")
+      seq = std::stoll(v);
+    else if (k == "--steps")
+      steps = std::stoi(v);
+    else if (k == "--json")
+      json = v;
+    else if (k == "--mode")
+      mode = v;  // graph | eager | both (separate processes give clean peaks)
   }
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "needs a CUDA device\n");
@@ -100,12 +110,15 @@ int main(int argc, char** argv) {
   if (mode != "both") return 0;
   auto gib = [](const nlohmann::json& v) { return v.get<int64_t>() / 1073741824.0; };
   std::printf("\n| figure | eager | CUDA graphs |\n|---|---|---|\n");
-  std::printf("| step (median) | %.1f ms | %.1f ms |\n", report["eager"]["median_step_ms"].get<double>(),
+  std::printf("| step (median) | %.1f ms | %.1f ms |\n",
+              report["eager"]["median_step_ms"].get<double>(),
               report["graph"]["median_step_ms"].get<double>());
-  std::printf("| first step (incl. capture) | %.2f s | %.2f s |\n", report["eager"]["first_step_seconds"].get<double>(),
+  std::printf("| first step (incl. capture) | %.2f s | %.2f s |\n",
+              report["eager"]["first_step_seconds"].get<double>(),
               report["graph"]["first_step_seconds"].get<double>());
-  std::printf("| peak allocated | %.2f GiB | %.2f GiB |\n| peak reserved | %.2f GiB | %.2f GiB |\n",
-              gib(report["eager"]["peak_allocated_bytes"]), gib(report["graph"]["peak_allocated_bytes"]),
-              gib(report["eager"]["peak_reserved_bytes"]), gib(report["graph"]["peak_reserved_bytes"]));
+  std::printf(
+      "| peak allocated | %.2f GiB | %.2f GiB |\n| peak reserved | %.2f GiB | %.2f GiB |\n",
+      gib(report["eager"]["peak_allocated_bytes"]), gib(report["graph"]["peak_allocated_bytes"]),
+      gib(report["eager"]["peak_reserved_bytes"]), gib(report["graph"]["peak_reserved_bytes"]));
   return 0;
 }

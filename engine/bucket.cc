@@ -8,20 +8,27 @@ namespace vlmgraph {
 
 const char* RegionName(Region r) {
   switch (r) {
-    case Region::kVision: return "vision";
-    case Region::kPrefill: return "prefill";
-    case Region::kDecode: return "decode";
-    case Region::kTrain: return "train";
+    case Region::kVision:
+      return "vision";
+    case Region::kPrefill:
+      return "prefill";
+    case Region::kDecode:
+      return "decode";
+    case Region::kTrain:
+      return "train";
   }
   return "unknown";
 }
 
 std::string BucketKey::Label() const {
   switch (region) {
-    case Region::kVision: return "t" + std::to_string(tiles);
-    case Region::kDecode: return "b" + std::to_string(batch) + "xc" + std::to_string(seq);
+    case Region::kVision:
+      return "t" + std::to_string(tiles);
+    case Region::kDecode:
+      return "b" + std::to_string(batch) + "xc" + std::to_string(seq);
     case Region::kPrefill:
-    case Region::kTrain: return "b" + std::to_string(batch) + "xs" + std::to_string(seq);
+    case Region::kTrain:
+      return "b" + std::to_string(batch) + "xs" + std::to_string(seq);
   }
   return "?";
 }
@@ -35,7 +42,8 @@ bool BucketKey::operator==(const BucketKey& o) const {
 
 namespace {
 void Normalise(std::vector<int64_t>* list, const char* name) {
-  if (list->empty()) throw std::invalid_argument(std::string("buckets.") + name + " must not be empty");
+  if (list->empty())
+    throw std::invalid_argument(std::string("buckets.") + name + " must not be empty");
   for (int64_t v : *list) {
     if (v < 1) {
       throw std::invalid_argument(std::string("buckets.") + name + " has " + std::to_string(v) +
@@ -55,9 +63,10 @@ void BucketSpec::Validate() {
   Normalise(&train_batch_sizes, "train_batch_sizes");
   Normalise(&train_seq_lens, "train_seq_lens");
   if (max_seq() > max_context()) {
-    throw std::invalid_argument("buckets.seq_lens max (" + std::to_string(max_seq()) +
-                                ") exceeds buckets.context_lens max (" + std::to_string(max_context()) +
-                                "): a prompt must fit the KV cache; raise context_lens or lower seq_lens");
+    throw std::invalid_argument(
+        "buckets.seq_lens max (" + std::to_string(max_seq()) +
+        ") exceeds buckets.context_lens max (" + std::to_string(max_context()) +
+        "): a prompt must fit the KV cache; raise context_lens or lower seq_lens");
   }
 }
 
@@ -114,8 +123,10 @@ std::vector<BucketKey> BucketSpec::All(Region region) const {
       break;
   }
   std::sort(out.begin(), out.end(), [](const BucketKey& a, const BucketKey& b) {
-    return std::max<int64_t>(1, a.batch) * std::max<int64_t>(1, a.seq) * std::max<int64_t>(1, a.tiles) >
-           std::max<int64_t>(1, b.batch) * std::max<int64_t>(1, b.seq) * std::max<int64_t>(1, b.tiles);
+    return std::max<int64_t>(1, a.batch) * std::max<int64_t>(1, a.seq) *
+               std::max<int64_t>(1, a.tiles) >
+           std::max<int64_t>(1, b.batch) * std::max<int64_t>(1, b.seq) *
+               std::max<int64_t>(1, b.tiles);
   });
   return out;
 }

@@ -31,9 +31,9 @@ enum class OversizePolicy { kEager, kReject };
 
 struct BucketKey {
   Region region = Region::kPrefill;
-  int64_t batch = 0;    // sequences (vision: 0)
-  int64_t seq = 0;      // prefill/train: tokens per row; decode: attention context; vision: 0
-  int64_t tiles = 0;    // vision: image tiles; else 0
+  int64_t batch = 0;  // sequences (vision: 0)
+  int64_t seq = 0;    // prefill/train: tokens per row; decode: attention context; vision: 0
+  int64_t tiles = 0;  // vision: image tiles; else 0
 
   // Stable label for logs and metrics: "b4xs128", "b8xc1024", "t2".
   std::string Label() const;
@@ -43,10 +43,10 @@ struct BucketKey {
 
 struct BucketSpec {
   std::vector<int64_t> batch_sizes = {1, 2, 4, 8, 16, 32};  // prefill and decode batch buckets
-  std::vector<int64_t> seq_lens = {64, 128, 256, 512};       // prefill token buckets
-  std::vector<int64_t> context_lens = {512, 1024};           // decode KV windows; max = KV cache length
-  std::vector<int64_t> tile_counts = {1, 2, 4};           // vision tile buckets
-  std::vector<int64_t> train_batch_sizes = {8};           // training step buckets
+  std::vector<int64_t> seq_lens = {64, 128, 256, 512};      // prefill token buckets
+  std::vector<int64_t> context_lens = {512, 1024};  // decode KV windows; max = KV cache length
+  std::vector<int64_t> tile_counts = {1, 2, 4};     // vision tile buckets
+  std::vector<int64_t> train_batch_sizes = {8};     // training step buckets
   std::vector<int64_t> train_seq_lens = {256};
   OversizePolicy oversize = OversizePolicy::kEager;
 

@@ -21,10 +21,9 @@
 
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
 #include "engine/trainer.h"
@@ -32,10 +31,11 @@
 namespace vlmgraph {
 
 struct DiagnoseOptions {
-  bool baseline = true, sweeps = true, capture = true, dispatch = true, advice = true, training = true;
-  bool quick = false;  // fewer buckets, shapes and iterations (CI)
-  int iters = 20;      // timed runs per figure (median)
-  int warmup = 3;      // untimed runs first
+  bool baseline = true, sweeps = true, capture = true, dispatch = true, advice = true,
+       training = true;
+  bool quick = false;                   // fewer buckets, shapes and iterations (CI)
+  int iters = 20;                       // timed runs per figure (median)
+  int warmup = 3;                       // untimed runs first
   std::vector<int64_t> prompt_lengths;  // request-shape sample for bucket advice; empty = synthetic
   std::string shapes_source = "synthetic lognormal";
 };
@@ -60,6 +60,7 @@ double PaddingWaste(const std::vector<int64_t>& lengths, const std::vector<int64
 std::vector<int64_t> SuggestBuckets(std::vector<int64_t> lengths, int k);
 
 // `n` prompt lengths, deterministic: exp(N(log(median), sigma)), clamped to [1, max_len].
-std::vector<int64_t> SyntheticPromptLengths(int64_t n, double median, double sigma, int64_t max_len);
+std::vector<int64_t> SyntheticPromptLengths(int64_t n, double median, double sigma,
+                                            int64_t max_len);
 
 }  // namespace vlmgraph

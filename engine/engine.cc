@@ -1,13 +1,13 @@
 #include "engine/engine.h"
 
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
 #include <numeric>
 #include <sstream>
-
-#include <ATen/ATen.h>
-#include <torch/nn/module.h>
 
 #include "engine/device.h"
 #include "engine/sampler.h"
@@ -20,16 +20,20 @@ double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-EngineError Invalid(const std::string& msg) { return EngineError(EngineError::Code::kInvalidArgument, msg); }
+EngineError Invalid(const std::string& msg) {
+  return EngineError(EngineError::Code::kInvalidArgument, msg);
+}
 
-std::string CounterKey(const BucketKey& k) { return std::string(RegionName(k.region)) + "/" + k.Label(); }
+std::string CounterKey(const BucketKey& k) {
+  return std::string(RegionName(k.region)) + "/" + k.Label();
+}
 
 }  // namespace
 
 struct Engine::Sequence {
   SequenceId id = -1;
   int64_t slot = -1;
-  int64_t length = 0;       // tokens in the KV cache; the next token's position
+  int64_t length = 0;  // tokens in the KV cache; the next token's position
   int64_t generated = 0;
   int64_t last_token = -1;  // fed to the next decode step
   SamplingParams sampling;
@@ -73,7 +77,8 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   }
   model_->to(options_.device, options_.dtype);
   // RoPE frequencies stay float32 whatever the weights' dtype.
-  model_->decoder->rotary_embd->inv_freq.set_data(model_->decoder->rotary_embd->inv_freq.to(at::kFloat));
+  model_->decoder->rotary_embd->inv_freq.set_data(
+      model_->decoder->rotary_embd->inv_freq.to(at::kFloat));
   model_->eval();
   for (auto& p : model_->parameters()) p.set_requires_grad(false);
   // Stacked q/k/v and gate/up weights: the fused CUDA decoder path (no-op for CPU inference).
@@ -118,13 +123,16 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
   switch (key.region) {
     case Region::kVision: {
       const int64_t t = key.tiles;
-      return [m, bf, t] { return std::vector<at::Tensor>{m->EncodeImages(bf->tiles.narrow(0, 0, t))}; };
+      return [m, bf, t] {
+        return std::vector<at::Tensor>{m->EncodeImages(bf->tiles.narrow(0, 0, t))};
+      };
     }
     case Region::kPrefill: {
       const int64_t b = key.batch, s = key.seq;
       return [m, bf, b, s, hidden] {
         at::Tensor ids = bf->ids.narrow(0, 0, b * s).view({b, s});
-        at::Tensor h = m->decoder->Prefill(m->Embed(ids, bf->image_rows), &bf->cache, bf->slots.narrow(0, 0, b));
+        at::Tensor h = m->decoder->Prefill(m->Embed(ids, bf->image_rows), &bf->cache,
+                                           bf->slots.narrow(0, 0, b));
         at::Tensor idx = bf->last.narrow(0, 0, b).view({b, 1, 1}).expand({b, 1, hidden});
         at::Tensor logits = m->decoder->Logits(h.gather(1, idx).squeeze(1));  // (b, V)
         return std::vector<at::Tensor>{logits, h};                            // h: (b, s, H)
@@ -133,7 +141,8 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
     case Region::kDecode: {
       const int64_t b = key.batch, c = key.seq;
       return [m, bf, b, c] {
-        at::Tensor x = m->decoder->token_embedding->forward(bf->dec_tokens.narrow(0, 0, b).view({b, 1}));
+        at::Tensor x =
+            m->decoder->token_embedding->forward(bf->dec_tokens.narrow(0, 0, b).view({b, 1}));
         at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
         return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, 0))};  // (b, V)
       };
@@ -144,11 +153,13 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
   throw EngineError(EngineError::Code::kInternal, "no inference region function for train buckets");
 }
 
-std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
+std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens,
+                                          int64_t padded_tokens,
                                           const Clock::time_point* dispatch_start) {
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs;
-  RunKind kind = runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
+  RunKind kind =
+      runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
   if (dispatch_start != nullptr && kind == RunKind::kReplay) {
     // Replays return once launched: everything so far was host-side dispatch.
     std::lock_guard<std::mutex> lock(counters_mu_);
@@ -161,7 +172,8 @@ std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tok
   return outputs;
 }
 
-std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact, const std::function<std::vector<at::Tensor>()>& fn,
+std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact,
+                                                 const std::function<std::vector<at::Tensor>()>& fn,
                                                  int64_t real_tokens) {
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs = fn();
@@ -175,7 +187,8 @@ std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact, const s
   return outputs;
 }
 
-void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded) {
+void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real,
+                   int64_t padded) {
   const std::string k = CounterKey(key);
   {
     std::lock_guard<std::mutex> lock(counters_mu_);
@@ -211,8 +224,9 @@ void Engine::Warmup() {
     if (k.region == Region::kVision) return k.tiles * cfg.vit_num_patches() * cfg.vit_inter_dim;
     return k.batch * (k.region == Region::kDecode ? 1 : k.seq) * cfg.lm_inter_dim;
   };
-  std::stable_sort(keys.begin(), keys.end(),
-                   [&](const BucketKey& x, const BucketKey& y) { return activation(x) > activation(y); });
+  std::stable_sort(keys.begin(), keys.end(), [&](const BucketKey& x, const BucketKey& y) {
+    return activation(x) > activation(y);
+  });
   int64_t pool_before = runner_->pool_bytes();
   for (const auto& key : keys) {
     const double seconds = runner_->Capture(key, MakeRegionFn(key));
@@ -235,7 +249,8 @@ void Engine::Warmup() {
   graph_pool_bytes_ = runner_->pool_bytes();
   if (options_.log_captures) {
     std::fprintf(stderr,
-                 "[vlmgraph] capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache %.1f MiB\n",
+                 "[vlmgraph] capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache "
+                 "%.1f MiB\n",
                  keys.size(), SecondsSince(t0), graph_pool_bytes_.load() / 1048576.0,
                  buffers_->cache.bytes() / 1048576.0);
   }
@@ -260,7 +275,8 @@ void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& t
     if (tiles.dim() != 4 || tiles.size(1) != 3 || tiles.size(2) != cfg.vit_img_size ||
         tiles.size(3) != cfg.vit_img_size) {
       std::ostringstream o;
-      o << "image tiles must be (N, 3, " << cfg.vit_img_size << ", " << cfg.vit_img_size << "), got " << tiles.sizes();
+      o << "image tiles must be (N, 3, " << cfg.vit_img_size << ", " << cfg.vit_img_size
+        << "), got " << tiles.sizes();
       throw Invalid(o.str());
     }
     n_tiles = tiles.size(0);
@@ -274,12 +290,14 @@ void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& t
     throw Invalid("the prompt has " + std::to_string(image_tokens) + " image tokens (id " +
                   std::to_string(cfg.image_token_id) + ") but its " + std::to_string(n_tiles) +
                   " image tile(s) give " + std::to_string(expected) + " embeddings (" +
-                  std::to_string(cfg.mp_image_token_length) + " per tile); the prompt must hold exactly " +
-                  std::to_string(expected) + " image tokens");
+                  std::to_string(cfg.mp_image_token_length) +
+                  " per tile); the prompt must hold exactly " + std::to_string(expected) +
+                  " image tokens");
   }
   const int64_t len = static_cast<int64_t>(ids.size());
   if (len > options_.buckets.max_seq() && options_.buckets.oversize == OversizePolicy::kReject) {
-    throw Invalid("prompt of " + std::to_string(len) + " tokens is longer than the largest prefill bucket (" +
+    throw Invalid("prompt of " + std::to_string(len) +
+                  " tokens is longer than the largest prefill bucket (" +
                   std::to_string(options_.buckets.max_seq()) +
                   "); shorten it or add a larger buckets.seq_lens entry");
   }
@@ -289,12 +307,14 @@ void Engine::Validate(const GenerateRequest& request) const {
   ValidateTokens(request.input_ids, request.tiles);
   const auto& s = request.sampling;
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
-  if (s.max_new_tokens < 1) throw Invalid("max_new_tokens must be >= 1, got " + std::to_string(s.max_new_tokens));
+  if (s.max_new_tokens < 1)
+    throw Invalid("max_new_tokens must be >= 1, got " + std::to_string(s.max_new_tokens));
   if (len + s.max_new_tokens > max_context()) {
     throw Invalid("prompt (" + std::to_string(len) + " tokens) + max_new_tokens (" +
                   std::to_string(s.max_new_tokens) + ") exceeds the longest context bucket (" +
                   std::to_string(max_context()) + " tokens); lower max_new_tokens to at most " +
-                  std::to_string(std::max<int64_t>(0, max_context() - len)) + " or raise buckets.context_lens");
+                  std::to_string(std::max<int64_t>(0, max_context() - len)) +
+                  " or raise buckets.context_lens");
   }
   if (!s.greedy) {
     if (!(s.temperature > 0)) throw Invalid("temperature must be > 0 when sampling");
@@ -311,11 +331,11 @@ void Engine::Validate(const GenerateRequest& request) const {
 // ---------------------------------------------------------------------------------------------
 // Continuous batching.
 
-int64_t Engine::FreeSlots() const {
-  return std::count(slots_.begin(), slots_.end(), nullptr);
-}
+int64_t Engine::FreeSlots() const { return std::count(slots_.begin(), slots_.end(), nullptr); }
 
-int64_t Engine::ActiveSequences() const { return static_cast<int64_t>(slots_.size()) - FreeSlots(); }
+int64_t Engine::ActiveSequences() const {
+  return static_cast<int64_t>(slots_.size()) - FreeSlots();
+}
 
 void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
   Buffers& buf = *buffers_;
@@ -326,12 +346,13 @@ void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
     const BucketKey key = *options_.buckets.PickVision(n);
     buf.tiles.narrow(0, 0, n).copy_(tiles.narrow(0, start, n), /*non_blocking=*/true);
     at::Tensor rows = RunRegion(key, n, key.tiles)[0];  // (key.tiles * tokens, H)
-    buf.image_rows.narrow(0, row_offset + start * tokens, n * tokens).copy_(rows.narrow(0, 0, n * tokens));
+    buf.image_rows.narrow(0, row_offset + start * tokens, n * tokens)
+        .copy_(rows.narrow(0, 0, n * tokens));
   }
 }
 
-std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(const std::vector<const GenerateRequest*>& requests,
-                                                       const std::vector<int64_t>& slots) {
+std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
+    const std::vector<const GenerateRequest*>& requests, const std::vector<int64_t>& slots) {
   Buffers& buf = *buffers_;
   const int64_t n = static_cast<int64_t>(requests.size());
   int64_t max_len = 0, real = 0;
@@ -377,18 +398,23 @@ at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot)
                          ? request.tiles.to(options_.device, options_.dtype)
                          : at::Tensor();
   at::Tensor slots = at::full({1}, slot, dev_long);
-  return RunEagerFallback(exact, [&] {
-    at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
-    at::Tensor h = m->decoder->Prefill(m->Embed(ids, rows), &bf->cache, slots);
-    return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, len - 1)), h};
-  }, len)[0];
+  return RunEagerFallback(
+      exact,
+      [&] {
+        at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
+        at::Tensor h = m->decoder->Prefill(m->Embed(ids, rows), &bf->cache, slots);
+        return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, len - 1)), h};
+      },
+      len)[0];
 }
 
-std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs) {
+std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits,
+                                        const std::vector<Sequence*>& seqs) {
   at::Tensor tokens = logits.argmax(-1);  // greedy for every row, overwritten for sampled rows
   for (size_t i = 0; i < seqs.size(); ++i) {
     if (!seqs[i]->sampling.greedy) {
-      tokens[static_cast<int64_t>(i)] = SampleToken(logits[static_cast<int64_t>(i)], seqs[i]->sampling, seqs[i]->generator);
+      tokens[static_cast<int64_t>(i)] =
+          SampleToken(logits[static_cast<int64_t>(i)], seqs[i]->sampling, seqs[i]->generator);
     }
   }
   at::Tensor host = tokens.to(at::kCPU);  // the step's one synchronising copy
@@ -414,7 +440,8 @@ void Engine::Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events)
 
 void Engine::Free(int64_t slot) { slots_[static_cast<size_t>(slot)].reset(); }
 
-std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests, std::vector<TokenEvent>* events) {
+std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
+                                      std::vector<TokenEvent>* events) {
   for (const auto& r : requests) Validate(r);
   if (static_cast<int64_t>(requests.size()) > FreeSlots()) {
     throw EngineError(EngineError::Code::kResourceExhausted,
@@ -556,16 +583,20 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
   ValidateTokens(request.input_ids, request.tiles);
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
   if (!request.target_ids.empty() && static_cast<int64_t>(request.target_ids.size()) != len) {
-    throw Invalid("target_ids has " + std::to_string(request.target_ids.size()) + " entries; it must have one per input id (" +
-                  std::to_string(len) + "), -100 where no loss is wanted");
+    throw Invalid("target_ids has " + std::to_string(request.target_ids.size()) +
+                  " entries; it must have one per input id (" + std::to_string(len) +
+                  "), -100 where no loss is wanted");
   }
   for (int64_t t : request.target_ids) {
     if (t != -100 && (t < 0 || t >= model_->cfg.lm_vocab_size)) {
-      throw Invalid("target id " + std::to_string(t) + " is outside the vocabulary (use -100 to ignore a position)");
+      throw Invalid("target id " + std::to_string(t) +
+                    " is outside the vocabulary (use -100 to ignore a position)");
     }
   }
   for (int64_t p : request.logits_positions) {
-    if (p < 0 || p >= len) throw Invalid("logits position " + std::to_string(p) + " is outside [0, " + std::to_string(len) + ")");
+    if (p < 0 || p >= len)
+      throw Invalid("logits position " + std::to_string(p) + " is outside [0, " +
+                    std::to_string(len) + ")");
   }
   at::NoGradGuard no_grad;
   ForwardResult result;
@@ -581,18 +612,26 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
     VisionLanguageModelImpl* m = model_.get();
     at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
     at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
-                           ? request.tiles.to(options_.device, options_.dtype) : at::Tensor();
+                           ? request.tiles.to(options_.device, options_.dtype)
+                           : at::Tensor();
     result.bucket = BucketKey{Region::kPrefill, 1, len, 0};
-    hidden = RunEagerFallback(result.bucket, [&] {
-      at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
-      return std::vector<at::Tensor>{m->decoder->Forward(m->Embed(ids, rows))};
-    }, len)[0].select(0, 0);
+    hidden = RunEagerFallback(
+                 result.bucket,
+                 [&] {
+                   at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
+                   return std::vector<at::Tensor>{m->decoder->Forward(m->Embed(ids, rows))};
+                 },
+                 len)[0]
+                 .select(0, 0);
   }
   at::Tensor logits = model_->decoder->Logits(hidden).to(at::kFloat);  // (len, V)
   if (!request.target_ids.empty()) {
     at::Tensor targets = at::tensor(request.target_ids, at::kLong).to(options_.device);
     result.loss_tokens = targets.ne(-100).sum().item<int64_t>();
-    result.loss = result.loss_tokens > 0 ? VisionLanguageModelImpl::Loss(logits.unsqueeze(0), targets.unsqueeze(0)).item<double>() : 0.0;
+    result.loss = result.loss_tokens > 0
+                      ? VisionLanguageModelImpl::Loss(logits.unsqueeze(0), targets.unsqueeze(0))
+                            .item<double>()
+                      : 0.0;
   }
   if (!request.logits_positions.empty()) {
     at::Tensor idx = at::tensor(request.logits_positions, at::kLong).to(options_.device);

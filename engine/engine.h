@@ -20,6 +20,8 @@
 // converted to kInvalidArgument.
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -29,8 +31,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <ATen/Tensor.h>
 
 #include "engine/bucket.h"
 #include "engine/engine_types.h"
@@ -43,10 +43,11 @@ struct EngineOptions {
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kFloat;  // kFloat or kBFloat16
   BucketSpec buckets;
-  bool cuda_graphs = true;     // replay CUDA graphs (CUDA builds and devices only)
-  bool lazy_capture = false;   // capture a bucket on first use instead of in Warmup()
-  int64_t max_tiles_per_request = 0;  // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
-  bool log_captures = true;    // one log line per capture and a summary (stderr)
+  bool cuda_graphs = true;    // replay CUDA graphs (CUDA builds and devices only)
+  bool lazy_capture = false;  // capture a bucket on first use instead of in Warmup()
+  int64_t max_tiles_per_request =
+      0;                     // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
+  bool log_captures = true;  // one log line per capture and a summary (stderr)
 };
 
 class Engine {
@@ -74,7 +75,8 @@ class Engine {
   // Admits up to FreeSlots() requests (validated first: a bad one throws before any work runs).
   // Runs vision and prefill in bucket-sized groups and samples each first token; appends one
   // TokenEvent per request to `events` (finished when max_new_tokens == 1 or a stop token came).
-  std::vector<SequenceId> Admit(std::vector<GenerateRequest> requests, std::vector<TokenEvent>* events);
+  std::vector<SequenceId> Admit(std::vector<GenerateRequest> requests,
+                                std::vector<TokenEvent>* events);
   // One decode step for every active sequence; appends one TokenEvent per sequence.
   void Step(std::vector<TokenEvent>* events);
   // Ends a sequence now and frees its slot; unknown or finished ids are ignored.
@@ -113,17 +115,19 @@ class Engine {
   // Runs a bucketed region (replay, capture on first use, or eager) and records it.
   // `dispatch_start`: when set, the host time from it until the replay is launched is recorded as
   // decode dispatch time.
-  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
+  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens,
+                                    int64_t padded_tokens,
                                     const Clock::time_point* dispatch_start = nullptr);
   // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
-  std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn, int64_t real_tokens);
+  std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn,
+                                           int64_t real_tokens);
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
   // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
   void RunVision(const at::Tensor& tiles, int64_t row_offset);
   // Vision + prefill for requests whose prompts fit one prefill bucket; writes their KV rows.
   // Returns (last-position logits (n, V), hidden states (bucket batch, bucket seq, H)).
-  std::pair<at::Tensor, at::Tensor> PrefillGroup(const std::vector<const GenerateRequest*>& requests,
-                                                 const std::vector<int64_t>& slots);
+  std::pair<at::Tensor, at::Tensor> PrefillGroup(
+      const std::vector<const GenerateRequest*>& requests, const std::vector<int64_t>& slots);
   // Exact-shape eager prefill of one oversize prompt (no bucket fits).
   at::Tensor PrefillOversize(const GenerateRequest& request, int64_t slot);
   // Next token for each sequence from its logits row (n, V); one host copy.

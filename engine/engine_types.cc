@@ -4,11 +4,16 @@ namespace vlmgraph {
 
 const char* FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStopToken: return "stop_token";
-    case FinishReason::kContextFull: return "context_full";
-    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStopToken:
+      return "stop_token";
+    case FinishReason::kContextFull:
+      return "context_full";
+    case FinishReason::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }

@@ -4,6 +4,8 @@
 // the server converts it to a grpc::Status in one place. Messages say what to change.
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -12,15 +14,19 @@
 #include <string>
 #include <vector>
 
-#include <ATen/Tensor.h>
-
 #include "engine/bucket.h"
 
 namespace vlmgraph {
 
 class EngineError : public std::runtime_error {
  public:
-  enum class Code { kInvalidArgument, kResourceExhausted, kFailedPrecondition, kUnavailable, kInternal };
+  enum class Code {
+    kInvalidArgument,
+    kResourceExhausted,
+    kFailedPrecondition,
+    kUnavailable,
+    kInternal
+  };
   EngineError(Code code, const std::string& message) : std::runtime_error(message), code_(code) {}
   Code code() const { return code_; }
 
@@ -31,12 +37,12 @@ class EngineError : public std::runtime_error {
 // How to pick each new token. Upstream nanoVLM's generate: greedy argmax, or top-k then top-p
 // (nucleus) filtering of the logits followed by sampling from softmax(filtered / temperature).
 struct SamplingParams {
-  int64_t max_new_tokens = 16;       // >= 1
+  int64_t max_new_tokens = 16;  // >= 1
   bool greedy = true;
-  double temperature = 1.0;          // > 0, used when !greedy
-  int64_t top_k = 0;                 // 0 = off
-  double top_p = 1.0;                // in (0, 1]; 1 = off
-  uint64_t seed = 0;                 // per-request RNG seed (sampling only)
+  double temperature = 1.0;             // > 0, used when !greedy
+  int64_t top_k = 0;                    // 0 = off
+  double top_p = 1.0;                   // in (0, 1]; 1 = off
+  uint64_t seed = 0;                    // per-request RNG seed (sampling only)
   std::vector<int64_t> stop_token_ids;  // generation ends after emitting one of these
 };
 
@@ -61,9 +67,9 @@ struct TokenEvent {
 
 struct ForwardRequest {
   std::vector<int64_t> input_ids;
-  at::Tensor tiles;                      // as in GenerateRequest
-  std::vector<int64_t> target_ids;       // same length as input_ids, -100 = ignored; empty = no loss
-  std::vector<int64_t> logits_positions; // positions whose full logits to return
+  at::Tensor tiles;                 // as in GenerateRequest
+  std::vector<int64_t> target_ids;  // same length as input_ids, -100 = ignored; empty = no loss
+  std::vector<int64_t> logits_positions;  // positions whose full logits to return
 };
 
 struct ForwardResult {
@@ -90,11 +96,12 @@ class EngineObserver {
 
 // Counters kept by the engine itself (tests, diagnose). Thread-safe to read through Snapshot().
 struct EngineCounters {
-  std::map<std::string, int64_t> captures;   // "region/bucket" -> count
-  std::map<std::string, int64_t> replays;    // "region/bucket" -> count
-  std::map<std::string, int64_t> eager_runs; // "region/bucket" -> count (CPU, capture off, oversize)
-  int64_t eager_fallbacks = 0;               // shapes with no bucket that ran eagerly
-  int64_t rejected_oversize = 0;             // shapes with no bucket that were rejected
+  std::map<std::string, int64_t> captures;  // "region/bucket" -> count
+  std::map<std::string, int64_t> replays;   // "region/bucket" -> count
+  std::map<std::string, int64_t>
+      eager_runs;                 // "region/bucket" -> count (CPU, capture off, oversize)
+  int64_t eager_fallbacks = 0;    // shapes with no bucket that ran eagerly
+  int64_t rejected_oversize = 0;  // shapes with no bucket that were rejected
   int64_t real_tokens = 0, padded_tokens = 0;
   double capture_seconds_total = 0;
   // Per captured bucket ("region/bucket"): capture wall time and how much the shared graph pool

@@ -1,10 +1,10 @@
 #include "engine/sampler.h"
 
-#include <limits>
-
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+
+#include <limits>
 
 namespace vlmgraph {
 
@@ -22,14 +22,16 @@ at::Tensor TopKTopPFilter(const at::Tensor& logits, int64_t top_k, double top_p)
     at::Tensor remove_sorted = cum > top_p;
     // Shift right so the token that crosses the threshold stays; the first is always kept.
     remove_sorted = at::cat({at::zeros_like(remove_sorted.narrow(-1, 0, 1)),
-                             remove_sorted.narrow(-1, 0, remove_sorted.size(-1) - 1)}, -1);
+                             remove_sorted.narrow(-1, 0, remove_sorted.size(-1) - 1)},
+                            -1);
     at::Tensor remove = at::zeros_like(remove_sorted).scatter(-1, order, remove_sorted);
     out = out.masked_fill(remove, neg_inf);
   }
   return out;
 }
 
-at::Tensor SampleToken(const at::Tensor& logits, const SamplingParams& params, at::Generator& generator) {
+at::Tensor SampleToken(const at::Tensor& logits, const SamplingParams& params,
+                       at::Generator& generator) {
   at::Tensor filtered = TopKTopPFilter(logits.to(at::kFloat), params.top_k, params.top_p);
   at::Tensor probs = at::softmax(filtered / params.temperature, -1);
   at::Tensor noise = at::empty_like(probs).exponential_(1.0, generator);

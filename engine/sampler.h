@@ -9,11 +9,11 @@
 // Thread rules: the engine's GPU thread only.
 #pragma once
 
-#include <cstdint>
-#include <vector>
-
 #include <ATen/Tensor.h>
 #include <ATen/core/Generator.h>
+
+#include <cstdint>
+#include <vector>
 
 #include "engine/engine_types.h"
 
@@ -24,7 +24,8 @@ at::Tensor TopKTopPFilter(const at::Tensor& logits, int64_t top_k, double top_p)
 
 // Samples one token id (0-dim int64 tensor on the logits' device) from logits (V) with `params`
 // (greedy ignored here), drawing noise from `generator` (same device as logits).
-at::Tensor SampleToken(const at::Tensor& logits, const SamplingParams& params, at::Generator& generator);
+at::Tensor SampleToken(const at::Tensor& logits, const SamplingParams& params,
+                       at::Generator& generator);
 
 // A generator for `device` seeded with `seed`.
 at::Generator MakeGenerator(const at::Device& device, uint64_t seed);

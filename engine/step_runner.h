@@ -15,12 +15,12 @@
 // Thread rules: used only from the engine's GPU thread.
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <functional>
 #include <map>
 #include <memory>
 #include <vector>
-
-#include <ATen/Tensor.h>
 
 #include "engine/bucket.h"
 
@@ -50,7 +50,8 @@ class StepRunner {
 class EagerStepRunner : public StepRunner {
  public:
   double Capture(const BucketKey&, const RegionFn&) override { return 0; }
-  RunKind Run(const BucketKey&, const RegionFn& fn, bool, std::vector<at::Tensor>* outputs) override {
+  RunKind Run(const BucketKey&, const RegionFn& fn, bool,
+              std::vector<at::Tensor>* outputs) override {
     *outputs = fn();
     return RunKind::kEager;
   }
@@ -60,8 +61,8 @@ class EagerStepRunner : public StepRunner {
   int64_t pool_bytes() const override { return 0; }
 };
 
-// Returns a CUDA graph runner on `device` when this build has CUDA graph support (VLMGRAPH_WITH_CUDA)
-// and the device is CUDA; otherwise nullptr.
+// Returns a CUDA graph runner on `device` when this build has CUDA graph support
+// (VLMGRAPH_WITH_CUDA) and the device is CUDA; otherwise nullptr.
 std::unique_ptr<StepRunner> MakeCudaGraphStepRunner(int device_index);
 
 }  // namespace vlmgraph

@@ -1,12 +1,12 @@
 #include "engine/trainer.h"
 
-#include <chrono>
-#include <cstdio>
-#include <filesystem>
-
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/nn/module.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
@@ -17,7 +17,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-EngineError Invalid(const std::string& m) { return EngineError(EngineError::Code::kInvalidArgument, m); }
+EngineError Invalid(const std::string& m) {
+  return EngineError(EngineError::Code::kInvalidArgument, m);
+}
 
 // The optimizer part's graph key (no batch or sequence shape).
 const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
@@ -60,9 +62,9 @@ struct Trainer::Group {
 // missing rows all -100, missing tiles zero (their embeddings are never selected).
 struct Trainer::MicroBuffers {
   BucketKey key;
-  at::Tensor ids;      // (b, s) int64
-  at::Tensor targets;  // (b, s) int64
-  at::Tensor tiles;    // (b * max_tiles_per_example, 3, S, S) float32, or undefined
+  at::Tensor ids;          // (b, s) int64
+  at::Tensor targets;      // (b, s) int64
+  at::Tensor tiles;        // (b * max_tiles_per_example, 3, S, S) float32, or undefined
   int64_t real_tiles = 0;  // tiles the current micro-batch filled (eager runs encode only these)
 };
 
@@ -81,9 +83,11 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     // Deep float32 copy: the trainer's master weights never alias the inference engine's.
     torch::NoGradGuard no_grad;
     auto src = source->named_parameters();
-    for (auto& p : model_->named_parameters()) p.value().copy_(src[p.key()].to(at::kCPU, at::kFloat));
+    for (auto& p : model_->named_parameters())
+      p.value().copy_(src[p.key()].to(at::kCPU, at::kFloat));
     auto src_buf = source->named_buffers();
-    for (auto& b : model_->named_buffers()) b.value().copy_(src_buf[b.key()].to(at::kCPU, at::kFloat));
+    for (auto& b : model_->named_buffers())
+      b.value().copy_(src_buf[b.key()].to(at::kCPU, at::kFloat));
   }
   model_->to(options_.device, at::kFloat);
   model_->train();
@@ -121,7 +125,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     }
     if (!g.params.empty()) groups_.push_back(std::move(g));
   }
-  if (params_.empty()) throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
+  if (params_.empty())
+    throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
   if (options_.device.is_cuda() && options_.cuda_graphs) {
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
@@ -137,8 +142,9 @@ void Trainer::ValidateExample(const TrainExample& e) const {
   const VlmConfig& cfg = model_->cfg;
   if (e.input_ids.empty()) throw Invalid("a training example has no input_ids");
   if (e.targets.size() != e.input_ids.size()) {
-    throw Invalid("targets has " + std::to_string(e.targets.size()) + " entries but input_ids has " +
-                  std::to_string(e.input_ids.size()) + "; give one target per input position (-100 = no loss)");
+    throw Invalid("targets has " + std::to_string(e.targets.size()) +
+                  " entries but input_ids has " + std::to_string(e.input_ids.size()) +
+                  "; give one target per input position (-100 = no loss)");
   }
   int64_t image_tokens = 0;
   for (size_t i = 0; i < e.input_ids.size(); ++i) {
@@ -157,14 +163,15 @@ void Trainer::ValidateExample(const TrainExample& e) const {
     throw Invalid("an example has " + std::to_string(tiles) + " image tiles; the trainer allows " +
                   std::to_string(options_.max_tiles_per_example) + " (max_tiles_per_example)");
   }
-  if (tiles > 0 && (e.tiles.dim() != 4 || e.tiles.size(1) != 3 || e.tiles.size(2) != cfg.vit_img_size ||
-                    e.tiles.size(3) != cfg.vit_img_size)) {
+  if (tiles > 0 && (e.tiles.dim() != 4 || e.tiles.size(1) != 3 ||
+                    e.tiles.size(2) != cfg.vit_img_size || e.tiles.size(3) != cfg.vit_img_size)) {
     throw Invalid("image tiles must be (N, 3, " + std::to_string(cfg.vit_img_size) + ", " +
                   std::to_string(cfg.vit_img_size) + ")");
   }
   if (image_tokens != tiles * cfg.mp_image_token_length) {
-    throw Invalid("an example has " + std::to_string(image_tokens) + " image tokens but " + std::to_string(tiles) +
-                  " tile(s) need exactly " + std::to_string(tiles * cfg.mp_image_token_length));
+    throw Invalid("an example has " + std::to_string(image_tokens) + " image tokens but " +
+                  std::to_string(tiles) + " tile(s) need exactly " +
+                  std::to_string(tiles * cfg.mp_image_token_length));
   }
   if (static_cast<int64_t>(e.input_ids.size()) > cfg.lm_max_position_embeddings) {
     throw Invalid("an example is longer than lm_max_position_embeddings");
@@ -194,12 +201,14 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
     AutocastScope autocast(options_.compute_dtype == at::kBFloat16);
     // A graph encodes the whole static tile buffer; an eager run only the tiles in use.
     at::Tensor tiles = buf.tiles;
-    if (tiles.defined() && !runner_->captures()) tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
+    if (tiles.defined() && !runner_->captures())
+      tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
     at::Tensor rows = tiles.defined() ? model_->EncodeImages(tiles) : at::Tensor();
-    at::Tensor logits = model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
+    at::Tensor logits =
+        model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
     at::Tensor targets = buf.targets.reshape({-1});
-    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets, {},
-                                           at::Reduction::Sum, -100);
+    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                           targets, {}, at::Reduction::Sum, -100);
     // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
     at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
     loss = ce / count / static_cast<double>(options_.grad_accum_steps);
@@ -218,8 +227,9 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
   }
   for (auto& g : groups_) {
     at::_foreach_add_(g.steps, 1);  // _fused_adamw_ reads but does not advance the step counters
-    at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1, options_.beta2,
-                      options_.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1,
+                      options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
+                      /*maximize=*/false);
   }
   at::_foreach_zero_(grads_);
   return {total.defined() ? total : at::full({}, -1.0, max_grad_norm_.options())};
@@ -245,26 +255,30 @@ void Trainer::Warmup() {
     at::_foreach_zero_(groups_[i].exp_avg_sq);
   }
   ++captures_;
-  if (options_.log_captures) std::fprintf(stderr, "[vlmgraph] captured train   optimizer  in %7.1f ms\n", seconds * 1e3);
+  if (options_.log_captures)
+    std::fprintf(stderr, "[vlmgraph] captured train   optimizer  in %7.1f ms\n", seconds * 1e3);
   // Micro-step graphs: warm-up inputs have every target -100, so the loss and its gradients are 0.
   for (const auto& key : options_.buckets.All(Region::kTrain)) {
     MicroBuffers& buf = BuffersFor(key);
     seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf); });
     ++captures_;
     if (options_.log_captures) {
-      std::fprintf(stderr, "[vlmgraph] captured train   %-10s in %7.1f ms\n", key.Label().c_str(), seconds * 1e3);
+      std::fprintf(stderr, "[vlmgraph] captured train   %-10s in %7.1f ms\n", key.Label().c_str(),
+                   seconds * 1e3);
     }
   }
   at::_foreach_zero_(grads_);
   SynchronizeDevice(options_.device);
   if (options_.log_captures) {
-    std::fprintf(stderr, "[vlmgraph] train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB\n",
-                 static_cast<long long>(captures_), std::chrono::duration<double>(Clock::now() - t0).count(),
-                 runner_->pool_bytes() / 1048576.0);
+    std::fprintf(
+        stderr, "[vlmgraph] train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB\n",
+        static_cast<long long>(captures_), std::chrono::duration<double>(Clock::now() - t0).count(),
+        runner_->pool_bytes() / 1048576.0);
   }
 }
 
-void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro, int64_t* target_tokens) {
+void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
+                          int64_t* target_tokens) {
   const int64_t b = buf.key.batch, s = buf.key.seq;
   const int64_t pad = model_->cfg.image_token_id == 0 ? 1 : 0;
   at::Tensor ids = at::full({b, s}, pad, at::kLong);
@@ -292,8 +306,8 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
   }
 }
 
-at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
-                              int64_t* target_tokens) {
+at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key,
+                              RunKind* kind, int64_t* target_tokens) {
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
@@ -302,7 +316,9 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
     MicroBuffers& buf = BuffersFor(*k);
     FillBuffers(buf, micro, target_tokens);
     std::vector<at::Tensor> out;
-    *kind = runner_->Run(*k, [this, &buf] { return RunMicro(buf); }, /*capture_if_missing=*/runner_->captures(), &out);
+    *kind = runner_->Run(
+        *k, [this, &buf] { return RunMicro(buf); }, /*capture_if_missing=*/runner_->captures(),
+        &out);
     if (*kind == RunKind::kCaptureAndReplay) ++captures_;
     if (*kind != RunKind::kEager) ++replays_;
     return out[0].clone();  // the static output is overwritten by this bucket's next replay
@@ -333,11 +349,13 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
   r.lr = base_lr_;
   const int64_t accum = options_.grad_accum_steps;
   const int64_t per_micro = (static_cast<int64_t>(examples.size()) + accum - 1) / accum;
-  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
+  at::Tensor loss_sum =
+      at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   r.kind = RunKind::kReplay;
   for (int64_t m = 0; m < accum; ++m) {
     std::vector<const TrainExample*> micro;
-    for (int64_t i = m * per_micro; i < std::min<int64_t>((m + 1) * per_micro, examples.size()); ++i) {
+    for (int64_t i = m * per_micro; i < std::min<int64_t>((m + 1) * per_micro, examples.size());
+         ++i) {
       micro.push_back(&examples[i]);
       r.real_tokens += static_cast<int64_t>(examples[i].input_ids.size());
     }
@@ -348,10 +366,12 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
     r.buckets.push_back(key);
     r.padded_tokens += key.batch * key.seq;
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;
-    if (kind == RunKind::kCaptureAndReplay && r.kind != RunKind::kEager) r.kind = RunKind::kCaptureAndReplay;
+    if (kind == RunKind::kCaptureAndReplay && r.kind != RunKind::kEager)
+      r.kind = RunKind::kCaptureAndReplay;
   }
   std::vector<at::Tensor> opt_out;
-  const RunKind opt_kind = runner_->Run(kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &opt_out);
+  const RunKind opt_kind = runner_->Run(
+      kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &opt_out);
   if (opt_kind != RunKind::kEager) ++replays_;
   ++steps_;
   r.step = steps_;
@@ -397,7 +417,8 @@ void Trainer::LoadOptimizerState(const std::string& path) {
                                  {"step.", &g.steps[i]}}) {
         auto it = f.tensors.find(prefix + g.names[i]);
         if (it == f.tensors.end() || !it->second.sizes().equals(dst->sizes())) {
-          throw std::runtime_error("optimizer state '" + path + "' lacks or mis-shapes " + prefix + g.names[i]);
+          throw std::runtime_error("optimizer state '" + path + "' lacks or mis-shapes " + prefix +
+                                   g.names[i]);
         }
         dst->copy_(it->second);
       }

@@ -12,7 +12,8 @@
 //   Trainer trainer(LoadModel(dir), opt);     // keeps its own float32 master copy of the model
 //   trainer.Warmup();                         // captures every train bucket
 //   TrainStepResult r = trainer.Step(examples);
-//   trainer.SaveCheckpoint("out/");           // nanoVLM config.json + model.safetensors + optimizer
+//   trainer.SaveCheckpoint("out/");           // nanoVLM config.json + model.safetensors +
+//   optimizer
 //
 // Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
 // divided by the accumulation steps and summed over micro-batches, as nanoVLM's train.py does;
@@ -26,12 +27,12 @@
 // matching tiles, targets length); std::runtime_error for I/O.
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <ATen/Tensor.h>
 
 #include "engine/bucket.h"
 #include "engine/engine_types.h"
@@ -43,17 +44,17 @@ namespace vlmgraph {
 struct TrainOptions {
   at::Device device = at::kCPU;
   at::ScalarType compute_dtype = at::kFloat;  // kFloat, or kBFloat16 (autocast, CUDA only)
-  double lr = 1e-4;               // base learning rate
-  double lr_vision = -1;          // per-group rates; < 0 = lr
+  double lr = 1e-4;                           // base learning rate
+  double lr_vision = -1;                      // per-group rates; < 0 = lr
   double lr_projector = -1;
   double lr_language = -1;
   bool train_vision = true, train_projector = true, train_language = true;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
-  double max_grad_norm = 0;       // 0 = no clipping
-  int64_t grad_accum_steps = 1;   // micro-batches per optimizer step
+  double max_grad_norm = 0;           // 0 = no clipping
+  int64_t grad_accum_steps = 1;       // micro-batches per optimizer step
   int64_t max_tiles_per_example = 1;  // image tiles each example may carry (sizes the tile buffers)
   bool cuda_graphs = true;
-  BucketSpec buckets;             // train_batch_sizes x train_seq_lens
+  BucketSpec buckets;  // train_batch_sizes x train_seq_lens
   bool log_captures = true;
 };
 
@@ -64,11 +65,11 @@ struct TrainExample {
 };
 
 struct TrainStepResult {
-  int64_t step = 0;          // optimizer steps taken so far (1 after the first)
-  double loss = 0;           // as nanoVLM logs it: sum over micro-batches of mean loss / accum
-  double grad_norm = -1;     // total gradient norm before clipping (-1 when clipping is off)
-  double lr = 0;             // base learning rate used
-  double seconds = 0;        // wall time of the whole step
+  int64_t step = 0;       // optimizer steps taken so far (1 after the first)
+  double loss = 0;        // as nanoVLM logs it: sum over micro-batches of mean loss / accum
+  double grad_norm = -1;  // total gradient norm before clipping (-1 when clipping is off)
+  double lr = 0;          // base learning rate used
+  double seconds = 0;     // wall time of the whole step
   std::vector<BucketKey> buckets;  // one per micro-batch
   RunKind kind = RunKind::kEager;  // kCaptureAndReplay / kReplay when graphed
   int64_t target_tokens = 0, real_tokens = 0, padded_tokens = 0;
@@ -116,7 +117,8 @@ class Trainer {
                        int64_t* target_tokens);
   std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
   std::vector<at::Tensor> RunOptimizer();
-  void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro, int64_t* target_tokens);
+  void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
+                   int64_t* target_tokens);
   MicroBuffers& BuffersFor(const BucketKey& key);
 
   VisionLanguageModel model_;

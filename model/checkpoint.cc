@@ -1,13 +1,13 @@
 #include "model/checkpoint.h"
 
+#include <ATen/ATen.h>
+#include <torch/utils.h>
+
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-#include <torch/utils.h>
 
 #include "model/safetensors.h"
 
@@ -61,8 +61,8 @@ void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path
     }
     used.insert(name);
     if (!it->second.sizes().equals(dst.sizes())) {
-      mismatched.push_back(name + " (checkpoint " + ShapeString(it->second.sizes()) + ", config needs " +
-                           ShapeString(dst.sizes()) + ")");
+      mismatched.push_back(name + " (checkpoint " + ShapeString(it->second.sizes()) +
+                           ", config needs " + ShapeString(dst.sizes()) + ")");
       return;
     }
     dst.copy_(it->second);

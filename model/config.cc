@@ -1,9 +1,8 @@
 #include "model/config.h"
 
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace vlmgraph {
 namespace {
@@ -25,8 +24,8 @@ void Read(const json& j, const char* key, T* out) {
 // Upstream's default `vlm_extra_tokens`: the image token, the global image token, then the grid
 // position tokens <row_r_col_c> for an 8x8 tile grid.
 std::vector<std::pair<std::string, std::string>> DefaultExtraTokens() {
-  std::vector<std::pair<std::string, std::string>> out = {{"image_token", "<|image|>"},
-                                                          {"global_image_token", "<|global_image|>"}};
+  std::vector<std::pair<std::string, std::string>> out = {
+      {"image_token", "<|image|>"}, {"global_image_token", "<|global_image|>"}};
   for (int r = 1; r <= 8; ++r) {
     for (int c = 1; c <= 8; ++c) {
       out.emplace_back("r" + std::to_string(r) + "c" + std::to_string(c),
@@ -206,7 +205,8 @@ void VlmConfig::Validate() const {
        "mp_pixel_shuffle_factor must divide vit_img_size / vit_patch_size");
   need(image_tokens_per_tile() == mp_image_token_length,
        "mp_image_token_length must equal ((vit_img_size / vit_patch_size) / "
-       "mp_pixel_shuffle_factor)^2 = " + std::to_string(image_tokens_per_tile()));
+       "mp_pixel_shuffle_factor)^2 = " +
+           std::to_string(image_tokens_per_tile()));
   need(lm_hidden_dim > 0 && lm_n_heads > 0 && lm_hidden_dim % lm_n_heads == 0,
        "lm_hidden_dim must be a positive multiple of lm_n_heads");
   need(lm_head_dim() % 2 == 0, "lm_hidden_dim / lm_n_heads must be even for RoPE");
@@ -217,7 +217,8 @@ void VlmConfig::Validate() const {
   need(image_token_id >= 0 && image_token_id < lm_vocab_size,
        "image_token_id (" + std::to_string(image_token_id) + ") must lie inside lm_vocab_size");
   need(lm_max_position_embeddings > 0, "lm_max_position_embeddings must be positive");
-  need(!lm_use_tokens, "lm_use_tokens=true (decoder owning embedding and head) is not a VLM config");
+  need(!lm_use_tokens,
+       "lm_use_tokens=true (decoder owning embedding and head) is not a VLM config");
 }
 
 }  // namespace vlmgraph

@@ -12,11 +12,10 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 namespace vlmgraph {
 
@@ -69,7 +68,7 @@ struct VlmConfig {
   // Modality projector.
   int64_t mp_pixel_shuffle_factor = 4;
   int64_t mp_image_token_length = 64;  // LM tokens per image tile
-  int64_t max_img_size = 2048;          // pixels, longest side after resizing
+  int64_t max_img_size = 2048;         // pixels, longest side after resizing
   bool resize_to_max_side_len = true;
 
   // Special tokens added to the tokenizer: name -> token text (for example "image_token" ->

@@ -16,7 +16,8 @@ namespace vlmgraph::ops {
 // True when this build has the kernels and `like` is a CUDA float32/bfloat16 tensor.
 bool FusedKernelsAvailable(const at::Tensor& like);
 
-// The decode attention kernel's limits: head_dim in {16, 32, 64, 128}, <= 16 query heads per KV head.
+// The decode attention kernel's limits: head_dim in {16, 32, 64, 128}, <= 16 query heads per KV
+// head.
 inline bool FusedDecoderSupports(int64_t head_dim, int64_t groups) {
   return (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) && groups <= 16;
 }
@@ -36,13 +37,15 @@ struct RopeKvOutput {
 // form with inv_freq (D/2) float32 and `scaling`) and, when cache_k is defined, writes keys and
 // values into cache rows slots[b] (or b when undefined) at those positions.
 RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
-                         const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads, int64_t n_kv,
-                         const at::Tensor& cache_k, const at::Tensor& cache_v, bool want_k);
+                         const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads,
+                         int64_t n_kv, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                         bool want_k);
 
 // q (B, n_heads * D) one token per row; cache (rows >= B, n_kv, S, D); row b attends to its cache
 // row b, positions [0, positions[b]], with kv_len > positions[b]. Returns (B, n_heads * D).
-at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                           const at::Tensor& positions, int64_t kv_len, int64_t n_heads);
+at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k,
+                           const at::Tensor& cache_v, const at::Tensor& positions, int64_t kv_len,
+                           int64_t n_heads);
 
 // x (rows, k) @ weight (n, k)^T (+ residual (rows, n)): a small-batch GEMV kernel when rows <= 4
 // and the shapes are 16-byte aligned (decode steps), else cuBLAS (at::linear / at::addmm).

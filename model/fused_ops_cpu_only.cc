@@ -6,14 +6,17 @@
 namespace vlmgraph::ops {
 
 bool FusedKernelsAvailable(const at::Tensor&) { return false; }
-at::Tensor RmsNorm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
-at::Tensor SiluMul(const at::Tensor&) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
-RopeKvOutput RopeKvWrite(const at::Tensor&, const at::Tensor&, double, const at::Tensor&, const at::Tensor&, int64_t,
-                         int64_t, const at::Tensor&, const at::Tensor&, bool) {
+at::Tensor RmsNorm(const at::Tensor&, const at::Tensor&, double) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
-at::Tensor DecodeAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                           int64_t) {
+at::Tensor SiluMul(const at::Tensor&) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
+RopeKvOutput RopeKvWrite(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                         const at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
+                         bool) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+at::Tensor DecodeAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 

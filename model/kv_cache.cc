@@ -9,7 +9,8 @@ KVCache KVCache::Allocate(const VlmConfig& cfg, int64_t rows, int64_t max_seq_le
   KVCache c;
   for (int64_t i = 0; i < cfg.lm_n_blocks; ++i) {
     c.key.push_back(at::zeros({rows, cfg.lm_n_kv_heads, max_seq_len, cfg.lm_head_dim()}, options));
-    c.value.push_back(at::zeros({rows, cfg.lm_n_kv_heads, max_seq_len, cfg.lm_head_dim()}, options));
+    c.value.push_back(
+        at::zeros({rows, cfg.lm_n_kv_heads, max_seq_len, cfg.lm_head_dim()}, options));
   }
   return c;
 }

@@ -11,9 +11,9 @@
 // Thread rules: plain data; whoever owns it (the engine's GPU thread) serialises access.
 #pragma once
 
-#include <vector>
-
 #include <ATen/Tensor.h>
+
+#include <vector>
 
 #include "model/config.h"
 

@@ -1,9 +1,9 @@
 #include "model/language_model.h"
 
-#include <cmath>
-
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
+
+#include <cmath>
 
 #include "model/fused_ops.h"
 
@@ -28,7 +28,7 @@ RotaryEmbeddingImpl::RotaryEmbeddingImpl(const VlmConfig& cfg)
 
 std::pair<at::Tensor, at::Tensor> RotaryEmbeddingImpl::forward(const at::Tensor& positions) {
   at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(at::kFloat);  // (B,T,D/2)
-  at::Tensor emb = at::cat({freqs, freqs}, -1);                                        // (B,T,D)
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                                         // (B,T,D)
   return {at::cos(emb) * attention_scaling, at::sin(emb) * attention_scaling};
 }
 
@@ -80,13 +80,16 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
     const int64_t groups = n_heads / n_kv_heads;
     at::Tensor qg = q.reshape({b, n_kv_heads, groups, head_dim});
     at::Tensor scores = at::matmul(qg, keys.transpose(-1, -2)) * (1.0 / std::sqrt(head_dim));
-    scores = scores.masked_fill(ctx.key_mask.logical_not(), -std::numeric_limits<float>::infinity());
+    scores =
+        scores.masked_fill(ctx.key_mask.logical_not(), -std::numeric_limits<float>::infinity());
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(values.scalar_type());
     y = at::matmul(probs, values).reshape({b, n_heads, 1, head_dim});  // (B, heads, 1, D)
   } else {
     if (ctx.mode == AttentionContext::Mode::kPrefill) {
-      ctx.cache->key[layer].narrow(2, 0, t).index_copy_(0, ctx.slots, k.to(ctx.cache->key[layer].scalar_type()));
-      ctx.cache->value[layer].narrow(2, 0, t).index_copy_(0, ctx.slots, v.to(ctx.cache->value[layer].scalar_type()));
+      ctx.cache->key[layer].narrow(2, 0, t).index_copy_(0, ctx.slots,
+                                                        k.to(ctx.cache->key[layer].scalar_type()));
+      ctx.cache->value[layer].narrow(2, 0, t).index_copy_(
+          0, ctx.slots, v.to(ctx.cache->value[layer].scalar_type()));
     }
     y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                          /*is_causal=*/t > 1, /*scale=*/std::nullopt,
@@ -97,27 +100,30 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
 }
 
 at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
-                                                   double scaling, const AttentionContext& ctx, int64_t layer) {
+                                                   double scaling, const AttentionContext& ctx,
+                                                   int64_t layer) {
   const int64_t b = x.size(0), t = x.size(1);
   at::Tensor qkv = ops::Linear(x, w_qkv);  // (B, T, (nh + 2 nkv) D)
   const bool cached = ctx.mode != AttentionContext::Mode::kNoCache;
   at::Tensor cache_k = cached ? ctx.cache->key[layer] : at::Tensor();
   at::Tensor cache_v = cached ? ctx.cache->value[layer] : at::Tensor();
   if (ctx.mode == AttentionContext::Mode::kDecode) {
-    ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, ctx.positions, /*slots=*/{}, n_heads, n_kv_heads,
-                                           cache_k, cache_v, /*want_k=*/false);
-    return ops::DecodeAttention(r.q.view({b, n_heads * head_dim}), cache_k, cache_v, ctx.positions, ctx.kv_len,
-                                n_heads)
+    ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, ctx.positions, /*slots=*/{},
+                                           n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/false);
+    return ops::DecodeAttention(r.q.view({b, n_heads * head_dim}), cache_k, cache_v, ctx.positions,
+                                ctx.kv_len, n_heads)
         .view({b, 1, n_heads * head_dim});
   }
-  ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, /*positions=*/{},
-                                         ctx.mode == AttentionContext::Mode::kPrefill ? ctx.slots : at::Tensor(),
-                                         n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/true);
+  ops::RopeKvOutput r =
+      ops::RopeKvWrite(qkv, inv_freq, scaling, /*positions=*/{},
+                       ctx.mode == AttentionContext::Mode::kPrefill ? ctx.slots : at::Tensor(),
+                       n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/true);
   at::Tensor v = qkv.narrow(2, (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim)
                      .view({b, t, n_kv_heads, head_dim});
-  at::Tensor y = at::scaled_dot_product_attention(r.q.transpose(1, 2), r.k.transpose(1, 2), v.transpose(1, 2),
-                                                  /*attn_mask=*/{}, 0.0, /*is_causal=*/t > 1, std::nullopt,
-                                                  /*enable_gqa=*/n_heads != n_kv_heads);
+  at::Tensor y =
+      at::scaled_dot_product_attention(r.q.transpose(1, 2), r.k.transpose(1, 2), v.transpose(1, 2),
+                                       /*attn_mask=*/{}, 0.0, /*is_causal=*/t > 1, std::nullopt,
+                                       /*enable_gqa=*/n_heads != n_kv_heads);
   return y.transpose(1, 2).reshape({b, t, n_heads * head_dim});
 }
 
@@ -148,27 +154,31 @@ at::Tensor DecoderBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos,
   return h + mlp->forward(norm2->forward(h));
 }
 
-at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
-                                          const AttentionContext& ctx, int64_t layer) {
+at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
+                                          double scaling, const AttentionContext& ctx,
+                                          int64_t layer) {
   const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
   at::Tensor x2 = x.reshape({b * t, hidden});
-  at::Tensor a = attn->ForwardFused(ops::RmsNorm(x, norm1->weight, norm1->eps), inv_freq, scaling, ctx, layer);
-  at::Tensor h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);  // x + out_proj(a)
+  at::Tensor a =
+      attn->ForwardFused(ops::RmsNorm(x, norm1->weight, norm1->eps), inv_freq, scaling, ctx, layer);
+  at::Tensor h =
+      ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);  // x + out_proj(a)
   at::Tensor gu = ops::Linear(ops::RmsNorm(h, norm2->weight, norm2->eps), mlp->w_gate_up);
   at::Tensor act = ops::SiluMul(gu);
   return ops::Linear(act, mlp->down_proj->weight, h).view({b, t, hidden});  // h + down(act)
 }
 
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
-  token_embedding =
-      register_module("token_embedding", torch::nn::Embedding(cfg.lm_vocab_size, cfg.lm_hidden_dim));
+  token_embedding = register_module("token_embedding",
+                                    torch::nn::Embedding(cfg.lm_vocab_size, cfg.lm_hidden_dim));
   rotary_embd = register_module("rotary_embd", RotaryEmbedding(cfg));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.lm_n_blocks; ++i) blocks->push_back(DecoderBlock(cfg));
   norm = register_module("norm", RMSNorm(cfg.lm_hidden_dim, cfg.lm_rms_eps));
   if (!cfg.lm_tie_weights) {
     head = register_module(
-        "head", torch::nn::Linear(torch::nn::LinearOptions(cfg.lm_hidden_dim, cfg.lm_vocab_size).bias(false)));
+        "head", torch::nn::Linear(
+                    torch::nn::LinearOptions(cfg.lm_hidden_dim, cfg.lm_vocab_size).bias(false)));
   }
   // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02); RMSNorm weight 1.
   torch::NoGradGuard no_grad;
@@ -183,8 +193,8 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
   if (UsesFusedPath(x)) {
     at::Tensor h = x.contiguous();
     for (size_t i = 0; i < blocks->size(); ++i) {
-      h = blocks[i]->as<DecoderBlock>()->ForwardFused(h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx,
-                                                      static_cast<int64_t>(i));
+      h = blocks[i]->as<DecoderBlock>()->ForwardFused(
+          h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx, static_cast<int64_t>(i));
     }
     return ops::RmsNorm(h, norm->weight, norm->eps);
   }
@@ -202,7 +212,8 @@ at::Tensor LanguageModelImpl::Forward(const at::Tensor& x) {
   return Run(x, positions, AttentionContext{});
 }
 
-at::Tensor LanguageModelImpl::Prefill(const at::Tensor& x, KVCache* cache, const at::Tensor& slots) {
+at::Tensor LanguageModelImpl::Prefill(const at::Tensor& x, KVCache* cache,
+                                      const at::Tensor& slots) {
   TORCH_CHECK(cache != nullptr, "Prefill needs a KV cache");
   const int64_t b = x.size(0), t = x.size(1);
   TORCH_CHECK(t <= cache->max_seq_len(), "prefill of ", t, " tokens exceeds the KV cache length ",
@@ -215,12 +226,13 @@ at::Tensor LanguageModelImpl::Prefill(const at::Tensor& x, KVCache* cache, const
   return Run(x, positions, ctx);
 }
 
-at::Tensor LanguageModelImpl::Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions,
-                                     int64_t kv_len) {
+at::Tensor LanguageModelImpl::Decode(const at::Tensor& x, KVCache* cache,
+                                     const at::Tensor& positions, int64_t kv_len) {
   TORCH_CHECK(cache != nullptr, "Decode needs a KV cache");
   const int64_t b = x.size(0);
   TORCH_CHECK(x.size(1) == 1, "Decode takes one token per row, got ", x.size(1));
-  TORCH_CHECK(b <= cache->rows(), "decode batch ", b, " exceeds the KV cache's ", cache->rows(), " rows");
+  TORCH_CHECK(b <= cache->rows(), "decode batch ", b, " exceeds the KV cache's ", cache->rows(),
+              " rows");
   TORCH_CHECK(kv_len > 0 && kv_len <= cache->max_seq_len(), "kv_len ", kv_len, " outside (0, ",
               cache->max_seq_len(), "]");
   AttentionContext ctx;
@@ -243,7 +255,8 @@ void LanguageModelImpl::FuseWeights() {
     auto* block = m->as<DecoderBlock>();
     auto* attn = block->attn.get();
     auto* mlp = block->mlp.get();
-    if (attn->w_qkv.defined() && attn->q_proj->weight.data_ptr() == attn->w_qkv.data_ptr()) continue;
+    if (attn->w_qkv.defined() && attn->q_proj->weight.data_ptr() == attn->w_qkv.data_ptr())
+      continue;
     attn->w_qkv = at::cat({attn->q_proj->weight, attn->k_proj->weight, attn->v_proj->weight}, 0);
     const int64_t q_rows = attn->q_proj->weight.size(0), kv_rows = attn->k_proj->weight.size(0);
     attn->q_proj->weight.set_data(attn->w_qkv.narrow(0, 0, q_rows));
@@ -257,8 +270,10 @@ void LanguageModelImpl::FuseWeights() {
 }
 
 bool LanguageModelImpl::UsesFusedPath(const at::Tensor& x) const {
-  if (at::GradMode::is_enabled() || !ops::FusedKernelsAvailable(x) || blocks->size() == 0) return false;
-  if (!ops::FusedDecoderSupports(cfg.lm_head_dim(), cfg.lm_n_heads / cfg.lm_n_kv_heads)) return false;
+  if (at::GradMode::is_enabled() || !ops::FusedKernelsAvailable(x) || blocks->size() == 0)
+    return false;
+  if (!ops::FusedDecoderSupports(cfg.lm_head_dim(), cfg.lm_n_heads / cfg.lm_n_kv_heads))
+    return false;
   const auto* attn = (*blocks)[0]->as<DecoderBlock>()->attn.get();
   // Fused only while the parameters still alias the stacked weights (a later .to() breaks that).
   return attn->w_qkv.defined() && attn->q_proj->weight.data_ptr() == attn->w_qkv.data_ptr() &&

@@ -53,7 +53,8 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RotaryEmbedding);
 
-// q, k: (B, heads, T, D); cos, sin: (B, T, D). Returns (q * cos + rotate_half(q) * sin, same for k).
+// q, k: (B, heads, T, D); cos, sin: (B, T, D). Returns (q * cos + rotate_half(q) * sin, same for
+// k).
 std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& cos, const at::Tensor& sin);
 
@@ -62,10 +63,10 @@ struct AttentionContext {
   enum class Mode { kNoCache, kPrefill, kDecode };
   Mode mode = Mode::kNoCache;
   KVCache* cache = nullptr;
-  at::Tensor slots;       // kPrefill: (B) int64, the cache row each batch row writes
-  at::Tensor positions;   // kDecode: (B) int64, position of the new token (its row's length so far)
-  int64_t kv_len = 0;     // kDecode: attend over cache positions [0, kv_len); > every position
-  at::Tensor key_mask;    // kDecode: (B, 1, 1, kv_len) bool, true where a key may be attended
+  at::Tensor slots;      // kPrefill: (B) int64, the cache row each batch row writes
+  at::Tensor positions;  // kDecode: (B) int64, position of the new token (its row's length so far)
+  int64_t kv_len = 0;    // kDecode: attend over cache positions [0, kv_len); > every position
+  at::Tensor key_mask;   // kDecode: (B, 1, 1, kv_len) bool, true where a key may be attended
 };
 
 class GroupedQueryAttentionImpl : public torch::nn::Module {
@@ -123,7 +124,8 @@ class LanguageModelImpl : public torch::nn::Module {
   // Writes rows' keys/values for positions [0, T) into cache rows `slots` (B) int64.
   at::Tensor Prefill(const at::Tensor& x, KVCache* cache, const at::Tensor& slots);
   // x: (B, 1, H) with B <= cache->rows(); positions (B) int64; kv_len > max(positions).
-  at::Tensor Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions, int64_t kv_len);
+  at::Tensor Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions,
+                    int64_t kv_len);
 
   // The LM head: hidden (..., H) -> logits (..., V). Uses token_embedding.weight when tied.
   at::Tensor Logits(const at::Tensor& hidden);

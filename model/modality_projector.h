@@ -2,7 +2,8 @@
 // `models/modality_projector.py`): pixel shuffle of the ViT patch grid by `mp_pixel_shuffle_factor`
 // then a bias-free linear map into the language model's hidden size.
 //
-//   at::Tensor img = mp->forward(vit->forward(tiles));  // (N, P, Cv) -> (N, P / f^2, lm_hidden_dim)
+//   at::Tensor img = mp->forward(vit->forward(tiles));  // (N, P, Cv) -> (N, P / f^2,
+//   lm_hidden_dim)
 #pragma once
 
 #include <torch/nn/module.h>

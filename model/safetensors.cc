@@ -1,12 +1,12 @@
 #include "model/safetensors.h"
 
+#include <ATen/ATen.h>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <vector>
-
-#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 namespace vlmgraph {
 namespace {
@@ -86,11 +86,12 @@ SafetensorsFile ReadSafetensors(const std::string& path) {
       const uint64_t want = static_cast<uint64_t>(t.nbytes());
       if (want != offsets[1] - offsets[0]) {
         throw SafetensorsError(path + ": tensor '" + name + "' holds " +
-                               std::to_string(offsets[1] - offsets[0]) + " bytes but its shape and dtype need " +
-                               std::to_string(want));
+                               std::to_string(offsets[1] - offsets[0]) +
+                               " bytes but its shape and dtype need " + std::to_string(want));
       }
       in.seekg(static_cast<std::streamoff>(data_begin + offsets[0]));
-      if (want > 0 && !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(want))) {
+      if (want > 0 &&
+          !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(want))) {
         throw SafetensorsError(path + ": short read for tensor '" + name + "'");
       }
       out.tensors.emplace(name, std::move(t));
@@ -134,7 +135,8 @@ void WriteSafetensors(const std::string& path, const std::map<std::string, at::T
     if (!out) throw SafetensorsError("write to '" + tmp + "' failed (disk full?)");
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    throw SafetensorsError("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(errno));
+    throw SafetensorsError("cannot rename '" + tmp + "' to '" + path +
+                           "': " + std::strerror(errno));
   }
 }
 

@@ -13,11 +13,11 @@
 // `SafetensorsError` naming the file and what is malformed. Thread rules: free functions, no state.
 #pragma once
 
+#include <ATen/Tensor.h>
+
 #include <map>
 #include <stdexcept>
 #include <string>
-
-#include <ATen/Tensor.h>
 
 namespace vlmgraph {
 
@@ -27,8 +27,8 @@ class SafetensorsError : public std::runtime_error {
 };
 
 struct SafetensorsFile {
-  std::map<std::string, at::Tensor> tensors;          // name -> contiguous CPU tensor
-  std::map<std::string, std::string> metadata;        // the "__metadata__" object, if any
+  std::map<std::string, at::Tensor> tensors;    // name -> contiguous CPU tensor
+  std::map<std::string, std::string> metadata;  // the "__metadata__" object, if any
 };
 
 // Reads every tensor into CPU memory (one read per tensor, no second copy of the file).

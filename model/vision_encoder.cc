@@ -11,27 +11,29 @@ ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
       "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, cfg.vit_hidden_dim, cfg.vit_patch_size)
                                     .stride(cfg.vit_patch_size)));
   // Upstream initialises the position embedding with torch.rand.
-  position_embedding = register_parameter(
-      "position_embedding", at::rand({1, cfg.vit_num_patches(), cfg.vit_hidden_dim}));
+  position_embedding = register_parameter("position_embedding",
+                                          at::rand({1, cfg.vit_num_patches(), cfg.vit_hidden_dim}));
 }
 
 at::Tensor ViTPatchEmbeddingsImpl::forward(const at::Tensor& x) {
-  at::Tensor y = conv->forward(x);      // (N, C, S/p, S/p)
-  y = y.flatten(2).transpose(1, 2);     // (N, P, C), patches in row-major order
+  at::Tensor y = conv->forward(x);   // (N, C, S/p, S/p)
+  y = y.flatten(2).transpose(1, 2);  // (N, P, C), patches in row-major order
   return y + position_embedding;
 }
 
 ViTAttentionImpl::ViTAttentionImpl(const VlmConfig& cfg)
     : n_heads(cfg.vit_n_heads), head_dim(cfg.vit_head_dim()) {
-  qkv_proj = register_module("qkv_proj",
-                             torch::nn::Linear(cfg.vit_hidden_dim, 3 * cfg.vit_hidden_dim));
+  qkv_proj =
+      register_module("qkv_proj", torch::nn::Linear(cfg.vit_hidden_dim, 3 * cfg.vit_hidden_dim));
   out_proj = register_module("out_proj", torch::nn::Linear(cfg.vit_hidden_dim, cfg.vit_hidden_dim));
 }
 
 at::Tensor ViTAttentionImpl::forward(const at::Tensor& x) {
   const int64_t n = x.size(0), t = x.size(1), c = x.size(2);
   auto qkv = qkv_proj->forward(x).split(c, 2);  // 3 x (N, P, C)
-  auto heads = [&](const at::Tensor& z) { return z.view({n, t, n_heads, head_dim}).transpose(1, 2); };
+  auto heads = [&](const at::Tensor& z) {
+    return z.view({n, t, n_heads, head_dim}).transpose(1, 2);
+  };
   at::Tensor y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]));
   y = y.transpose(1, 2).contiguous().view({n, t, c});
   return out_proj->forward(y);

@@ -1,8 +1,8 @@
 #include "model/vision_language_model.h"
 
-#include <stdexcept>
-
 #include <ATen/ATen.h>
+
+#include <stdexcept>
 
 namespace vlmgraph {
 
@@ -18,7 +18,8 @@ at::Tensor VisionLanguageModelImpl::EncodeImages(const at::Tensor& tiles) {
   return e.reshape({-1, e.size(-1)});
 }
 
-at::Tensor VisionLanguageModelImpl::Embed(const at::Tensor& input_ids, const at::Tensor& image_rows) {
+at::Tensor VisionLanguageModelImpl::Embed(const at::Tensor& input_ids,
+                                          const at::Tensor& image_rows) {
   at::Tensor tok = decoder->token_embedding->forward(input_ids);  // (B, T, H)
   if (!image_rows.defined() || image_rows.size(0) == 0) return tok;
   at::Tensor is_image = input_ids.eq(cfg.image_token_id);
@@ -42,16 +43,18 @@ void VisionLanguageModelImpl::ValidateInputs(const at::Tensor& input_ids, int64_
   const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
   if (lo < 0 || hi >= cfg.lm_vocab_size) {
     throw std::invalid_argument("token id " + std::to_string(lo < 0 ? lo : hi) +
-                                " outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) + ")");
+                                " outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) +
+                                ")");
   }
   const int64_t image_tokens = ids.eq(cfg.image_token_id).sum().item<int64_t>();
   const int64_t expected = num_tiles * cfg.mp_image_token_length;
   if (image_tokens != expected) {
-    throw std::invalid_argument(
-        "the prompt has " + std::to_string(image_tokens) + " image tokens (id " +
-        std::to_string(cfg.image_token_id) + ") but " + std::to_string(num_tiles) + " image tile(s) give " +
-        std::to_string(expected) + " embeddings (" + std::to_string(cfg.mp_image_token_length) +
-        " per tile); put exactly that many image tokens in the prompt");
+    throw std::invalid_argument("the prompt has " + std::to_string(image_tokens) +
+                                " image tokens (id " + std::to_string(cfg.image_token_id) +
+                                ") but " + std::to_string(num_tiles) + " image tile(s) give " +
+                                std::to_string(expected) + " embeddings (" +
+                                std::to_string(cfg.mp_image_token_length) +
+                                " per tile); put exactly that many image tokens in the prompt");
   }
 }
 
@@ -73,8 +76,9 @@ at::Tensor VisionLanguageModelImpl::Loss(const at::Tensor& logits, const at::Ten
                                 /*ignore_index=*/-100);
 }
 
-at::Tensor VisionLanguageModelImpl::GenerateGreedy(const at::Tensor& input_ids, const at::Tensor& tiles,
-                                                   int64_t max_new_tokens, int64_t eos_token_id) {
+at::Tensor VisionLanguageModelImpl::GenerateGreedy(const at::Tensor& input_ids,
+                                                   const at::Tensor& tiles, int64_t max_new_tokens,
+                                                   int64_t eos_token_id) {
   const int64_t num_tiles = tiles.defined() ? tiles.size(0) : 0;
   ValidateInputs(input_ids, num_tiles);
   const int64_t b = input_ids.size(0), t = input_ids.size(1);
@@ -93,8 +97,8 @@ at::Tensor VisionLanguageModelImpl::GenerateGreedy(const at::Tensor& input_ids, 
     out.push_back(next);
     if (step + 1 == max_new_tokens) break;
     at::Tensor positions = at::full({b}, t + step, input_ids.options());
-    hidden = decoder->Decode(decoder->token_embedding->forward(next.unsqueeze(1)), &cache, positions,
-                             t + step + 1);
+    hidden = decoder->Decode(decoder->token_embedding->forward(next.unsqueeze(1)), &cache,
+                             positions, t + step + 1);
     logits = decoder->Logits(hidden.select(1, 0));
   }
   if (out.empty()) return at::empty({b, 0}, input_ids.options());

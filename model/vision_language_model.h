@@ -50,8 +50,8 @@ class VisionLanguageModelImpl : public torch::nn::Module {
   static at::Tensor Loss(const at::Tensor& logits, const at::Tensor& targets);
 
   // Reference greedy generation with a KV cache: prefill, then `max_new_tokens` argmax steps.
-  // Like upstream's generate, every row runs all steps; after a row emits `eos_token_id` (when >= 0)
-  // the rest of that row is set to eos. Returns (B, max_new_tokens) int64.
+  // Like upstream's generate, every row runs all steps; after a row emits `eos_token_id` (when >=
+  // 0) the rest of that row is set to eos. Returns (B, max_new_tokens) int64.
   at::Tensor GenerateGreedy(const at::Tensor& input_ids, const at::Tensor& tiles,
                             int64_t max_new_tokens, int64_t eos_token_id = -1);
 

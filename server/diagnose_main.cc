@@ -9,16 +9,16 @@
 //   vlmgraph-diagnose --config c.yaml --skip-training --shape-log prompts.txt
 //
 // Only wiring lives here. Exit status: 0 on success, 2 for bad flags or config, 1 otherwise.
+#include <ATen/ATen.h>
+
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
 
 #include "engine/diagnose.h"
 #include "model/checkpoint.h"
@@ -75,14 +75,22 @@ int main(int argc, char** argv) {
                                        "--skip-dispatch", "--skip-advice", "--skip-training"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") opt.quick = true;
-    else if (a == "--skip-baseline") opt.baseline = false;
-    else if (a == "--skip-sweeps") opt.sweeps = false;
-    else if (a == "--skip-capture") opt.capture = false;
-    else if (a == "--skip-dispatch") opt.dispatch = false;
-    else if (a == "--skip-advice") opt.advice = false;
-    else if (a == "--skip-training") opt.training = false;
-    else rest.push_back(argv[i]);
+    if (a == "--quick")
+      opt.quick = true;
+    else if (a == "--skip-baseline")
+      opt.baseline = false;
+    else if (a == "--skip-sweeps")
+      opt.sweeps = false;
+    else if (a == "--skip-capture")
+      opt.capture = false;
+    else if (a == "--skip-dispatch")
+      opt.dispatch = false;
+    else if (a == "--skip-advice")
+      opt.advice = false;
+    else if (a == "--skip-training")
+      opt.training = false;
+    else
+      rest.push_back(argv[i]);
   }
   try {
     CommandLine cl = ParseCommandLine(static_cast<int>(rest.size()), rest.data(),
@@ -112,14 +120,21 @@ int main(int argc, char** argv) {
       std::string kv;
       while (std::getline(ss, kv, ',')) {
         const auto eq = kv.find('=');
-        const std::string k = kv.substr(0, eq), v = eq == std::string::npos ? "" : kv.substr(eq + 1);
-        if (k == "median") median = std::stod(v);
-        else if (k == "sigma") sigma = std::stod(v);
-        else if (k == "n") n = std::stoll(v);
-        else throw ServerConfigError("--synthetic", "unknown key '" + k + "' (median, sigma, n)");
+        const std::string k = kv.substr(0, eq),
+                          v = eq == std::string::npos ? "" : kv.substr(eq + 1);
+        if (k == "median")
+          median = std::stod(v);
+        else if (k == "sigma")
+          sigma = std::stod(v);
+        else if (k == "n")
+          n = std::stoll(v);
+        else
+          throw ServerConfigError("--synthetic", "unknown key '" + k + "' (median, sigma, n)");
       }
-      opt.prompt_lengths = SyntheticPromptLengths(n, median, sigma, config.buckets.max_context() - 1);
-      opt.shapes_source = "synthetic lognormal, median " + std::to_string(static_cast<int64_t>(median)) + ", sigma " +
+      opt.prompt_lengths =
+          SyntheticPromptLengths(n, median, sigma, config.buckets.max_context() - 1);
+      opt.shapes_source = "synthetic lognormal, median " +
+                          std::to_string(static_cast<int64_t>(median)) + ", sigma " +
                           std::to_string(sigma).substr(0, 4);
     }
     EngineFactory make_engine = [&](bool graphs) {

@@ -35,9 +35,10 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   t.weight_decay = o.weight_decay;
   t.max_grad_norm = o.max_grad_norm;
   if (o.max_tiles_per_example > e.max_tiles_per_request) {
-    throw InvalidArgument("config.max_tiles_per_example: " + std::to_string(o.max_tiles_per_example) +
-                          " exceeds the server's max_tiles_per_request (" +
-                          std::to_string(e.max_tiles_per_request) + ")");
+    throw InvalidArgument(
+        "config.max_tiles_per_example: " + std::to_string(o.max_tiles_per_example) +
+        " exceeds the server's max_tiles_per_request (" + std::to_string(e.max_tiles_per_request) +
+        ")");
   }
   t.max_tiles_per_example = o.max_tiles_per_example;
   t.cuda_graphs = engine.graphs_enabled();

@@ -34,7 +34,7 @@ struct TrainOptions {
   bool train_language = true, train_vision = true, train_projector = true;
   double weight_decay = 0.01;  // torch.optim.AdamW defaults
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  double max_grad_norm = 1.0;  // 0 = no clipping
+  double max_grad_norm = 1.0;         // 0 = no clipping
   int64_t max_tiles_per_example = 1;  // sizes the graphed step's tile buffer
   TrainPadding padding = TrainPadding::kPadToBucket;
 };

@@ -1,12 +1,13 @@
 // Config parsing, safetensors I/O and nanoVLM checkpoint load/save.
-#include <filesystem>
-#include <fstream>
+#include "model/checkpoint.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "model/checkpoint.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {
@@ -15,7 +16,8 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path TempDir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("vlmgraph_test_" + name + "_" + std::to_string(::getpid()));
+  fs::path p =
+      fs::temp_directory_path() / ("vlmgraph_test_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -88,7 +90,9 @@ TEST(Safetensors, RejectsTruncatedAndGarbageFiles) {
   const auto size = fs::file_size(dir / "ok.safetensors");
   fs::copy_file(dir / "ok.safetensors", dir / "short.safetensors");
   fs::resize_file(dir / "short.safetensors", size - 16);
-  EXPECT_NE(ErrorOf([&] { ReadSafetensors((dir / "short.safetensors").string()); }).find("outside the file"),
+  EXPECT_NE(ErrorOf([&] {
+              ReadSafetensors((dir / "short.safetensors").string());
+            }).find("outside the file"),
             std::string::npos);
   std::ofstream(dir / "junk.safetensors") << "this is not a safetensors file at all";
   EXPECT_THROW(ReadSafetensors((dir / "junk.safetensors").string()), SafetensorsError);
@@ -142,13 +146,18 @@ TEST(Checkpoint, NamesMissingUnexpectedAndMisshapedTensors) {
   f.tensors["vision_encoder.extra.weight"] = at::ones({2});
   WriteSafetensors((dir / "model.safetensors").string(), f.tensors, f.metadata);
   const std::string err = ErrorOf([&] { LoadModel(dir.string()); });
-  EXPECT_NE(err.find("missing tensors (1):\n    decoder.blocks.1.mlp.up_proj.weight"), std::string::npos) << err;
-  EXPECT_NE(err.find("decoder.norm.weight (checkpoint [65], config needs [64])"), std::string::npos) << err;
-  EXPECT_NE(err.find("unexpected tensors (1):\n    vision_encoder.extra.weight"), std::string::npos) << err;
+  EXPECT_NE(err.find("missing tensors (1):\n    decoder.blocks.1.mlp.up_proj.weight"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("decoder.norm.weight (checkpoint [65], config needs [64])"), std::string::npos)
+      << err;
+  EXPECT_NE(err.find("unexpected tensors (1):\n    vision_encoder.extra.weight"), std::string::npos)
+      << err;
 }
 
 TEST(Checkpoint, LoadsEveryTensorNameOfTheDefaultModel) {
-  // The full-size default model's names and shapes, as listed by upstream (nanovlm-default-keys.txt).
+  // The full-size default model's names and shapes, as listed by upstream
+  // (nanovlm-default-keys.txt).
   VisionLanguageModel m(VlmConfig::Preset("nanovlm-460m"));
   std::map<std::string, std::vector<int64_t>> ours;
   for (const auto& p : m->named_parameters()) ours[p.key()] = p.value().sizes().vec();

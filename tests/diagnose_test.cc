@@ -1,9 +1,10 @@
 // vlmgraph-diagnose's core: bucket advice maths, and a quick CPU run producing every section.
-#include <random>
+#include "engine/diagnose.h"
 
 #include <gtest/gtest.h>
 
-#include "engine/diagnose.h"
+#include <random>
+
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
 
@@ -20,7 +21,8 @@ double BestWasteBruteForce(const std::vector<int64_t>& lengths, int k) {
   for (int mask = 0; mask < (1 << n); ++mask) {
     if (__builtin_popcount(mask) != k || !(mask & (1 << (n - 1)))) continue;
     std::vector<int64_t> set;
-    for (int i = 0; i < n; ++i) if (mask & (1 << i)) set.push_back(values[i]);
+    for (int i = 0; i < n; ++i)
+      if (mask & (1 << i)) set.push_back(values[i]);
     best = std::min(best, PaddingWaste(lengths, set));
   }
   return best;
@@ -30,7 +32,8 @@ TEST(Diagnose, SuggestedBucketsAreOptimal) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 30; ++trial) {
     std::vector<int64_t> lengths;
-    for (int i = 0; i < 40; ++i) lengths.push_back(std::uniform_int_distribution<int64_t>(1, 12)(rng) * 10);
+    for (int i = 0; i < 40; ++i)
+      lengths.push_back(std::uniform_int_distribution<int64_t>(1, 12)(rng) * 10);
     for (int k : {1, 2, 3}) {
       const auto suggested = SuggestBuckets(lengths, k);
       ASSERT_LE(suggested.size(), static_cast<size_t>(k));
@@ -77,7 +80,8 @@ TEST(Diagnose, QuickCpuRunHasEverySectionWithSaneValues) {
   opt.iters = 3;
   opt.warmup = 1;
   const nlohmann::json r = RunDiagnostics(make_engine, make_trainer, opt);
-  for (const char* section : {"environment", "baseline", "sweeps", "capture", "dispatch", "bucket_advice"}) {
+  for (const char* section :
+       {"environment", "baseline", "sweeps", "capture", "dispatch", "bucket_advice"}) {
     EXPECT_TRUE(r.contains(section)) << section;
   }
   EXPECT_FALSE(r["environment"]["graphs_available"].get<bool>());
@@ -90,9 +94,11 @@ TEST(Diagnose, QuickCpuRunHasEverySectionWithSaneValues) {
   EXPECT_TRUE(saw_train);
   EXPECT_EQ(r["sweeps"]["captures_after_warmup"].get<int64_t>(), 0);
   EXPECT_EQ(r["sweeps"]["unexpected_eager_fallbacks"].get<int64_t>(), 0);
-  for (const auto& row : r["sweeps"]["vary_batch"]) EXPECT_GE(row["padding_waste"].get<double>(), 1.0);
+  for (const auto& row : r["sweeps"]["vary_batch"])
+    EXPECT_GE(row["padding_waste"].get<double>(), 1.0);
   const auto& advice = r["bucket_advice"];
-  EXPECT_LE(advice["suggested"]["padding_waste"].get<double>(), advice["current"]["padding_waste"].get<double>() + 1e-12);
+  EXPECT_LE(advice["suggested"]["padding_waste"].get<double>(),
+            advice["current"]["padding_waste"].get<double>() + 1e-12);
   const std::string table = FormatDiagnostics(r);
   EXPECT_NE(table.find("== baseline"), std::string::npos);
   EXPECT_NE(table.find("== bucket advice"), std::string::npos);

@@ -1,11 +1,12 @@
 // Engine tests: bucket rules, padding exactness, generation against upstream's fixture and the
 // model's reference loop, continuous batching, validation, sampling; *_CUDA: graph replay.
-#include <random>
+#include "engine/engine.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "engine/engine.h"
+#include <random>
+
 #include "engine/sampler.h"
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
@@ -26,7 +27,8 @@ BucketSpec SmallBuckets() {
   return b;
 }
 
-std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs, BucketSpec buckets = SmallBuckets(),
+std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs,
+                                   BucketSpec buckets = SmallBuckets(),
                                    at::ScalarType dtype = at::kFloat) {
   EngineOptions o;
   o.device = device;
@@ -65,7 +67,9 @@ std::vector<int64_t> RandomPrompt(std::mt19937& rng, int64_t len, int64_t vocab)
 
 // Reference: the model's own unbatched, unpadded greedy loop.
 std::vector<int64_t> ReferenceGreedy(VisionLanguageModel& m, const GenerateRequest& r) {
-  at::Tensor ids = at::tensor(r.input_ids, at::kLong).view({1, -1}).to(m->decoder->token_embedding->weight.device());
+  at::Tensor ids = at::tensor(r.input_ids, at::kLong)
+                       .view({1, -1})
+                       .to(m->decoder->token_embedding->weight.device());
   at::Tensor tiles = r.tiles.defined() ? r.tiles.to(ids.device()) : at::Tensor();
   return Row(m->GenerateGreedy(ids, tiles, r.sampling.max_new_tokens).cpu(), 0);
 }
@@ -131,7 +135,8 @@ TEST(Engine, PaddedPrefillLogitsEqualUnpaddedForward) {
     ForwardResult got = engine->Forward(fr);
     EXPECT_GE(got.bucket.seq, len);
     at::NoGradGuard ng;
-    at::Tensor want = ref->Forward(at::tensor(fr.input_ids, at::kLong).view({1, len}), {}).logits[0];
+    at::Tensor want =
+        ref->Forward(at::tensor(fr.input_ids, at::kLong).view({1, len}), {}).logits[0];
     at::Tensor got_t = at::empty({len, want.size(1)});
     for (int64_t p = 0; p < len; ++p) got_t[p] = at::tensor(got.logits[p]);
     EXPECT_LT(MaxAbsDiff(got_t, want), 1e-5) << "len " << len << " bucket " << got.bucket.Label();
@@ -208,7 +213,8 @@ TEST(Engine, OversizePromptRunsEagerOrIsRejected) {
     FAIL();
   } catch (const EngineError& e) {
     EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("largest prefill bucket (32)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("largest prefill bucket (32)"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -307,7 +313,8 @@ TEST(EngineGraphs, ReplayEqualsEagerForEveryRegion_CUDA) {
     fr.logits_positions = {0, len - 1};
     auto g = graphed->Forward(fr), e = eager->Forward(fr);
     EXPECT_TRUE(g.graphed);
-    for (int k = 0; k < 2; ++k) EXPECT_LT(MaxAbsDiff(at::tensor(g.logits[k]), at::tensor(e.logits[k])), 1e-4);
+    for (int k = 0; k < 2; ++k)
+      EXPECT_LT(MaxAbsDiff(at::tensor(g.logits[k]), at::tensor(e.logits[k])), 1e-4);
   }
   // Vision + prefill + decode through generation, batches of 1..4 with mixed lengths.
   std::vector<GenerateRequest> reqs = FixtureRequests(6);

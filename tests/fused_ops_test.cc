@@ -1,9 +1,10 @@
 // The fused CUDA decoder path (model/fused_ops.h) computes the reference formulas: hidden states of
 // Forward, Prefill and Decode and the KV cache it writes match the unfused ATen path.
+#include "model/fused_ops.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "model/fused_ops.h"
 #include "model/vision_language_model.h"
 #include "tests/test_util.h"
 
@@ -26,7 +27,8 @@ DecoderOutputs RunDecoder(VisionLanguageModel& m, const at::Tensor& ids, const a
   // Rows written in reverse order through slots, as the engine does for arbitrary free rows.
   at::Tensor slots = at::arange(b - 1, -1, -1, ids.options());
   o.prefill = d->Prefill(m->Embed(ids, {}), &cache, slots);
-  at::Tensor positions = at::full({b}, t, ids.options()) - at::arange(b, ids.options());  // per-row lengths
+  at::Tensor positions =
+      at::full({b}, t, ids.options()) - at::arange(b, ids.options());  // per-row lengths
   o.decode = d->Decode(m->Embed(next, {}), &cache, positions, 48);
   o.cache_k = cache.key[0].clone();
   o.cache_v = cache.value.back().clone();
@@ -38,7 +40,8 @@ void CheckFusedMatchesReference(VlmConfig cfg, at::ScalarType dtype, double tol)
   VisionLanguageModel m(cfg);
   m->to(at::kCUDA, dtype);
   m->decoder->rotary_embd->inv_freq.set_data(m->decoder->rotary_embd->inv_freq.to(at::kFloat));
-  at::Tensor ids = at::randint(0, cfg.lm_base_vocab_size, {3, 21}, at::dtype(at::kLong).device(at::kCUDA));
+  at::Tensor ids =
+      at::randint(0, cfg.lm_base_vocab_size, {3, 21}, at::dtype(at::kLong).device(at::kCUDA));
   at::Tensor next = at::randint(0, cfg.lm_base_vocab_size, {3, 1}, ids.options());
   ASSERT_FALSE(m->decoder->UsesFusedPath(m->decoder->token_embedding->weight));
   DecoderOutputs ref = RunDecoder(m, ids, next);
@@ -54,8 +57,9 @@ void CheckFusedMatchesReference(VlmConfig cfg, at::ScalarType dtype, double tol)
   EXPECT_LT(MaxAbsDiff(got.cache_k, ref.cache_k), tol);
   EXPECT_LT(MaxAbsDiff(got.cache_v, ref.cache_v), tol);
   std::printf("[fused vs reference] head_dim %lld %s: full %.2e prefill %.2e decode %.2e\n",
-              static_cast<long long>(cfg.lm_head_dim()), c10::toString(dtype), MaxAbsDiff(got.full, ref.full),
-              MaxAbsDiff(got.prefill, ref.prefill), MaxAbsDiff(got.decode, ref.decode));
+              static_cast<long long>(cfg.lm_head_dim()), c10::toString(dtype),
+              MaxAbsDiff(got.full, ref.full), MaxAbsDiff(got.prefill, ref.prefill),
+              MaxAbsDiff(got.decode, ref.decode));
 }
 
 VlmConfig Shallow460m() {
@@ -93,8 +97,10 @@ TEST(FusedOps, SmallBatchGemvMatchesCublas_CUDA) {
       at::Tensor x = at::randn({rows, 2560}, opt), w = at::randn({960, 2560}, opt) * 0.02;
       at::Tensor r = at::randn({rows, 960}, opt);
       const double tol = dtype == at::kFloat ? 1e-4 : 3e-2;
-      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w), at::linear(x.to(at::kFloat), w.to(at::kFloat))), tol) << rows;
-      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w, r), at::addmm(r.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat).t())),
+      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w), at::linear(x.to(at::kFloat), w.to(at::kFloat))), tol)
+          << rows;
+      EXPECT_LT(MaxAbsDiff(ops::Linear(x, w, r),
+                           at::addmm(r.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat).t())),
                 tol)
           << rows;
     }
@@ -108,7 +114,8 @@ TEST(FusedOps, CpuTensorsKeepTheReferencePath) {
   EXPECT_FALSE(m->decoder->UsesFusedPath(m->decoder->token_embedding->weight));
   // Fusing keeps the parameters' values and names (they become views of the stacked weights).
   auto* attn = m->decoder->blocks[0]->as<DecoderBlock>()->attn.get();
-  EXPECT_TRUE(at::equal(attn->w_qkv.narrow(0, 0, attn->q_proj->weight.size(0)), attn->q_proj->weight));
+  EXPECT_TRUE(
+      at::equal(attn->w_qkv.narrow(0, 0, attn->q_proj->weight.size(0)), attn->q_proj->weight));
   EXPECT_EQ(attn->q_proj->weight.data_ptr(), attn->w_qkv.data_ptr());
 }
 

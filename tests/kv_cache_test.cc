@@ -19,18 +19,21 @@ void CheckDecodeMatchesRecompute(at::Device device) {
   const std::vector<int64_t> lengths = {5, 9};
   const int64_t steps = 4, max_len = 32;
   std::vector<at::Tensor> prompts;
-  for (int64_t len : lengths) prompts.push_back(at::randint(0, cfg.lm_base_vocab_size, {1, len}, at::kLong));
+  for (int64_t len : lengths)
+    prompts.push_back(at::randint(0, cfg.lm_base_vocab_size, {1, len}, at::kLong));
   KVCache cache = KVCache::Allocate(cfg, 3, max_len, m->decoder->token_embedding->weight.options());
   std::vector<at::Tensor> seqs = prompts;
   for (size_t r = 0; r < lengths.size(); ++r) {
     at::Tensor ids = prompts[r].to(device);
-    m->decoder->Prefill(m->Embed(ids, {}), &cache, at::full({1}, static_cast<int64_t>(r), at::kLong).to(device));
+    m->decoder->Prefill(m->Embed(ids, {}), &cache,
+                        at::full({1}, static_cast<int64_t>(r), at::kLong).to(device));
   }
   for (int64_t s = 0; s < steps; ++s) {
     at::Tensor next = at::randint(0, cfg.lm_base_vocab_size, {2, 1}, at::kLong);
     at::Tensor positions = at::tensor({lengths[0] + s, lengths[1] + s}, at::kLong).to(device);
     const int64_t kv_len = lengths[1] + s + 3;  // wider than needed: the mask must hide the rest
-    at::Tensor hidden = m->decoder->Decode(m->Embed(next.to(device), {}), &cache, positions, kv_len);
+    at::Tensor hidden =
+        m->decoder->Decode(m->Embed(next.to(device), {}), &cache, positions, kv_len);
     at::Tensor decode_logits = m->decoder->Logits(hidden.select(1, 0));
     for (int r = 0; r < 2; ++r) {
       seqs[r] = at::cat({seqs[r], next.narrow(0, r, 1)}, 1);

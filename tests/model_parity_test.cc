@@ -1,10 +1,10 @@
 // Parity of the LibTorch nanoVLM against upstream nanoVLM's own outputs on the nanovlm-tiny
 // checkpoint (tests/fixtures/nanovlm-tiny/reference.*): image embeddings, logits, loss, greedy
 // generation; on CPU in float32, and on the GPU in float32 and bfloat16.
-#include <fstream>
-
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "model/checkpoint.h"
@@ -37,7 +37,8 @@ Parity RunParity(at::Device device, at::ScalarType dtype) {
   at::Tensor images = ref.at("images").to(device, dtype);
   Parity p;
   at::Tensor image_rows = m->EncodeImages(images);
-  p.image_embd_err = MaxAbsDiff(image_rows.view(ref.at("image_embeddings").sizes()), ref.at("image_embeddings"));
+  p.image_embd_err =
+      MaxAbsDiff(image_rows.view(ref.at("image_embeddings").sizes()), ref.at("image_embeddings"));
   ForwardOutput out = m->Forward(ids, images, targets);
   p.logits_err = MaxAbsDiff(out.logits, ref.at("logits"));
   p.loss_err = std::abs(out.loss.item<double>() - ReferenceJson()["loss"].get<double>());

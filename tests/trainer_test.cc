@@ -1,13 +1,14 @@
 // Training: AdamW steps reproduce upstream nanoVLM's losses; gradient accumulation, frozen groups,
 // learning-rate changes and checkpoint/resume behave; *_CUDA: graphed steps equal eager steps.
-#include <filesystem>
-#include <fstream>
+#include "engine/trainer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/trainer.h"
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
 
@@ -25,7 +26,8 @@ std::vector<TrainExample> FixtureBatch() {
   const auto& ref = TinyReference().tensors;
   std::vector<TrainExample> out;
   for (int64_t r = 0; r < 2; ++r) {
-    out.push_back({Row(ref.at("input_ids"), r), Row(ref.at("targets"), r), ref.at("images").narrow(0, r, 1)});
+    out.push_back(
+        {Row(ref.at("input_ids"), r), Row(ref.at("targets"), r), ref.at("images").narrow(0, r, 1)});
   }
   return out;
 }
@@ -61,7 +63,8 @@ void ExpectUpstreamLosses(Trainer& t) {
 
 std::map<std::string, at::Tensor> Params(Trainer& t) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& p : t.model()->named_parameters()) out[p.key()] = p.value().detach().to(at::kCPU).clone();
+  for (const auto& p : t.model()->named_parameters())
+    out[p.key()] = p.value().detach().to(at::kCPU).clone();
   return out;
 }
 
@@ -111,8 +114,10 @@ TEST(Trainer, FrozenGroupsStayUnchangedAndZeroLearningRateChangesNothing) {
   auto before = Params(t);
   t.Step(FixtureBatch());
   auto after = Params(t);
-  EXPECT_TRUE(at::equal(before.at("vision_encoder.blocks.0.mlp.fc1.weight"), after.at("vision_encoder.blocks.0.mlp.fc1.weight")));
-  EXPECT_FALSE(at::equal(before.at("decoder.blocks.0.mlp.up_proj.weight"), after.at("decoder.blocks.0.mlp.up_proj.weight")));
+  EXPECT_TRUE(at::equal(before.at("vision_encoder.blocks.0.mlp.fc1.weight"),
+                        after.at("vision_encoder.blocks.0.mlp.fc1.weight")));
+  EXPECT_FALSE(at::equal(before.at("decoder.blocks.0.mlp.up_proj.weight"),
+                         after.at("decoder.blocks.0.mlp.up_proj.weight")));
   EXPECT_FALSE(at::equal(before.at("MP.proj.weight"), after.at("MP.proj.weight")));
   t.SetLearningRate(0.0);
   t.Step(FixtureBatch());
@@ -122,7 +127,8 @@ TEST(Trainer, FrozenGroupsStayUnchangedAndZeroLearningRateChangesNothing) {
 
 TEST(Trainer, CheckpointResumesExactly) {
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_train_ckpt_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_train_ckpt_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   Trainer a(m, FixtureOptions(at::kCPU, false));
@@ -136,7 +142,8 @@ TEST(Trainer, CheckpointResumesExactly) {
   b.LoadOptimizerState((dir / "optimizer.safetensors").string());
   EXPECT_EQ(b.steps(), 2);
   EXPECT_NEAR(b.Step(FixtureBatch()).loss, next_in_memory, 1e-6);
-  EXPECT_NEAR(b.Step(FixtureBatch()).loss, AdamwReference()["losses_before_each_step"][3].get<double>(), 1e-5);
+  EXPECT_NEAR(b.Step(FixtureBatch()).loss,
+              AdamwReference()["losses_before_each_step"][3].get<double>(), 1e-5);
 }
 
 TEST(Trainer, RejectsBadExamples) {
@@ -202,7 +209,8 @@ TEST(Trainer, BFloat16MixedPrecisionLearns_CUDA) {
   double last = first;
   for (int i = 0; i < 30; ++i) last = t.Step(FixtureBatch()).loss;
   EXPECT_LT(last, first - 1.0);
-  EXPECT_EQ(t.model()->decoder->token_embedding->weight.scalar_type(), at::kFloat);  // master weights
+  EXPECT_EQ(t.model()->decoder->token_embedding->weight.scalar_type(),
+            at::kFloat);  // master weights
 }
 
 }  // namespace

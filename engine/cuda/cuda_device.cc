@@ -28,7 +28,8 @@ MemoryStats DeviceMemory(const at::Device& device) {
 
 void ResetPeakDeviceMemory(const at::Device& device) {
   if (!device.is_cuda()) return;
-  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : c10::cuda::current_device());
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
+                                                                     : c10::cuda::current_device());
 }
 
 bool BuiltWithCudaGraphs() { return true; }

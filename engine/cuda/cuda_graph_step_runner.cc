@@ -1,15 +1,15 @@
 // engine/cuda/cuda_graph_step_runner.cc: StepRunner that captures one CUDA graph per bucket and
 // replays it. See Note [Graph memory pool] in engine/step_runner.h.
-#include <chrono>
-#include <map>
-#include <memory>
-#include <vector>
-
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <vector>
 
 #include "engine/device.h"
 #include "engine/step_runner.h"

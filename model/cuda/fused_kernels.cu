@@ -1,8 +1,8 @@
 // model/cuda/fused_kernels.cu: fused kernels for the decoder's hot path. Each replaces a chain of
 // small ATen kernels (see model/fused_ops.h for the reference formulas they implement).
-#include <algorithm>
-
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "model/cuda/fused_kernels.h"
 
@@ -11,9 +11,16 @@ namespace {
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ __forceinline__ T FromFloat(float v);
-template <> __device__ __forceinline__ float FromFloat<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
 
 // Sum (or max) over the block; every thread gets the result. `scratch` holds >= 32 floats.
 template <bool kMax>
@@ -35,7 +42,8 @@ __device__ float BlockReduce(float v, float* scratch) {
 }
 
 template <typename T>
-__global__ void RmsNormKernel(const T* x, int64_t xs, const T* w, T* out, int64_t os, int hidden, float eps) {
+__global__ void RmsNormKernel(const T* x, int64_t xs, const T* w, T* out, int64_t os, int hidden,
+                              float eps) {
   __shared__ float scratch[32];
   const T* xr = x + blockIdx.x * xs;
   float ss = 0.f;
@@ -54,7 +62,8 @@ __global__ void RmsNormKernel(const T* x, int64_t xs, const T* w, T* out, int64_
 template <typename T>
 __global__ void SiluMulKernel(const T* in, T* out, int64_t rows, int64_t inter) {
   const int64_t n = rows * inter;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / inter, c = i - r * inter;
     const float g = ToFloat(in[r * 2 * inter + c]);
     const float u = ToFloat(in[r * 2 * inter + inter + c]);
@@ -63,9 +72,10 @@ __global__ void SiluMulKernel(const T* in, T* out, int64_t rows, int64_t inter) 
 }
 
 template <typename T>
-__global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float scaling, const int64_t* positions,
-                                  const int64_t* slots, int seq, int n_heads, int n_kv, int head_dim, T* q_out,
-                                  T* k_out, T* cache_k, T* cache_v, int64_t max_seq) {
+__global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float scaling,
+                                  const int64_t* positions, const int64_t* slots, int seq,
+                                  int n_heads, int n_kv, int head_dim, T* q_out, T* k_out,
+                                  T* cache_k, T* cache_v, int64_t max_seq) {
   const int64_t token = blockIdx.x;
   const int b = static_cast<int>(token / seq), t = static_cast<int>(token % seq);
   const int64_t pos = (positions ? positions[b] : 0) + t;
@@ -104,7 +114,8 @@ __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float sca
   if (!cache_v) return;
   for (int i = threadIdx.x; i < n_kv * head_dim; i += blockDim.x) {
     const int vh = i / head_dim, d = i % head_dim;
-    cache_v[((slot * n_kv + vh) * max_seq + pos) * head_dim + d] = src[(n_heads + n_kv) * head_dim + i];
+    cache_v[((slot * n_kv + vh) * max_seq + pos) * head_dim + d] =
+        src[(n_heads + n_kv) * head_dim + i];
   }
 }
 
@@ -128,15 +139,16 @@ __device__ __forceinline__ void LoadRow(const T* row, float* out) {
 // head over the block; phase 3: thread groups split the keys, each thread of a group sums p * V
 // for one (head, dim) over its share (coalesced V rows), and the groups' partial sums are added.
 template <typename T, int D>
-__global__ void DecodeAttentionKernel(const T* q, const T* cache_k, const T* cache_v, const int64_t* positions,
-                                      T* out, int n_heads, int n_kv, int64_t max_seq, int kv_len, float scale) {
+__global__ void DecodeAttentionKernel(const T* q, const T* cache_k, const T* cache_v,
+                                      const int64_t* positions, T* out, int n_heads, int n_kv,
+                                      int64_t max_seq, int kv_len, float scale) {
   extern __shared__ float smem[];
   const int g = n_heads / n_kv;
-  float* q_s = smem;                    // (g, D)
-  float* scores = smem + g * D;         // (g, kv_len)
-  float* partial = scores + g * kv_len; // (blockDim.x) partial sums of phase 3
+  float* q_s = smem;                     // (g, D)
+  float* scores = smem + g * D;          // (g, kv_len)
+  float* partial = scores + g * kv_len;  // (blockDim.x) partial sums of phase 3
   __shared__ float scratch[32];
-  __shared__ float stats[16];           // per head: 1 / softmax denominator (g <= 16)
+  __shared__ float stats[16];  // per head: 1 / softmax denominator (g <= 16)
   const int b = blockIdx.x, kh = blockIdx.y;
   const int64_t pos_end = positions[b] + 1;
   const int len = static_cast<int>(pos_end < kv_len ? pos_end : kv_len);
@@ -219,40 +231,55 @@ __global__ void DecodeAttentionKernel(const T* q, const T* cache_k, const T* cac
 }
 
 template <typename T, int D>
-cudaError_t DecodeAttentionFor(const void* q, const void* ck, const void* cv, const int64_t* positions, void* out,
-                               int64_t batch, int64_t n_heads, int64_t n_kv, int64_t max_seq, int64_t kv_len,
-                               float scale, cudaStream_t stream) {
+cudaError_t DecodeAttentionFor(const void* q, const void* ck, const void* cv,
+                               const int64_t* positions, void* out, int64_t batch, int64_t n_heads,
+                               int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
+                               cudaStream_t stream) {
   const int g = static_cast<int>(n_heads / n_kv);
   if (g > 16) return cudaErrorInvalidValue;
   const int threads = 512;
-  const size_t smem = sizeof(float) * (size_t(g) * D + size_t(g) * kv_len + size_t(threads / 32) * g * D);
+  const size_t smem =
+      sizeof(float) * (size_t(g) * D + size_t(g) * kv_len + size_t(threads / 32) * g * D);
   auto kernel = DecodeAttentionKernel<T, D>;
   if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  kernel<<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(n_kv)), threads, smem, stream>>>(
-      static_cast<const T*>(q), static_cast<const T*>(ck), static_cast<const T*>(cv), positions, static_cast<T*>(out),
-      static_cast<int>(n_heads), static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), scale);
+  kernel<<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(n_kv)), threads, smem,
+           stream>>>(static_cast<const T*>(q), static_cast<const T*>(ck), static_cast<const T*>(cv),
+                     positions, static_cast<T*>(out), static_cast<int>(n_heads),
+                     static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), scale);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t DecodeAttentionTyped(const void* q, const void* ck, const void* cv, const int64_t* positions, void* out,
-                                 int64_t batch, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_seq,
+cudaError_t DecodeAttentionTyped(const void* q, const void* ck, const void* cv,
+                                 const int64_t* positions, void* out, int64_t batch,
+                                 int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_seq,
                                  int64_t kv_len, float scale, cudaStream_t s) {
   switch (head_dim) {
-    case 16: return DecodeAttentionFor<T, 16>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq, kv_len, scale, s);
-    case 32: return DecodeAttentionFor<T, 32>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq, kv_len, scale, s);
-    case 64: return DecodeAttentionFor<T, 64>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq, kv_len, scale, s);
-    case 128: return DecodeAttentionFor<T, 128>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq, kv_len, scale, s);
-    default: return cudaErrorInvalidValue;
+    case 16:
+      return DecodeAttentionFor<T, 16>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
+                                       kv_len, scale, s);
+    case 32:
+      return DecodeAttentionFor<T, 32>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
+                                       kv_len, scale, s);
+    case 64:
+      return DecodeAttentionFor<T, 64>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
+                                       kv_len, scale, s);
+    case 128:
+      return DecodeAttentionFor<T, 128>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
+                                        kv_len, scale, s);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
 template <typename T, int M>
-__global__ void SmallBatchGemvKernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ residual,
-                                     T* __restrict__ y, int n, int k) {
+__global__ void SmallBatchGemvKernel(const T* __restrict__ x, const T* __restrict__ w,
+                                     const T* __restrict__ residual, T* __restrict__ y, int n,
+                                     int k) {
   constexpr int kVec = 16 / sizeof(T);
   const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (col >= n) return;
@@ -287,8 +314,8 @@ __global__ void SmallBatchGemvKernel(const T* __restrict__ x, const T* __restric
 }
 
 template <typename T>
-cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residual, void* y, int64_t rows, int64_t n,
-                                int64_t k, cudaStream_t s) {
+cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residual, void* y,
+                                int64_t rows, int64_t n, int64_t k, cudaStream_t s) {
   constexpr int kWarps = 8;
   const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
   const T* xp = static_cast<const T*>(x);
@@ -297,8 +324,10 @@ cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residu
   T* yp = static_cast<T*>(y);
   const int ni = static_cast<int>(n), ki = static_cast<int>(k);
   switch (rows) {
-#define VLMGRAPH_GEMV_CASE(M) \
-  case M: SmallBatchGemvKernel<T, M><<<blocks, kWarps * 32, 0, s>>>(xp, wp, rp, yp, ni, ki); break;
+#define VLMGRAPH_GEMV_CASE(M)                                                          \
+  case M:                                                                              \
+    SmallBatchGemvKernel<T, M><<<blocks, kWarps * 32, 0, s>>>(xp, wp, rp, yp, ni, ki); \
+    break;
     VLMGRAPH_GEMV_CASE(1)
     VLMGRAPH_GEMV_CASE(2)
     VLMGRAPH_GEMV_CASE(3)
@@ -308,83 +337,97 @@ cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residu
     VLMGRAPH_GEMV_CASE(7)
     VLMGRAPH_GEMV_CASE(8)
 #undef VLMGRAPH_GEMV_CASE
-    default: return cudaErrorInvalidValue;
+    default:
+      return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
 
-int ThreadsFor(int64_t work) { return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (work + 31) / 32 * 32))); }
+int ThreadsFor(int64_t work) {
+  return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (work + 31) / 32 * 32)));
+}
 
 }  // namespace
 
-cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t xs, const void* w, void* out, int64_t os, int64_t rows,
-                          int64_t hidden, float eps, cudaStream_t stream) {
+cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t xs, const void* w, void* out,
+                          int64_t os, int64_t rows, int64_t hidden, float eps,
+                          cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const int threads = ThreadsFor(std::min<int64_t>(hidden, 512));
   if (bf16) {
     RmsNormKernel<__nv_bfloat16><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), xs, static_cast<const __nv_bfloat16*>(w), static_cast<__nv_bfloat16*>(out),
-        os, static_cast<int>(hidden), eps);
+        static_cast<const __nv_bfloat16*>(x), xs, static_cast<const __nv_bfloat16*>(w),
+        static_cast<__nv_bfloat16*>(out), os, static_cast<int>(hidden), eps);
   } else {
     RmsNormKernel<float><<<static_cast<unsigned>(rows), threads, 0, stream>>>(
-        static_cast<const float*>(x), xs, static_cast<const float*>(w), static_cast<float*>(out), os,
-        static_cast<int>(hidden), eps);
+        static_cast<const float*>(x), xs, static_cast<const float*>(w), static_cast<float*>(out),
+        os, static_cast<int>(hidden), eps);
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchSiluMul(bool bf16, const void* in, void* out, int64_t rows, int64_t inter, cudaStream_t stream) {
+cudaError_t LaunchSiluMul(bool bf16, const void* in, void* out, int64_t rows, int64_t inter,
+                          cudaStream_t stream) {
   const int64_t n = rows * inter;
   if (n == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65535));
   if (bf16) {
-    SiluMulKernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(in),
-                                                             static_cast<__nv_bfloat16*>(out), rows, inter);
+    SiluMulKernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(in), static_cast<__nv_bfloat16*>(out), rows, inter);
   } else {
-    SiluMulKernel<float><<<blocks, 256, 0, stream>>>(static_cast<const float*>(in), static_cast<float*>(out), rows, inter);
+    SiluMulKernel<float><<<blocks, 256, 0, stream>>>(static_cast<const float*>(in),
+                                                     static_cast<float*>(out), rows, inter);
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq, float scaling, const int64_t* positions,
-                              const int64_t* slots, int64_t batch, int64_t seq, int64_t n_heads, int64_t n_kv,
-                              int64_t head_dim, void* q_out, void* k_out, void* cache_k, void* cache_v,
+cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq, float scaling,
+                              const int64_t* positions, const int64_t* slots, int64_t batch,
+                              int64_t seq, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                              void* q_out, void* k_out, void* cache_k, void* cache_v,
                               int64_t max_seq, cudaStream_t stream) {
   if (batch * seq == 0) return cudaSuccess;
-  const int threads = ThreadsFor(std::max<int64_t>((n_heads + n_kv) * head_dim / 2, n_kv * head_dim));
+  const int threads =
+      ThreadsFor(std::max<int64_t>((n_heads + n_kv) * head_dim / 2, n_kv * head_dim));
   const unsigned blocks = static_cast<unsigned>(batch * seq);
   if (bf16) {
     using T = __nv_bfloat16;
     RopeKvWriteKernel<T><<<blocks, threads, 0, stream>>>(
-        static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq), static_cast<int>(n_heads),
-        static_cast<int>(n_kv), static_cast<int>(head_dim), static_cast<T*>(q_out), static_cast<T*>(k_out),
-        static_cast<T*>(cache_k), static_cast<T*>(cache_v), max_seq);
+        static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq),
+        static_cast<int>(n_heads), static_cast<int>(n_kv), static_cast<int>(head_dim),
+        static_cast<T*>(q_out), static_cast<T*>(k_out), static_cast<T*>(cache_k),
+        static_cast<T*>(cache_v), max_seq);
   } else {
     using T = float;
     RopeKvWriteKernel<T><<<blocks, threads, 0, stream>>>(
-        static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq), static_cast<int>(n_heads),
-        static_cast<int>(n_kv), static_cast<int>(head_dim), static_cast<T*>(q_out), static_cast<T*>(k_out),
-        static_cast<T*>(cache_k), static_cast<T*>(cache_v), max_seq);
+        static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq),
+        static_cast<int>(n_heads), static_cast<int>(n_kv), static_cast<int>(head_dim),
+        static_cast<T*>(q_out), static_cast<T*>(k_out), static_cast<T*>(cache_k),
+        static_cast<T*>(cache_v), max_seq);
   }
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k, const void* cache_v,
-                                  const int64_t* positions, void* out, int64_t batch, int64_t n_heads, int64_t n_kv,
-                                  int64_t head_dim, int64_t max_seq, int64_t kv_len, float scale, cudaStream_t stream) {
+cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k,
+                                  const void* cache_v, const int64_t* positions, void* out,
+                                  int64_t batch, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                                  int64_t max_seq, int64_t kv_len, float scale,
+                                  cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
   if (bf16) {
-    return DecodeAttentionTyped<__nv_bfloat16>(q, cache_k, cache_v, positions, out, batch, n_heads, n_kv, head_dim,
-                                               max_seq, kv_len, scale, stream);
+    return DecodeAttentionTyped<__nv_bfloat16>(q, cache_k, cache_v, positions, out, batch, n_heads,
+                                               n_kv, head_dim, max_seq, kv_len, scale, stream);
   }
-  return DecodeAttentionTyped<float>(q, cache_k, cache_v, positions, out, batch, n_heads, n_kv, head_dim, max_seq,
-                                     kv_len, scale, stream);
+  return DecodeAttentionTyped<float>(q, cache_k, cache_v, positions, out, batch, n_heads, n_kv,
+                                     head_dim, max_seq, kv_len, scale, stream);
 }
 
-cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual, void* y, int64_t rows,
-                                 int64_t n, int64_t k, cudaStream_t stream) {
+cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual,
+                                 void* y, int64_t rows, int64_t n, int64_t k, cudaStream_t stream) {
   const int64_t elem = bf16 ? 2 : 4;
-  auto aligned = [](const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  auto aligned = [](const void* p) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  };
   if ((k * elem) % 16 != 0 || !aligned(x) || !aligned(w) || !aligned(residual) || !aligned(y)) {
     return cudaErrorInvalidValue;
   }

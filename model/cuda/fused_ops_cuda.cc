@@ -1,9 +1,9 @@
 // model/cuda/fused_ops_cuda.cc: ATen wrappers of the fused kernels (see model/fused_ops.h).
-#include <cmath>
-
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
 
 #include "model/cuda/fused_kernels.h"
 #include "model/fused_ops.h"
@@ -19,7 +19,8 @@ void Check(cudaError_t e, const char* what) {
 
 const int64_t* OptionalLongPtr(const at::Tensor& t) {
   if (!t.defined()) return nullptr;
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), "index tensors must be contiguous int64");
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
+              "index tensors must be contiguous int64");
   return t.data_ptr<int64_t>();
 }
 
@@ -36,8 +37,9 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor w = weight.to(x.scalar_type()).contiguous();
   at::Tensor out = at::empty_like(xc);
   c10::cuda::CUDAGuard guard(x.device());
-  Check(cuda::LaunchRmsNorm(IsBf16(x), xc.data_ptr(), h, w.data_ptr(), out.data_ptr(), h, xc.numel() / h, h,
-                            static_cast<float>(eps), c10::cuda::getCurrentCUDAStream()),
+  Check(cuda::LaunchRmsNorm(IsBf16(x), xc.data_ptr(), h, w.data_ptr(), out.data_ptr(), h,
+                            xc.numel() / h, h, static_cast<float>(eps),
+                            c10::cuda::getCurrentCUDAStream()),
         "rms_norm");
   return out;
 }
@@ -49,33 +51,38 @@ at::Tensor SiluMul(const at::Tensor& gate_up) {
   sizes.back() = inter;
   at::Tensor out = at::empty(sizes, in.options());
   c10::cuda::CUDAGuard guard(in.device());
-  Check(cuda::LaunchSiluMul(IsBf16(in), in.data_ptr(), out.data_ptr(), in.numel() / (2 * inter), inter,
-                            c10::cuda::getCurrentCUDAStream()),
+  Check(cuda::LaunchSiluMul(IsBf16(in), in.data_ptr(), out.data_ptr(), in.numel() / (2 * inter),
+                            inter, c10::cuda::getCurrentCUDAStream()),
         "silu_mul");
   return out;
 }
 
 RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
-                         const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads, int64_t n_kv,
-                         const at::Tensor& cache_k, const at::Tensor& cache_v, bool want_k) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(), "qkv must be contiguous (B, T, (nh + 2 nkv) D)");
+                         const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads,
+                         int64_t n_kv, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                         bool want_k) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(),
+              "qkv must be contiguous (B, T, (nh + 2 nkv) D)");
   const int64_t b = qkv.size(0), t = qkv.size(1);
   const int64_t d = qkv.size(2) / (n_heads + 2 * n_kv);
-  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == d / 2, "inv_freq must be (D/2) float32");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == d / 2,
+              "inv_freq must be (D/2) float32");
   RopeKvOutput out;
   out.q = at::empty({b, t, n_heads, d}, qkv.options());
   if (want_k) out.k = at::empty({b, t, n_kv, d}, qkv.options());
   int64_t max_seq = 0;
   if (cache_k.defined()) {
-    TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() && cache_k.scalar_type() == qkv.scalar_type(),
+    TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
+                    cache_k.scalar_type() == qkv.scalar_type(),
                 "KV cache must be contiguous and in the activations' dtype");
     max_seq = cache_k.size(2);
   }
   at::Tensor freq = inv_freq.contiguous();
   c10::cuda::CUDAGuard guard(qkv.device());
-  Check(cuda::LaunchRopeKvWrite(IsBf16(qkv), qkv.data_ptr(), freq.data_ptr<float>(), static_cast<float>(scaling),
-                                OptionalLongPtr(positions), OptionalLongPtr(slots), b, t, n_heads, n_kv, d,
-                                out.q.data_ptr(), want_k ? out.k.data_ptr() : nullptr,
+  Check(cuda::LaunchRopeKvWrite(IsBf16(qkv), qkv.data_ptr(), freq.data_ptr<float>(),
+                                static_cast<float>(scaling), OptionalLongPtr(positions),
+                                OptionalLongPtr(slots), b, t, n_heads, n_kv, d, out.q.data_ptr(),
+                                want_k ? out.k.data_ptr() : nullptr,
                                 cache_k.defined() ? cache_k.data_ptr() : nullptr,
                                 cache_v.defined() ? cache_v.data_ptr() : nullptr, max_seq,
                                 c10::cuda::getCurrentCUDAStream()),
@@ -83,17 +90,20 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
   return out;
 }
 
-at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                           const at::Tensor& positions, int64_t kv_len, int64_t n_heads) {
+at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k,
+                           const at::Tensor& cache_v, const at::Tensor& positions, int64_t kv_len,
+                           int64_t n_heads) {
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be contiguous (B, n_heads * D)");
   TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous(), "KV cache must be contiguous");
   const int64_t b = q.size(0), n_kv = cache_k.size(1), d = cache_k.size(3);
-  TORCH_CHECK(q.size(1) == n_heads * d && cache_k.size(0) >= b && kv_len <= cache_k.size(2), "decode attention shapes");
+  TORCH_CHECK(q.size(1) == n_heads * d && cache_k.size(0) >= b && kv_len <= cache_k.size(2),
+              "decode attention shapes");
   at::Tensor out = at::empty_like(q);
   c10::cuda::CUDAGuard guard(q.device());
   Check(cuda::LaunchDecodeAttention(IsBf16(q), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                                    OptionalLongPtr(positions), out.data_ptr(), b, n_heads, n_kv, d, cache_k.size(2),
-                                    kv_len, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+                                    OptionalLongPtr(positions), out.data_ptr(), b, n_heads, n_kv, d,
+                                    cache_k.size(2), kv_len,
+                                    static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                                     c10::cuda::getCurrentCUDAStream()),
         "decode_attention");
   return out;
@@ -109,12 +119,13 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   if (rows <= kMaxGemvRows && x.is_contiguous() && weight.is_contiguous() &&
-      (!residual.defined() || residual.is_contiguous()) && weight.scalar_type() == x.scalar_type()) {
+      (!residual.defined() || residual.is_contiguous()) &&
+      weight.scalar_type() == x.scalar_type()) {
     at::Tensor y = at::empty(out_sizes, x.options());
     c10::cuda::CUDAGuard guard(x.device());
     if (cuda::LaunchSmallBatchGemv(IsBf16(x), x.data_ptr(), weight.data_ptr(),
-                                   residual.defined() ? residual.data_ptr() : nullptr, y.data_ptr(), rows, n, k,
-                                   c10::cuda::getCurrentCUDAStream()) == cudaSuccess) {
+                                   residual.defined() ? residual.data_ptr() : nullptr, y.data_ptr(),
+                                   rows, n, k, c10::cuda::getCurrentCUDAStream()) == cudaSuccess) {
       return y;
     }
     (void)cudaGetLastError();  // unaligned shapes: fall through to cuBLAS

@@ -43,11 +43,16 @@ int DecodeStatus(const std::string& bytes) {
 
 const char* StatusName(int status) {
   switch (status) {
-    case 0: return "UNKNOWN";
-    case 1: return "SERVING";
-    case 2: return "NOT_SERVING";
-    case 3: return "SERVICE_UNKNOWN";
-    default: return "malformed response";
+    case 0:
+      return "UNKNOWN";
+    case 1:
+      return "SERVING";
+    case 2:
+      return "NOT_SERVING";
+    case 3:
+      return "SERVICE_UNKNOWN";
+    default:
+      return "malformed response";
   }
 }
 
