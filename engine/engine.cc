@@ -11,6 +11,7 @@
 
 #include "engine/device.h"
 #include "engine/sampler.h"
+#include "model/prompt_check.h"
 
 namespace vlmgraph {
 namespace {
@@ -261,38 +262,13 @@ void Engine::Warmup() {
 
 void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const {
   const VlmConfig& cfg = model_->cfg;
-  if (ids.empty()) throw Invalid("input_ids is empty; send at least one token");
-  int64_t image_tokens = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= cfg.lm_vocab_size) {
-      throw Invalid("input_ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
-                    " is outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) + ")");
-    }
-    image_tokens += ids[i] == cfg.image_token_id;
-  }
-  int64_t n_tiles = 0;
-  if (tiles.defined() && tiles.numel() > 0) {
-    if (tiles.dim() != 4 || tiles.size(1) != 3 || tiles.size(2) != cfg.vit_img_size ||
-        tiles.size(3) != cfg.vit_img_size) {
-      std::ostringstream o;
-      o << "image tiles must be (N, 3, " << cfg.vit_img_size << ", " << cfg.vit_img_size
-        << "), got " << tiles.sizes();
-      throw Invalid(o.str());
-    }
-    n_tiles = tiles.size(0);
-  }
-  if (n_tiles > options_.max_tiles_per_request) {
-    throw Invalid("request has " + std::to_string(n_tiles) + " image tiles; at most " +
+  std::string error = CheckTiles(cfg, tiles, "tiles");
+  if (error.empty())
+    error = CheckPromptIds(cfg, ids.data(), ids.size(), TileCount(tiles), "input_ids");
+  if (!error.empty()) throw Invalid(error);
+  if (TileCount(tiles) > options_.max_tiles_per_request) {
+    throw Invalid("request has " + std::to_string(TileCount(tiles)) + " image tiles; at most " +
                   std::to_string(options_.max_tiles_per_request) + " are allowed");
-  }
-  const int64_t expected = n_tiles * cfg.mp_image_token_length;
-  if (image_tokens != expected) {
-    throw Invalid("the prompt has " + std::to_string(image_tokens) + " image tokens (id " +
-                  std::to_string(cfg.image_token_id) + ") but its " + std::to_string(n_tiles) +
-                  " image tile(s) give " + std::to_string(expected) + " embeddings (" +
-                  std::to_string(cfg.mp_image_token_length) +
-                  " per tile); the prompt must hold exactly " + std::to_string(expected) +
-                  " image tokens");
   }
   const int64_t len = static_cast<int64_t>(ids.size());
   if (len > options_.buckets.max_seq() && options_.buckets.oversize == OversizePolicy::kReject) {
@@ -582,16 +558,10 @@ std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> 
 ForwardResult Engine::Forward(const ForwardRequest& request) {
   ValidateTokens(request.input_ids, request.tiles);
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
-  if (!request.target_ids.empty() && static_cast<int64_t>(request.target_ids.size()) != len) {
-    throw Invalid("target_ids has " + std::to_string(request.target_ids.size()) +
-                  " entries; it must have one per input id (" + std::to_string(len) +
-                  "), -100 where no loss is wanted");
-  }
-  for (int64_t t : request.target_ids) {
-    if (t != -100 && (t < 0 || t >= model_->cfg.lm_vocab_size)) {
-      throw Invalid("target id " + std::to_string(t) +
-                    " is outside the vocabulary (use -100 to ignore a position)");
-    }
+  if (!request.target_ids.empty()) {
+    const std::string error =
+        CheckTargetIds(model_->cfg, request.target_ids, request.input_ids.size(), "target_ids");
+    if (!error.empty()) throw Invalid(error);
   }
   for (int64_t p : request.logits_positions) {
     if (p < 0 || p >= len)

@@ -10,6 +10,7 @@
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
+#include "model/prompt_check.h"
 #include "model/safetensors.h"
 
 namespace vlmgraph {
@@ -140,41 +141,21 @@ int64_t Trainer::graph_pool_bytes() const { return runner_->pool_bytes(); }
 
 void Trainer::ValidateExample(const TrainExample& e) const {
   const VlmConfig& cfg = model_->cfg;
-  if (e.input_ids.empty()) throw Invalid("a training example has no input_ids");
-  if (e.targets.size() != e.input_ids.size()) {
-    throw Invalid("targets has " + std::to_string(e.targets.size()) +
-                  " entries but input_ids has " + std::to_string(e.input_ids.size()) +
-                  "; give one target per input position (-100 = no loss)");
-  }
-  int64_t image_tokens = 0;
-  for (size_t i = 0; i < e.input_ids.size(); ++i) {
-    if (e.input_ids[i] < 0 || e.input_ids[i] >= cfg.lm_vocab_size) {
-      throw Invalid("input_ids[" + std::to_string(i) + "] = " + std::to_string(e.input_ids[i]) +
-                    " is outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) + ")");
-    }
-    if (e.targets[i] != -100 && (e.targets[i] < 0 || e.targets[i] >= cfg.lm_vocab_size)) {
-      throw Invalid("targets[" + std::to_string(i) + "] = " + std::to_string(e.targets[i]) +
-                    " is outside the vocabulary (use -100 to skip a position)");
-    }
-    image_tokens += e.input_ids[i] == cfg.image_token_id;
-  }
-  const int64_t tiles = e.tiles.defined() ? e.tiles.size(0) : 0;
-  if (tiles > options_.max_tiles_per_example) {
-    throw Invalid("an example has " + std::to_string(tiles) + " image tiles; the trainer allows " +
+  std::string error = CheckTiles(cfg, e.tiles, "tiles");
+  if (error.empty())
+    error = CheckPromptIds(cfg, e.input_ids.data(), e.input_ids.size(), TileCount(e.tiles),
+                           "input_ids");
+  if (error.empty()) error = CheckTargetIds(cfg, e.targets, e.input_ids.size(), "targets");
+  if (!error.empty()) throw Invalid("a training example's " + error);
+  if (TileCount(e.tiles) > options_.max_tiles_per_example) {
+    throw Invalid("an example has " + std::to_string(TileCount(e.tiles)) +
+                  " image tiles; the trainer allows " +
                   std::to_string(options_.max_tiles_per_example) + " (max_tiles_per_example)");
   }
-  if (tiles > 0 && (e.tiles.dim() != 4 || e.tiles.size(1) != 3 ||
-                    e.tiles.size(2) != cfg.vit_img_size || e.tiles.size(3) != cfg.vit_img_size)) {
-    throw Invalid("image tiles must be (N, 3, " + std::to_string(cfg.vit_img_size) + ", " +
-                  std::to_string(cfg.vit_img_size) + ")");
-  }
-  if (image_tokens != tiles * cfg.mp_image_token_length) {
-    throw Invalid("an example has " + std::to_string(image_tokens) + " image tokens but " +
-                  std::to_string(tiles) + " tile(s) need exactly " +
-                  std::to_string(tiles * cfg.mp_image_token_length));
-  }
   if (static_cast<int64_t>(e.input_ids.size()) > cfg.lm_max_position_embeddings) {
-    throw Invalid("an example is longer than lm_max_position_embeddings");
+    throw Invalid("an example of " + std::to_string(e.input_ids.size()) +
+                  " tokens is longer than lm_max_position_embeddings (" +
+                  std::to_string(cfg.lm_max_position_embeddings) + ")");
   }
 }
 

@@ -4,6 +4,8 @@
 
 #include <stdexcept>
 
+#include "model/prompt_check.h"
+
 namespace vlmgraph {
 
 VisionLanguageModelImpl::VisionLanguageModelImpl(const VlmConfig& config) : cfg(config) {
@@ -39,23 +41,11 @@ void VisionLanguageModelImpl::ValidateInputs(const at::Tensor& input_ids, int64_
                                 std::to_string(cfg.lm_max_position_embeddings));
   }
   if (input_ids.numel() == 0) return;
-  at::Tensor ids = input_ids.to(at::kCPU);
-  const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-  if (lo < 0 || hi >= cfg.lm_vocab_size) {
-    throw std::invalid_argument("token id " + std::to_string(lo < 0 ? lo : hi) +
-                                " outside the vocabulary [0, " + std::to_string(cfg.lm_vocab_size) +
-                                ")");
-  }
-  const int64_t image_tokens = ids.eq(cfg.image_token_id).sum().item<int64_t>();
-  const int64_t expected = num_tiles * cfg.mp_image_token_length;
-  if (image_tokens != expected) {
-    throw std::invalid_argument("the prompt has " + std::to_string(image_tokens) +
-                                " image tokens (id " + std::to_string(cfg.image_token_id) +
-                                ") but " + std::to_string(num_tiles) + " image tile(s) give " +
-                                std::to_string(expected) + " embeddings (" +
-                                std::to_string(cfg.mp_image_token_length) +
-                                " per tile); put exactly that many image tokens in the prompt");
-  }
+  at::Tensor ids = input_ids.to(at::kCPU, at::kLong).contiguous();
+  // The whole batch, row-major: the k-th image token takes the k-th embedding row.
+  const std::string error = CheckPromptIds(
+      cfg, ids.data_ptr<int64_t>(), static_cast<size_t>(ids.numel()), num_tiles, "input_ids");
+  if (!error.empty()) throw std::invalid_argument(error);
 }
 
 ForwardOutput VisionLanguageModelImpl::Forward(const at::Tensor& input_ids, const at::Tensor& tiles,

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "model/image_processor.h"
+#include "model/prompt_check.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -92,30 +93,14 @@ at::Tensor ImagesToTiles(const google::protobuf::RepeatedPtrField<v1::Image>& im
 
 void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const VlmConfig& cfg,
                  int64_t max_tokens, const std::string& field) {
-  if (ids.empty()) throw InvalidArgument(field + ": is empty; send at least one token id");
+  if (ids.empty()) throw InvalidArgument(field + " is empty; send at least one token id");
   if (static_cast<int64_t>(ids.size()) > max_tokens) {
     throw InvalidArgument(field + ": " + std::to_string(ids.size()) +
                           " tokens exceed the longest context bucket (" +
                           std::to_string(max_tokens) + " tokens, buckets.context_lens)");
   }
-  int64_t image_tokens = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (ids[i] < 0 || ids[i] >= cfg.lm_vocab_size) {
-      throw InvalidArgument(field + "[" + std::to_string(i) + "]: token id " +
-                            std::to_string(ids[i]) + " is outside the vocabulary [0, " +
-                            std::to_string(cfg.lm_vocab_size) + ")");
-    }
-    image_tokens += ids[i] == cfg.image_token_id;
-  }
-  const int64_t n_tiles = tiles.defined() ? tiles.size(0) : 0;
-  const int64_t expected = n_tiles * cfg.mp_image_token_length;
-  if (image_tokens != expected) {
-    throw InvalidArgument(field + ": holds " + std::to_string(image_tokens) + " image tokens (id " +
-                          std::to_string(cfg.image_token_id) + ") but the images give " +
-                          std::to_string(n_tiles) + " tiles x " +
-                          std::to_string(cfg.mp_image_token_length) + " = " +
-                          std::to_string(expected) + " image embeddings; they must be equal");
-  }
+  const std::string error = CheckPromptIds(cfg, ids.data(), ids.size(), TileCount(tiles), field);
+  if (!error.empty()) throw InvalidArgument(error);
 }
 
 GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmConfig& cfg,
@@ -185,20 +170,9 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
     d.target_ids.assign(ex.target_ids().begin(), ex.target_ids().end());
     d.tiles = ImagesToTiles(ex.images(), cfg, limits, f + ".images");
     CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".input_ids");
-    if (d.target_ids.size() != d.input_ids.size()) {
-      throw InvalidArgument(f + ".target_ids: has " + std::to_string(d.target_ids.size()) +
-                            " entries; it needs one per input id (" +
-                            std::to_string(d.input_ids.size()) + ")");
-    }
-    for (size_t j = 0; j < d.target_ids.size(); ++j) {
-      const int64_t t = d.target_ids[j];
-      if (t == -100) continue;
-      if (t < 0 || t >= cfg.lm_vocab_size) {
-        throw InvalidArgument(f + ".target_ids[" + std::to_string(j) + "]: " + std::to_string(t) +
-                              " is outside the vocabulary (use -100 to ignore a position)");
-      }
-      ++counted;
-    }
+    const std::string error = CheckTargetIds(cfg, d.target_ids, d.input_ids.size(), f + ".target_ids");
+    if (!error.empty()) throw InvalidArgument(error);
+    for (int64_t t : d.target_ids) counted += t != -100;
     out.push_back(std::move(d));
   }
   if (counted == 0)
