@@ -170,7 +170,8 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
     d.target_ids.assign(ex.target_ids().begin(), ex.target_ids().end());
     d.tiles = ImagesToTiles(ex.images(), cfg, limits, f + ".images");
     CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".input_ids");
-    const std::string error = CheckTargetIds(cfg, d.target_ids, d.input_ids.size(), f + ".target_ids");
+    const std::string error =
+        CheckTargetIds(cfg, d.target_ids, d.input_ids.size(), f + ".target_ids");
     if (!error.empty()) throw InvalidArgument(error);
     for (int64_t t : d.target_ids) counted += t != -100;
     out.push_back(std::move(d));
