@@ -16,7 +16,7 @@ apt_pkgs=(
   python3 python3-pip
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libstb-dev
+  libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
 # only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image
