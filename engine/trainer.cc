@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
@@ -239,7 +240,8 @@ void Trainer::Warmup() {
   if (options_.log_captures)
     std::fprintf(stderr, "[vlmgraph] captured train   optimizer  in %7.1f ms\n", seconds * 1e3);
   // Micro-step graphs: warm-up inputs have every target -100, so the loss and its gradients are 0.
-  for (const auto& key : options_.buckets.All(Region::kTrain)) {
+  for (const auto& key :
+       options_.exact_shapes ? std::vector<BucketKey>{} : options_.buckets.All(Region::kTrain)) {
     MicroBuffers& buf = BuffersFor(key);
     seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf); });
     ++captures_;
@@ -292,7 +294,9 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
-  if (auto k = options_.buckets.PickTrain(n, max_len)) {
+  std::optional<BucketKey> bucket;
+  if (!options_.exact_shapes) bucket = options_.buckets.PickTrain(n, max_len);
+  if (auto k = bucket) {
     *key = *k;
     MicroBuffers& buf = BuffersFor(*k);
     FillBuffers(buf, micro, target_tokens);
@@ -304,7 +308,7 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
     if (*kind != RunKind::kEager) ++replays_;
     return out[0].clone();  // the static output is overwritten by this bucket's next replay
   }
-  // No bucket fits: exact shape, eagerly.
+  // Exact shapes asked for, or no bucket fits: the micro-batch's own shape, eagerly.
   *key = BucketKey{Region::kTrain, n, max_len, 0};
   *kind = RunKind::kEager;
   MicroBuffers exact;

@@ -55,6 +55,9 @@ struct TrainOptions {
   int64_t max_tiles_per_example = 1;  // image tiles each example may carry (sizes the tile buffers)
   bool cuda_graphs = true;
   BucketSpec buckets;  // train_batch_sizes x train_seq_lens
+  // Run every micro-batch at its own shape (right-padded to its longest example), eagerly,
+  // instead of padding it to a bucket and replaying that bucket's graph.
+  bool exact_shapes = false;
   bool log_captures = true;
 };
 

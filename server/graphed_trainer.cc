@@ -44,6 +44,7 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   t.cuda_graphs = engine.graphs_enabled();
   t.buckets = e.buckets;
   t.log_captures = false;
+  t.exact_shapes = o.padding == TrainPadding::kExact;
   return t;
 }
 
@@ -53,12 +54,7 @@ class GraphedTrainer final : public TrainBackend {
       : serving_(engine.model()),
         options_(options),
         observer_(observer),
-        trainer_(engine.model(), ToEngineTrainOptions(engine, options)) {
-    if (options.padding != TrainPadding::kPadToBucket) {
-      throw InvalidArgument(
-          "config.bucket_policy: the graphed trainer always pads to a train bucket");
-    }
-  }
+        trainer_(engine.model(), ToEngineTrainOptions(engine, options)) {}
 
   TrainStepStats Step(const std::vector<TrainExampleData>& batch) override {
     const BucketSpec& buckets = trainer_.options().buckets;
@@ -69,8 +65,9 @@ class GraphedTrainer final : public TrainBackend {
       examples.push_back(vlmgraph::TrainExample{d.input_ids, d.target_ids, d.tiles});
     }
     const int64_t rows = static_cast<int64_t>(batch.size());
-    const bool fits = buckets.PickTrain(rows, longest).has_value();
-    if (!fits && buckets.oversize == OversizePolicy::kReject) {
+    const bool exact = options_.padding == TrainPadding::kExact;
+    const bool fits = !exact && buckets.PickTrain(rows, longest).has_value();
+    if (!exact && !fits && buckets.oversize == OversizePolicy::kReject) {
       throw InvalidArgument("batch: " + std::to_string(rows) + " examples of up to " +
                             std::to_string(longest) +
                             " tokens fit no train bucket (buckets.train_batch_sizes x "
@@ -89,7 +86,8 @@ class GraphedTrainer final : public TrainBackend {
     s.bucket = r.buckets.empty() ? BucketKey{Region::kTrain, rows, longest, 0} : r.buckets.front();
     s.mode = r.kind;
     if (observer_) {
-      if (!fits) observer_->OnEagerFallback(Region::kTrain, "no bucket fits " + s.bucket.Label());
+      if (!fits && !exact)
+        observer_->OnEagerFallback(Region::kTrain, "no bucket fits " + s.bucket.Label());
       if (r.kind == RunKind::kCaptureAndReplay) observer_->OnCapture(s.bucket, r.seconds);
       observer_->OnStep(s.bucket, r.kind != RunKind::kEager, r.seconds);
       observer_->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
@@ -120,8 +118,8 @@ class GraphedTrainer final : public TrainBackend {
 
 }  // namespace
 
-std::unique_ptr<TrainBackend> MakeGraphedTrainer(Engine& engine, const TrainOptions& options,
-                                                 EngineObserver* observer) {
+std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainOptions& options,
+                                               EngineObserver* observer) {
   return std::make_unique<GraphedTrainer>(engine, options, observer);
 }
 

@@ -1,17 +1,16 @@
-// server/graphed_trainer.h: a TrainBackend on the engine's graphed Trainer (engine/trainer.h).
+// server/graphed_trainer.h: the Train RPC's backend, on the engine's Trainer (engine/trainer.h).
 //
-// Each step runs vlmgraph::Trainer: the batch is padded to a train bucket whose forward + backward
-// is replayed from a CUDA graph (captured on first use), then a captured clip + fused AdamW step;
-// CPU or graphs off run the same code eagerly. The Trainer keeps float32 master weights of its own;
+// Each step runs vlmgraph::Trainer. With the PAD policy the batch is padded to a train bucket whose
+// forward + backward is replayed from a CUDA graph (captured up front), then a captured clip +
+// fused AdamW step; with EXACT the batch runs at its own shape, eagerly. CPU or graphs off run the
+// same code eagerly. The Trainer keeps float32 master weights of its own;
 // after every step they are copied into the serving model in place (same tensors, so inference
 // graphs stay valid), so Generate and Forward see each step at once, as the Train RPC promises.
 // Save() writes the master weights (nanoVLM config.json + model.safetensors) and
 // optimizer.safetensors.
 //
-//   std::unique_ptr<TrainBackend> job = MakeGraphedTrainer(engine, options, &metrics);  // GPU
-//   thread
+//   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
 //
-// options.padding must be kPadToBucket (kExact has no graphed form: use MakeEagerTrainer).
 // Thread rules and errors: as TrainBackend (server/train_session.h); bad examples throw
 // EngineError(kInvalidArgument), a batch beyond every bucket with oversize reject ServerError.
 #pragma once
@@ -24,7 +23,7 @@
 namespace vlmgraph::server {
 
 // `observer` (may be null) receives OnStep, OnTokens (and OnCapture) for region train.
-std::unique_ptr<TrainBackend> MakeGraphedTrainer(Engine& engine, const TrainOptions& options,
-                                                 EngineObserver* observer);
+std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainOptions& options,
+                                               EngineObserver* observer);
 
 }  // namespace vlmgraph::server

@@ -1,10 +1,8 @@
 // The Train RPC of VlmGraphService (server/service.h): one training job per stream, its steps
-// and saves run on the scheduler's GPU thread by a TrainBackend: the engine's graphed Trainer
-// (server/graphed_trainer.h) for bucket policy PAD, the in-place EagerTrainer
-// (server/eager_trainer.h) for EXACT.
+// and saves run on the scheduler's GPU thread by a TrainBackend on the engine's Trainer
+// (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT.
 #include <cmath>
 
-#include "server/eager_trainer.h"
 #include "server/graphed_trainer.h"
 #include "server/log.h"
 #include "server/service.h"
@@ -124,10 +122,8 @@ void VlmGraphService::RunTrain(
 
   // The job lives on the GPU thread: created, stepped and destroyed there.
   std::unique_ptr<TrainBackend> job;
-  scheduler_->RunOnGpuThread("Train", [&](Engine& engine) {
-    job = options.padding == TrainPadding::kExact ? MakeEagerTrainer(engine, options, metrics_)
-                                                  : MakeGraphedTrainer(engine, options, metrics_);
-  });
+  scheduler_->RunOnGpuThread(
+      "Train", [&](Engine& engine) { job = MakeTrainBackend(engine, options, metrics_); });
   struct Destroy {
     Scheduler* scheduler;
     std::unique_ptr<TrainBackend>* job;

@@ -2,10 +2,9 @@
 //
 // A TrainBackend is one training job on the serving model: Step() takes a checked batch
 // (server/convert.h), runs forward + backward + optimizer and reports the step; Save() writes a
-// nanoVLM checkpoint. EagerTrainer (server/eager_trainer.h) is the first implementation; a
-// graphed trainer from engine/ can replace it behind this interface.
+// nanoVLM checkpoint. MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer.
 //
-//   std::unique_ptr<TrainBackend> job = MakeEagerTrainer(engine, options, &metrics);  // GPU thread
+//   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
 //   TrainStepStats s = job->Step(batch);                                               // GPU
 //   thread job->Save("/srv/checkpoints/run1");
 //

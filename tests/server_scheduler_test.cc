@@ -9,7 +9,6 @@
 #include <filesystem>
 
 #include "model/checkpoint.h"
-#include "server/eager_trainer.h"
 #include "server/graphed_trainer.h"
 #include "server/scheduler.h"
 #include "server/status.h"
@@ -210,7 +209,7 @@ TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
   o.train_vision = o.train_projector = false;
   std::vector<double> losses;
   {
-    auto job = MakeEagerTrainer(*engine, o, nullptr);
+    auto job = MakeTrainBackend(*engine, o, nullptr);
     for (int i = 0; i < 8; ++i) losses.push_back(job->Step(Batch(3, 12)).loss);
     EXPECT_EQ(job->steps(), 8);
   }
@@ -225,8 +224,8 @@ TEST(ServerTrainer, PaddingToABucketDoesNotChangeTheLoss) {
   exact.padding = TrainPadding::kExact;
   auto e1 = TinyEngine();
   auto e2 = TinyEngine();
-  TrainStepStats a = MakeEagerTrainer(*e1, padded, nullptr)->Step(Batch(3, 12));
-  TrainStepStats b = MakeEagerTrainer(*e2, exact, nullptr)->Step(Batch(3, 12));
+  TrainStepStats a = MakeTrainBackend(*e1, padded, nullptr)->Step(Batch(3, 12));
+  TrainStepStats b = MakeTrainBackend(*e2, exact, nullptr)->Step(Batch(3, 12));
   EXPECT_EQ(a.bucket.Label(), "b4xs16");
   EXPECT_EQ(b.bucket.Label(), "b3xs12");
   EXPECT_EQ(a.loss_tokens, b.loss_tokens);
@@ -237,7 +236,7 @@ TEST(ServerTrainer, PaddingToABucketDoesNotChangeTheLoss) {
 TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   auto engine = TinyEngine();
   TrainOptions o;
-  auto job = MakeEagerTrainer(*engine, o, nullptr);
+  auto job = MakeTrainBackend(*engine, o, nullptr);
   job->Step(Batch(2, 10));
   const auto dir = std::filesystem::temp_directory_path() / "vlmgraph_trainer_test_ckpt";
   job->Save(dir.string());
@@ -250,7 +249,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   job.reset();
   TrainOptions none;
   none.train_language = none.train_vision = none.train_projector = false;
-  EXPECT_THROW(MakeEagerTrainer(*engine, none, nullptr), ServerError);
+  EXPECT_THROW(MakeTrainBackend(*engine, none, nullptr), ServerError);
 }
 
 TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
@@ -264,7 +263,7 @@ TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
   o.train_vision = o.train_projector = false;
   std::vector<double> losses;
   {
-    auto job = MakeGraphedTrainer(*engine, o, nullptr);
+    auto job = MakeTrainBackend(*engine, o, nullptr);
     for (int i = 0; i < 8; ++i) {
       TrainStepStats s = job->Step(Batch(3, 12));
       EXPECT_EQ(s.bucket.Label(), "b4xs16");
@@ -275,19 +274,6 @@ TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
   EXPECT_LT(losses.back(), losses.front() - 0.5);
   // The engine serves the trained weights (the probe is the batch's first example).
   EXPECT_LT(engine->Forward(probe).loss, before - 0.5);
-  TrainOptions exact = o;
-  exact.padding = TrainPadding::kExact;
-  EXPECT_THROW(MakeGraphedTrainer(*engine, exact, nullptr), ServerError);
-}
-
-TEST(ServerTrainer, GraphedAndEagerTrainersAgreeOnTheFirstStep) {
-  auto e1 = TinyEngine();
-  auto e2 = TinyEngine();
-  TrainOptions o;
-  TrainStepStats graphed = MakeGraphedTrainer(*e1, o, nullptr)->Step(Batch(3, 12));
-  TrainStepStats eager = MakeEagerTrainer(*e2, o, nullptr)->Step(Batch(3, 12));
-  EXPECT_NEAR(graphed.loss, eager.loss, 1e-4);
-  EXPECT_NEAR(graphed.grad_norm, eager.grad_norm, 1e-3);
 }
 
 }  // namespace
