@@ -18,6 +18,7 @@
 #include <string>
 
 #include "engine/device.h"
+#include "engine/diagnose.h"
 #include "engine/trainer.h"
 
 namespace {
@@ -27,19 +28,9 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
   const auto& cfg = source->cfg;
-  std::vector<vlmgraph::TrainExample> examples;
-  for (int64_t i = 0; i < batch; ++i) {
-    vlmgraph::TrainExample e;
-    for (int64_t t = 0; t < cfg.mp_image_token_length; ++t)
-      e.input_ids.push_back(cfg.image_token_id);
-    while (static_cast<int64_t>(e.input_ids.size()) < seq)
-      e.input_ids.push_back(100 + (e.input_ids.size() * 7 + i) % 5000);
-    e.targets.assign(e.input_ids.size(), -100);
-    for (size_t t = cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t)
-      e.targets[t] = e.input_ids[t + 1];
-    e.tiles = at::rand({1, 3, cfg.vit_img_size, cfg.vit_img_size});
-    examples.push_back(e);
-  }
+  // One 512px tile (64 image tokens) + text with next-token targets per example.
+  const std::vector<vlmgraph::TrainExample> examples =
+      vlmgraph::SyntheticTrainBatch(cfg, batch, seq, 1);
   vlmgraph::TrainOptions o;
   o.device = at::kCUDA;
   o.compute_dtype = at::kBFloat16;

@@ -47,26 +47,6 @@ json TimeBuckets(Engine& engine, const std::vector<BucketKey>& keys, const Diagn
   return rows;
 }
 
-std::vector<TrainExample> SyntheticTrainBatch(const VlmConfig& cfg, int64_t batch, int64_t seq,
-                                              int64_t tiles) {
-  std::vector<TrainExample> out;
-  for (int64_t i = 0; i < batch; ++i) {
-    TrainExample e;
-    for (int64_t t = 0; t < tiles * cfg.mp_image_token_length && t < seq; ++t)
-      e.input_ids.push_back(cfg.image_token_id);
-    const int64_t n_tiles = static_cast<int64_t>(e.input_ids.size()) / cfg.mp_image_token_length;
-    e.input_ids.resize(n_tiles * cfg.mp_image_token_length);
-    while (static_cast<int64_t>(e.input_ids.size()) < seq)
-      e.input_ids.push_back(1 + (e.input_ids.size() * 31 + i) % (cfg.lm_base_vocab_size - 1));
-    e.targets.assign(e.input_ids.size(), -100);
-    for (size_t t = n_tiles * cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t)
-      e.targets[t] = e.input_ids[t + 1];
-    if (n_tiles > 0) e.tiles = at::rand({n_tiles, 3, cfg.vit_img_size, cfg.vit_img_size});
-    out.push_back(std::move(e));
-  }
-  return out;
-}
-
 json TimeTraining(const TrainerFactory& make_trainer, bool graphs, const DiagnoseOptions& o) {
   std::unique_ptr<Trainer> t = make_trainer(graphs);
   const auto& spec = t->options().buckets;
@@ -170,6 +150,26 @@ json Sweeps(Engine& engine, const DiagnoseOptions& o) {
 }
 
 }  // namespace
+
+std::vector<TrainExample> SyntheticTrainBatch(const VlmConfig& cfg, int64_t batch, int64_t seq,
+                                              int64_t tiles) {
+  std::vector<TrainExample> out;
+  for (int64_t i = 0; i < batch; ++i) {
+    TrainExample e;
+    for (int64_t t = 0; t < tiles * cfg.mp_image_token_length && t < seq; ++t)
+      e.input_ids.push_back(cfg.image_token_id);
+    const int64_t n_tiles = static_cast<int64_t>(e.input_ids.size()) / cfg.mp_image_token_length;
+    e.input_ids.resize(n_tiles * cfg.mp_image_token_length);
+    while (static_cast<int64_t>(e.input_ids.size()) < seq)
+      e.input_ids.push_back(1 + (e.input_ids.size() * 31 + i) % (cfg.lm_base_vocab_size - 1));
+    e.targets.assign(e.input_ids.size(), -100);
+    for (size_t t = n_tiles * cfg.mp_image_token_length; t + 1 < e.input_ids.size(); ++t)
+      e.targets[t] = e.input_ids[t + 1];
+    if (n_tiles > 0) e.tiles = at::rand({n_tiles, 3, cfg.vit_img_size, cfg.vit_img_size});
+    out.push_back(std::move(e));
+  }
+  return out;
+}
 
 double PaddingWaste(const std::vector<int64_t>& lengths, const std::vector<int64_t>& buckets) {
   std::vector<int64_t> sorted = buckets;

@@ -59,6 +59,12 @@ double PaddingWaste(const std::vector<int64_t>& lengths, const std::vector<int64
 // distinct lengths; the largest bucket is the largest length). Sorted ascending.
 std::vector<int64_t> SuggestBuckets(std::vector<int64_t> lengths, int k);
 
+// `batch` training examples of exactly `seq` tokens: up to `tiles` random image tiles (their image
+// tokens first), then text with next-token targets (-100 on image tokens and the last position).
+// For benchmarks and diagnostics, where timing does not depend on the values.
+std::vector<TrainExample> SyntheticTrainBatch(const VlmConfig& cfg, int64_t batch, int64_t seq,
+                                              int64_t tiles);
+
 // `n` prompt lengths, deterministic: exp(N(log(median), sigma)), clamped to [1, max_len].
 std::vector<int64_t> SyntheticPromptLengths(int64_t n, double median, double sigma,
                                             int64_t max_len);

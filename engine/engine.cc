@@ -111,8 +111,6 @@ Engine::~Engine() = default;
 
 bool Engine::graphs_enabled() const { return runner_->captures(); }
 
-int64_t Engine::PadTokenId() const { return model_->cfg.image_token_id == 0 ? 1 : 0; }
-
 // ---------------------------------------------------------------------------------------------
 // Region functions. Each reads only the static buffers (prefix views with fixed addresses) and
 // returns its outputs, so the same function runs eagerly or is captured into a graph.
@@ -343,7 +341,7 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
   // Host-side padding: rows right-padded with the pad id; padding rows write the scratch KV row.
   // Causal attention means real tokens never see the right padding, so their logits equal an
   // unpadded run's.
-  at::Tensor ids = at::full({key.batch, key.seq}, PadTokenId(), at::kLong);
+  at::Tensor ids = at::full({key.batch, key.seq}, model_->cfg.pad_token_id(), at::kLong);
   at::Tensor slot_ids = at::full({key.batch}, buf.scratch_row, at::kLong);
   at::Tensor last = at::zeros({key.batch}, at::kLong);
   int64_t* ids_p = ids.data_ptr<int64_t>();
@@ -484,7 +482,7 @@ void Engine::Step(std::vector<TokenEvent>* events) {
   // Every row in [0, rows) runs; free rows get a pad token at position 0 of their own (unused) row.
   std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
   const int64_t batch = key ? key->batch : rows;
-  at::Tensor tokens = at::full({batch}, PadTokenId(), at::kLong);
+  at::Tensor tokens = at::full({batch}, model_->cfg.pad_token_id(), at::kLong);
   at::Tensor positions = at::zeros({batch}, at::kLong);
   int64_t* tokens_p = tokens.data_ptr<int64_t>();
   int64_t* positions_p = positions.data_ptr<int64_t>();

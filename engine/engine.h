@@ -134,7 +134,6 @@ class Engine {
   std::vector<int64_t> SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
   void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
   void Free(int64_t slot);
-  int64_t PadTokenId() const;
   void ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const;
 
   VisionLanguageModel model_;

@@ -160,9 +160,7 @@ void Trainer::ValidateExample(const TrainExample& e) const {
   }
 }
 
-Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
-  auto it = buffers_.find(key);
-  if (it != buffers_.end()) return *it->second;
+std::unique_ptr<Trainer::MicroBuffers> Trainer::MakeBuffers(const BucketKey& key) const {
   auto buf = std::make_unique<MicroBuffers>();
   auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
   buf->key = key;
@@ -173,7 +171,13 @@ Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
     buf->tiles = at::zeros({key.batch * options_.max_tiles_per_example, 3, s, s},
                            at::TensorOptions().dtype(at::kFloat).device(options_.device));
   }
-  return *buffers_.emplace(key, std::move(buf)).first->second;
+  return buf;
+}
+
+Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
+  auto it = buffers_.find(key);
+  if (it != buffers_.end()) return *it->second;
+  return *buffers_.emplace(key, MakeBuffers(key)).first->second;
 }
 
 std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
@@ -263,7 +267,7 @@ void Trainer::Warmup() {
 void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                           int64_t* target_tokens) {
   const int64_t b = buf.key.batch, s = buf.key.seq;
-  const int64_t pad = model_->cfg.image_token_id == 0 ? 1 : 0;
+  const int64_t pad = model_->cfg.pad_token_id();
   at::Tensor ids = at::full({b, s}, pad, at::kLong);
   at::Tensor targets = at::full({b, s}, -100, at::kLong);
   int64_t* ids_p = ids.data_ptr<int64_t>();
@@ -311,18 +315,9 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   // Exact shapes asked for, or no bucket fits: the micro-batch's own shape, eagerly.
   *key = BucketKey{Region::kTrain, n, max_len, 0};
   *kind = RunKind::kEager;
-  MicroBuffers exact;
-  exact.key = *key;
-  auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
-  exact.ids = at::zeros({n, max_len}, i64);
-  exact.targets = at::full({n, max_len}, -100, i64);
-  if (options_.max_tiles_per_example > 0) {
-    const int64_t s = model_->cfg.vit_img_size;
-    exact.tiles = at::zeros({n * options_.max_tiles_per_example, 3, s, s},
-                            at::TensorOptions().dtype(at::kFloat).device(options_.device));
-  }
-  FillBuffers(exact, micro, target_tokens);
-  return RunMicro(exact)[0];
+  std::unique_ptr<MicroBuffers> exact = MakeBuffers(*key);
+  FillBuffers(*exact, micro, target_tokens);
+  return RunMicro(*exact)[0];
 }
 
 TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {

@@ -122,6 +122,8 @@ class Trainer {
   std::vector<at::Tensor> RunOptimizer();
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
+  // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
+  std::unique_ptr<MicroBuffers> MakeBuffers(const BucketKey& key) const;
   MicroBuffers& BuffersFor(const BucketKey& key);
 
   VisionLanguageModel model_;

@@ -89,6 +89,9 @@ struct VlmConfig {
   int64_t vit_patches_per_side() const { return vit_img_size / vit_patch_size; }
   int64_t vit_num_patches() const { return vit_patches_per_side() * vit_patches_per_side(); }
   // Tokens each tile contributes after pixel shuffle: (patches per side / factor)^2.
+  // Token id that right-pads prompts up to a bucket: any id that is not the image token (padded
+  // positions are never attended to by real tokens and carry no loss).
+  int64_t pad_token_id() const { return image_token_id == 0 ? 1 : 0; }
   int64_t image_tokens_per_tile() const {
     int64_t side = vit_patches_per_side() / mp_pixel_shuffle_factor;
     return side * side;
