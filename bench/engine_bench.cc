@@ -3,6 +3,7 @@
 // does not depend on weight values).
 //
 //   vlmgraph-bench [--preset nanovlm-460m] [--dtype bfloat16] [--device cuda] [--json out.json]
+//                  [--profile-trace PATH]   (Chrome traces of 10 decode steps per mode and batch)
 //
 // Method: each figure is the median over `--iters` timed runs after `--warmup` untimed runs.
 // TTFT = Admit() of N requests, each one 512x512 image tile + 64 text tokens (vision, prefill and
@@ -22,6 +23,7 @@
 
 #include "engine/engine.h"
 #include "model/checkpoint.h"
+#include "bench/profile_trace.h"
 
 namespace {
 
@@ -37,7 +39,7 @@ double Median(std::vector<double> v) {
 }
 
 struct Args {
-  std::string preset = "nanovlm-460m", dtype = "bfloat16", device = "cuda", json;
+  std::string preset = "nanovlm-460m", dtype = "bfloat16", device = "cuda", json, profile_trace;
   int warmup = 3, iters = 20;
   bool decode_only = false;  // skip TTFT and the eager engine (for profilers)
 };
@@ -85,7 +87,7 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
   }
   for (int64_t batch : {1, 8, 32}) {
     std::vector<GenerateRequest> reqs(batch, ImagePrompt(cfg, 64, 1000));
-    for (auto& r : reqs) r.sampling.max_new_tokens = a.warmup + a.iters + 8;
+    for (auto& r : reqs) r.sampling.max_new_tokens = a.warmup + a.iters + 24;  // + 10 profiled steps
     const auto ids = engine.Admit(reqs, &events);
     std::vector<double> ms;
     for (int i = 0; i < a.warmup + a.iters; ++i) {
@@ -99,6 +101,14 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
         batch, 64 + cfg.mp_image_token_length + a.iters + a.warmup + 1);
     out["decode_region_only_ms"]["batch_" + std::to_string(batch)] =
         engine.TimeRegion(key, 50) * 1e3;
+    if (!a.profile_trace.empty()) {  // 10 decode steps: PATH.<graph|eager>.b<N>.json
+      vlmgraph::bench::ProfileTrace(a.profile_trace + (graphs ? ".graph" : ".eager") + ".b" +
+                                        std::to_string(batch) + ".json",
+                                    [&] {
+                                      for (int i = 0; i < 10; ++i) engine.Step(&events);
+                                    });
+      events.clear();
+    }
     for (auto id : ids) engine.Cancel(id);  // free the slots for the next batch size
     out["decode_ms_per_step"]["batch_" + std::to_string(batch)] = Median(ms);
   }
@@ -125,6 +135,8 @@ int main(int argc, char** argv) {
       a.iters = std::stoi(v);
     else if (k == "--warmup")
       a.warmup = std::stoi(v);
+    else if (k == "--profile-trace")
+      a.profile_trace = v;
     else if (k == "--decode-only")
       a.decode_only = v == "1";
     else {

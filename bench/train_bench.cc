@@ -3,7 +3,7 @@
 // AdamW, bf16 autocast with float32 master weights; eager vs CUDA graphs.
 //
 //   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json
-//   out.json]
+//   out.json] [--mode graph|eager|both] [--profile-trace PATH]
 //
 // Figures: first step (including capture for graphs, from Trainer construction), median of the
 // following steps, peak device memory allocated and reserved over the run.
@@ -20,11 +20,13 @@
 #include "engine/device.h"
 #include "engine/diagnose.h"
 #include "engine/trainer.h"
+#include "bench/profile_trace.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
 
-nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps) {
+nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
+                   const std::string& profile_trace) {
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
   const auto& cfg = source->cfg;
@@ -55,6 +57,11 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
     loss = r.loss;
   }
   std::sort(ms.begin(), ms.end());
+  if (!profile_trace.empty()) {  // after the timed steps, so the profiler does not bias them
+    vlmgraph::bench::ProfileTrace(profile_trace, [&] {
+      for (int i = 0; i < 3; ++i) trainer.Step(examples);
+    });
+  }
   const auto mem = vlmgraph::DeviceMemory(at::kCUDA);
   return {{"first_step_seconds", first_s},
           {"median_step_ms", ms[ms.size() / 2]},
@@ -68,7 +75,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string preset = "nanovlm-460m", json, mode = "both";
+  std::string preset = "nanovlm-460m", json, mode = "both", profile_trace;
   int64_t batch = 8, seq = 256;
   int steps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -83,6 +90,8 @@ int main(int argc, char** argv) {
       steps = std::stoi(v);
     else if (k == "--json")
       json = v;
+    else if (k == "--profile-trace")
+      profile_trace = v;  // Chrome trace of 3 steps per mode: PATH.<mode>.json
     else if (k == "--mode")
       mode = v;  // graph | eager | both (separate processes give clean peaks)
   }
@@ -93,7 +102,8 @@ int main(int argc, char** argv) {
   nlohmann::json report = {{"preset", preset}, {"batch", batch}, {"seq", seq}};
   for (const char* m : {"graph", "eager"}) {
     if (mode != "both" && mode != m) continue;
-    report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps);
+    report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps,
+                    profile_trace.empty() ? "" : profile_trace + "." + m + ".json");
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);
   }

@@ -27,8 +27,15 @@ from vlmgraph_client import VlmGraphClient  # noqa: E402
 
 SERVER = os.environ.get("VLMGRAPH_SERVER", os.path.join(ROOT, "build", "server", "vlmgraph-server"))
 GENERATE = os.environ.get("VLMGRAPH_GENERATE", os.path.join(ROOT, "build", "server", "vlmgraph-generate"))
-CHELSEA = "/usr/lib/python3/dist-packages/skimage/data/chelsea.png"
+CHELSEA = os.environ.get("VLMGRAPH_CHELSEA", "/usr/lib/python3/dist-packages/skimage/data/chelsea.png")
 IN_CI = os.environ.get("CI") == "true"
+# Device of every test server whose config names none (VLMGRAPH_E2E_DEVICE=cuda runs the suites on
+# a GPU, with CUDA graphs); the step-latency metric's mode label that its regions report.
+DEVICE = os.environ.get("VLMGRAPH_E2E_DEVICE", "cpu")
+STEP_MODE = "eager" if DEVICE == "cpu" else "graph"
+CPU_DEFAULT_BUCKETS = {"batch_sizes": [1, 2, 4, 8], "seq_lens": [32, 64, 128, 256],
+                       "context_lens": [128, 256, 512], "tile_counts": [1, 2, 4, 8, 17],
+                       "train_batch_sizes": [1, 2, 4, 8], "train_seq_lens": [64, 128, 256]}
 
 
 def scratch_dir(name):
@@ -60,11 +67,20 @@ def free_port():
 class Server:
     """A vlmgraph-server process with `config` (a dict, written as YAML) on free loopback ports."""
 
-    def __init__(self, config=None, args=(), name="server"):
+    def __init__(self, config=None, args=(), name="server", config_file=None):
+        """`config_file`: serve this YAML file as it is instead of writing `config`."""
         self.dir = scratch_dir(name)
-        self.config_path = os.path.join(self.dir, "config.yaml")
-        with open(self.config_path, "w") as fh:
-            json.dump(config or {}, fh)  # JSON is YAML
+        self.config_path = config_file or os.path.join(self.dir, "config.yaml")
+        config = dict(config or {})
+        if "device" not in config:
+            config["device"] = DEVICE
+            if DEVICE != "cpu":
+                # The suites were written against the CPU default buckets (model_info lists them,
+                # a 13-tile photo lands in the 17-tile bucket); keep those shapes on the GPU.
+                config.setdefault("buckets", CPU_DEFAULT_BUCKETS)
+        if not config_file:
+            with open(self.config_path, "w") as fh:
+                json.dump(config, fh)  # JSON is YAML
         self.log_path = os.path.join(self.dir, "server.log")
         self.args = [SERVER, "--config", self.config_path, "--grpc-address", "127.0.0.1:0",
                      "--metrics-address", "127.0.0.1:0", *args]

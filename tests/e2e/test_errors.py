@@ -145,7 +145,8 @@ class ErrorsTest(unittest.TestCase):
             "next(iter(call))\n"
             "print('streaming', flush=True)\n"
             "time.sleep(60)\n")
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "clients", "python"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "clients", "python")] + sys.path))
         proc = subprocess.Popen([sys.executable, "-c", script, self.server.address], stdout=subprocess.PIPE,
                                 text=True, env=env)
         try:
@@ -173,7 +174,8 @@ class ErrorsTest(unittest.TestCase):
             "next(responses)\n"
             "print('training', flush=True)\n"
             "time.sleep(60)\n")
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "clients", "python"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "clients", "python")] + sys.path))
         proc = subprocess.Popen([sys.executable, "-c", script, self.server.address], stdout=subprocess.PIPE,
                                 text=True, env=env)
         try:

@@ -6,7 +6,7 @@ import unittest
 
 import grpc
 
-from e2e_util import CHELSEA, Server, chelsea, engine_generate
+from e2e_util import CHELSEA, DEVICE, STEP_MODE, Server, chelsea, engine_generate
 from vlmgraph_client import build_prompt, image_tiles
 
 CONFIG = {
@@ -36,7 +36,7 @@ class GenerateTest(unittest.TestCase):
     def test_model_info_describes_the_tiny_model(self):
         i = self.info
         self.assertEqual(i.model, "nanovlm-tiny")
-        self.assertEqual(i.device, "cpu")
+        self.assertEqual(i.device, DEVICE)
         self.assertEqual(i.vocab_size, 1066)
         self.assertEqual(i.image_token_id, 1000)
         self.assertEqual(i.mp_image_token_length, 4)
@@ -169,7 +169,7 @@ class GenerateTest(unittest.TestCase):
         self.server.wait_metric("vlmgraph_requests_total", lambda v: v == before + 1, rpc="Forward", code="OK")
         text = self.server.metrics_text()
         self.assertIn("vlmgraph_time_to_first_token_seconds_count", text)
-        self.assertIn('vlmgraph_step_latency_seconds_count{bucket="t17",mode="eager",region="vision"}', text)
+        self.assertIn('vlmgraph_step_latency_seconds_count{bucket="t17",mode="%s",region="vision"}' % STEP_MODE, text)
 
 
 if __name__ == "__main__":

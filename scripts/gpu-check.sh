@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU verification from a build tree made elsewhere: the *_CUDA tests, the benchmarks (with kernel
+# traces), vlmgraph-diagnose on nanovlm-460m and the end-to-end suites with the server on the GPU.
+#
+#   scripts/gpu-check.sh BUILD_DIR OUT_DIR [part ...]     parts: tests bench train diagnose e2e e2e460
+#
+# BUILD_DIR is a build tree of this repository (scripts/test.sh's `build`, or any CMake build with
+# VLMGRAPH_WITH_CUDA, which a CPU machine with the CUDA toolkit makes, as CI does): only its
+# binaries are used, so a tree built on a CPU machine and copied to the GPU machine works. Logs,
+# JSON reports and kernel summaries go to OUT_DIR. Runtime libraries: LibTorch from the Python
+# torch package; gRPC and friends from the system or from the sysroot that .devdeps/env.sh makes
+# on the project's GPU machine. Python client tests need grpcio, grpcio-tools and protobuf.
+# Each part runs even when an earlier one failed; the exit status is the number of failed parts.
+set -uo pipefail
+BIN=$(cd "$1" && pwd)
+OUT=$(mkdir -p "$2" && cd "$2" && pwd)
+shift 2
+PARTS=${*:-tests bench train diagnose e2e e2e460}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+TORCH_DIR=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+NV_LIB=$(dirname "$TORCH_DIR")/nvidia/cu13/lib
+SR=/tmp/vlmgraph-sysroot
+export LD_LIBRARY_PATH="$TORCH_DIR/lib:$NV_LIB:$SR/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+failed=0
+part() {  # part NAME COMMAND...: runs COMMAND with its output in OUT/NAME.log
+  local name=$1
+  shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    echo "=== $name ok ($((SECONDS - t0)) s)"
+  else
+    echo "=== $name FAILED ($((SECONDS - t0)) s)"
+    failed=$((failed + 1))
+  fi
+  tail -n 25 "$OUT/$name.log"
+}
+
+summarize() {  # summarize TRACE STEPS: top kernels of a Chrome trace, next to it as .txt
+  [ -f "$1" ] && python3 bench/trace_summary.py "$1" --steps "$2" --top 30 >"${1%.json}.txt" && rm -f "$1"
+}
+
+for p in $PARTS; do
+  case $p in
+    tests)
+      for t in model_test engine_test trainer_test; do
+        part "$t" "$BIN/tests/$t" --gtest_filter='*CUDA*' --gtest_brief=1
+      done
+      ;;
+    bench)
+      part bench "$BIN/bench/vlmgraph-bench" --json "$OUT/bench.json" --profile-trace "$OUT/decode"
+      for f in "$OUT"/decode.*.json; do summarize "$f" 10; done
+      part decode_ops "$BIN/bench/vlmgraph-decode-ops-bench"
+      ;;
+    train)
+      part train_graph "$BIN/bench/vlmgraph-train-bench" --mode graph --json "$OUT/train_graph.json" \
+        --profile-trace "$OUT/train"
+      part train_eager "$BIN/bench/vlmgraph-train-bench" --mode eager --json "$OUT/train_eager.json" \
+        --profile-trace "$OUT/train"
+      for f in "$OUT"/train.*.json; do summarize "$f" 3; done
+      ;;
+    diagnose)  # the 460M preset with the engine's default buckets
+      part diagnose "$BIN/server/vlmgraph-diagnose" --set model=nanovlm-460m --set dtype=bfloat16 \
+        --set device=cuda --json "$OUT/diagnose.json"
+      ;;
+    e2e | e2e460)
+      export VLMGRAPH_SERVER=$BIN/server/vlmgraph-server VLMGRAPH_GENERATE=$BIN/server/vlmgraph-generate
+      export PYTHONPATH=$ROOT/clients/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+      export VLMGRAPH_CLIENT_GEN_DIR=/tmp/vlmgraph-e2e-gen VLMGRAPH_E2E_TMP=/tmp/vlmgraph-e2e
+      export VLMGRAPH_E2E_DEVICE=cuda
+      if [ "$p" = e2e ]; then
+        for s in cuda_graphs generate image errors train shutdown; do
+          part "e2e_$s" python3 tests/e2e/run.py "test_$s"
+        done
+      else
+        VLMGRAPH_E2E_GPU_CONFIG=$ROOT/deploy/config.yaml part e2e_cuda_graphs_460m \
+          python3 tests/e2e/run.py test_cuda_graphs
+      fi
+      ;;
+    *) echo "unknown part $p" && failed=$((failed + 1)) ;;
+  esac
+done
+echo "failed parts: $failed"
+exit "$failed"
