@@ -23,18 +23,31 @@ std::string ShapeString(at::IntArrayRef s) {
   return o.str();
 }
 
-}  // namespace
-
-std::map<std::string, at::Tensor> StateDict(VisionLanguageModel& model) {
+// The module's parameters and buffers by module name.
+std::map<std::string, at::Tensor> ModuleTensors(VisionLanguageModel& model) {
   std::map<std::string, at::Tensor> out;
   for (const auto& p : model->named_parameters()) out[p.key()] = p.value();
   for (const auto& b : model->named_buffers()) out[b.key()] = b.value();
-  if (model->cfg.lm_tie_weights) {
-    // Stored once, under the name safetensors' save_model keeps for upstream models.
-    out[kHead] = out.at(kEmbedding);
-    out.erase(kEmbedding);
-  }
   return out;
+}
+
+// Module names -> upstream state-dict names: the tied matrix once, under the name safetensors'
+// save_model keeps for upstream models.
+std::map<std::string, at::Tensor> UpstreamNames(const VlmConfig& cfg,
+                                                std::map<std::string, at::Tensor> tensors) {
+  if (cfg.lm_tie_weights) {
+    auto it = tensors.find(kEmbedding);
+    if (it == tensors.end()) throw CheckpointError(std::string("missing tensor ") + kEmbedding);
+    tensors[kHead] = it->second;
+    tensors.erase(kEmbedding);
+  }
+  return tensors;
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> StateDict(VisionLanguageModel& model) {
+  return UpstreamNames(model->cfg, ModuleTensors(model));
 }
 
 void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path) {
@@ -104,16 +117,21 @@ VisionLanguageModel LoadModel(const std::string& dir) {
 }
 
 void SaveModel(VisionLanguageModel& model, const std::string& dir) {
+  SaveModel(model->cfg, ModuleTensors(model), dir);
+}
+
+void SaveModel(const VlmConfig& cfg, std::map<std::string, at::Tensor> tensors,
+               const std::string& dir) {
   std::filesystem::create_directories(dir);
   {
     std::ofstream out(std::filesystem::path(dir) / "config.json");
     if (!out) throw CheckpointError("cannot write config.json into '" + dir + "'");
-    out << model->cfg.ToJson().dump(4);
+    out << cfg.ToJson().dump(4);
   }
   std::map<std::string, std::string> metadata;
-  if (model->cfg.lm_tie_weights) metadata[kEmbedding] = kHead;
-  WriteSafetensors((std::filesystem::path(dir) / "model.safetensors").string(), StateDict(model),
-                   metadata);
+  if (cfg.lm_tie_weights) metadata[kEmbedding] = kHead;
+  WriteSafetensors((std::filesystem::path(dir) / "model.safetensors").string(),
+                   UpstreamNames(cfg, std::move(tensors)), metadata);
 }
 
 }  // namespace vlmgraph

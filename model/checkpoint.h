@@ -39,4 +39,10 @@ VisionLanguageModel LoadModel(const std::string& dir);
 // Writes `dir/config.json` and `dir/model.safetensors` (creating `dir`), in the model's dtype.
 void SaveModel(VisionLanguageModel& model, const std::string& dir);
 
+// As above, from `tensors` named as the model's named_parameters() and named_buffers() (every
+// one of them; any device, each written in its own dtype), e.g. float32 master weights kept
+// outside the module. Throws CheckpointError if the tied embedding is missing.
+void SaveModel(const VlmConfig& cfg, std::map<std::string, at::Tensor> tensors,
+               const std::string& dir);
+
 }  // namespace vlmgraph
