@@ -1,7 +1,6 @@
 #include "engine/trainer.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/nn/module.h>
 
 #include <chrono>
@@ -26,30 +25,6 @@ EngineError Invalid(const std::string& m) {
 // The optimizer part's graph key (no batch or sequence shape).
 const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
 
-// CUDA autocast to bfloat16 for the forward pass; weights stay float32 (master weights). The
-// cache of casted weights is off: a CUDA graph must recompute the casts on every replay.
-class AutocastScope {
- public:
-  AutocastScope(bool enabled) : enabled_(enabled) {
-    if (!enabled_) return;
-    prev_cache_ = at::autocast::is_autocast_cache_enabled();
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::set_autocast_cache_enabled(false);
-  }
-  ~AutocastScope() {
-    if (!enabled_) return;
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-    at::autocast::set_autocast_cache_enabled(prev_cache_);
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  bool enabled_;
-  bool prev_cache_ = true;
-};
-
 }  // namespace
 
 struct Trainer::Group {
@@ -57,6 +32,8 @@ struct Trainer::Group {
   double lr_ratio = 1;  // group rate / base rate
   at::Tensor lr;        // device float32 scalar, read by the captured optimizer graph
   std::vector<std::string> names;
+  // params/grads: float32 masters and gradient accumulators (the model's own parameters and
+  // .grad in float32 mode); exp_avg, exp_avg_sq float32; steps device float32 scalars.
   std::vector<at::Tensor> params, grads, exp_avg, exp_avg_sq, steps;
 };
 
@@ -66,7 +43,7 @@ struct Trainer::MicroBuffers {
   BucketKey key;
   at::Tensor ids;          // (b, s) int64
   at::Tensor targets;      // (b, s) int64
-  at::Tensor tiles;        // (b * max_tiles_per_example, 3, S, S) float32, or undefined
+  at::Tensor tiles;        // (b * max_tiles_per_example, 3, S, S) compute dtype, or undefined
   int64_t real_tiles = 0;  // tiles the current micro-batch filled (eager runs encode only these)
 };
 
@@ -78,9 +55,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     throw Invalid(e.what());
   }
   if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
-  if (options_.compute_dtype == at::kBFloat16 && !options_.device.is_cuda()) {
-    throw Invalid("bfloat16 mixed-precision training needs a CUDA device; use float32 on CPU");
-  }
+  if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
+    throw Invalid("compute_dtype must be float32 or bfloat16");
   {
     // Deep float32 copy: the trainer's master weights never alias the inference engine's.
     torch::NoGradGuard no_grad;
@@ -106,6 +82,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       {"language", "decoder.", options_.train_language, options_.lr_language},
   };
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(options_.device);
+  const bool mixed = mixed_precision();
+  auto src = source->named_parameters();
   for (const auto& spec : specs) {
     Group g;
     g.name = spec.name;
@@ -113,17 +91,30 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     g.lr = at::full({}, options_.lr * g.lr_ratio, f32);
     for (auto& p : model_->named_parameters()) {
       if (p.key().rfind(spec.prefix, 0) != 0) continue;
+      at::Tensor master = p.value();  // float32, on the device
+      if (mixed) {
+        // The parameter becomes its bf16 rounding (new storage, same module); the float32 storage
+        // stays with the master, which the module does not see. Buffers (inv_freq) stay float32.
+        master = p.value().detach();
+        p.value().set_data(master.to(options_.compute_dtype));
+        if (!spec.train && src[p.key()].scalar_type() != options_.compute_dtype)
+          frozen_float32_[p.key()] = master.to(at::kCPU);
+      }
       p.value().set_requires_grad(spec.train);
       if (!spec.train) continue;
       p.value().mutable_grad() = at::zeros_like(p.value());
+      at::Tensor master_grad = mixed ? at::zeros_like(master) : p.value().grad();
       g.names.push_back(p.key());
-      g.params.push_back(p.value());
-      g.grads.push_back(p.value().grad());
-      g.exp_avg.push_back(at::zeros_like(p.value()));
-      g.exp_avg_sq.push_back(at::zeros_like(p.value()));
+      g.params.push_back(master);
+      g.grads.push_back(master_grad);
+      g.exp_avg.push_back(at::zeros_like(master));
+      g.exp_avg_sq.push_back(at::zeros_like(master));
       g.steps.push_back(at::zeros({}, f32));
       params_.push_back(p.value());
       grads_.push_back(p.value().grad());
+      master_params_.push_back(master);
+      master_grads_.push_back(master_grad);
+      master_weights_.emplace_back(p.key(), master);
     }
     if (!g.params.empty()) groups_.push_back(std::move(g));
   }
@@ -168,8 +159,9 @@ std::unique_ptr<Trainer::MicroBuffers> Trainer::MakeBuffers(const BucketKey& key
   buf->targets = at::full({key.batch, key.seq}, -100, i64);
   if (options_.max_tiles_per_example > 0) {
     const int64_t s = model_->cfg.vit_img_size;
-    buf->tiles = at::zeros({key.batch * options_.max_tiles_per_example, 3, s, s},
-                           at::TensorOptions().dtype(at::kFloat).device(options_.device));
+    buf->tiles =
+        at::zeros({key.batch * options_.max_tiles_per_example, 3, s, s},
+                  at::TensorOptions().dtype(options_.compute_dtype).device(options_.device));
   }
   return buf;
 }
@@ -182,24 +174,28 @@ Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
 
 std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   at::AutoGradMode grad_mode(true);
-  at::Tensor loss;
-  {
-    AutocastScope autocast(options_.compute_dtype == at::kBFloat16);
-    // A graph encodes the whole static tile buffer; an eager run only the tiles in use.
-    at::Tensor tiles = buf.tiles;
-    if (tiles.defined() && !runner_->captures())
-      tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
-    at::Tensor rows = tiles.defined() ? model_->EncodeImages(tiles) : at::Tensor();
-    at::Tensor logits =
-        model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
-    at::Tensor targets = buf.targets.reshape({-1});
-    at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                           targets, {}, at::Reduction::Sum, -100);
-    // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
-    at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
-    loss = ce / count / static_cast<double>(options_.grad_accum_steps);
-  }
+  // A graph encodes the whole static tile buffer; an eager run only the tiles in use.
+  at::Tensor tiles = buf.tiles;
+  if (tiles.defined() && !runner_->captures())
+    tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
+  at::Tensor rows = tiles.defined() ? model_->EncodeImages(tiles) : at::Tensor();
+  at::Tensor logits =
+      model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
+  at::Tensor targets = buf.targets.reshape({-1});
+  // Cross entropy in float32 whatever the compute dtype.
+  at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
+                                         targets, {}, at::Reduction::Sum, -100);
+  // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
+  at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
+  at::Tensor loss = ce / count / static_cast<double>(options_.grad_accum_steps);
   loss.backward();
+  if (mixed_precision()) {
+    // This micro-batch's bf16 gradients join the float32 accumulators; the bf16 .grad tensors
+    // start the next micro-batch at zero.
+    at::NoGradGuard no_grad;
+    at::_foreach_add_(master_grads_, grads_);
+    at::_foreach_zero_(grads_);
+  }
   return {loss.detach()};
 }
 
@@ -207,9 +203,9 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
   at::Tensor total;
   if (options_.max_grad_norm > 0) {
-    total = at::linalg_vector_norm(at::stack(at::_foreach_norm(grads_, 2)), 2);
+    total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
     at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);
-    at::_foreach_mul_(grads_, coef);
+    at::_foreach_mul_(master_grads_, coef);
   }
   for (auto& g : groups_) {
     at::_foreach_add_(g.steps, 1);  // _fused_adamw_ reads but does not advance the step counters
@@ -217,7 +213,8 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
                       options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
                       /*maximize=*/false);
   }
-  at::_foreach_zero_(grads_);
+  if (mixed_precision()) at::_foreach_copy_(params_, master_params_);  // round to the bf16 weights
+  at::_foreach_zero_(master_grads_);
   return {total.defined() ? total : at::full({}, -1.0, max_grad_norm_.options())};
 }
 
@@ -255,6 +252,7 @@ void Trainer::Warmup() {
     }
   }
   at::_foreach_zero_(grads_);
+  if (mixed_precision()) at::_foreach_zero_(master_grads_);
   SynchronizeDevice(options_.device);
   if (options_.log_captures) {
     std::fprintf(
@@ -268,12 +266,18 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
                           int64_t* target_tokens) {
   const int64_t b = buf.key.batch, s = buf.key.seq;
   const int64_t pad = model_->cfg.pad_token_id();
-  at::Tensor ids = at::full({b, s}, pad, at::kLong);
-  at::Tensor targets = at::full({b, s}, -100, at::kLong);
+  // The batch is staged in pinned host memory for a CUDA device, so the host->device copies are
+  // asynchronous DMA. The caching host allocator keeps each pinned block until its copy is done,
+  // so the staging tensors may die at the end of this function.
+  const bool pinned = options_.device.is_cuda();
+  auto host = at::TensorOptions().pinned_memory(pinned);
+  at::Tensor ids = at::full({b, s}, pad, host.dtype(at::kLong));
+  at::Tensor targets = at::full({b, s}, -100, host.dtype(at::kLong));
   int64_t* ids_p = ids.data_ptr<int64_t>();
   int64_t* tgt_p = targets.data_ptr<int64_t>();
   std::vector<at::Tensor> tiles;
   int64_t n_tiles = 0;
+  bool tiles_on_host = true;
   for (size_t i = 0; i < micro.size(); ++i) {
     const auto& e = *micro[i];
     std::copy(e.input_ids.begin(), e.input_ids.end(), ids_p + i * s);
@@ -282,15 +286,23 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
     if (e.tiles.defined() && e.tiles.numel() > 0) {
       tiles.push_back(e.tiles);
       n_tiles += e.tiles.size(0);
+      tiles_on_host = tiles_on_host && e.tiles.is_cpu();
     }
   }
-  buf.ids.copy_(ids);
-  buf.targets.copy_(targets);
+  buf.ids.copy_(ids, /*non_blocking=*/true);
+  buf.targets.copy_(targets, /*non_blocking=*/true);
   buf.real_tiles = n_tiles;
-  if (buf.tiles.defined()) {
-    // Stale tiles beyond n_tiles are never selected by an image token: no need to clear them.
-    if (n_tiles > 0) buf.tiles.narrow(0, 0, n_tiles).copy_(at::cat(tiles, 0));
+  // Stale tiles beyond n_tiles are never selected by an image token: no need to clear them.
+  if (!buf.tiles.defined() || n_tiles == 0) return;
+  at::Tensor dst = buf.tiles.narrow(0, 0, n_tiles);
+  if (!tiles_on_host) {
+    dst.copy_(at::cat(tiles, 0));
+    return;
   }
+  // Concatenated and converted to the compute dtype on the host: bf16 halves the bytes copied.
+  at::Tensor staged = at::empty(dst.sizes(), host.dtype(dst.scalar_type()));
+  at::cat_out(staged, tiles, 0);
+  dst.copy_(staged, /*non_blocking=*/true);
 }
 
 at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key,
@@ -367,7 +379,14 @@ void Trainer::SetLearningRate(double lr) {
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir) {
-  SaveModel(model_, dir);
+  // The float32 weights: masters of the trained parameters, the frozen ones' float32 copies (or
+  // their working values, exact when the source was in the compute dtype), float32 buffers.
+  std::map<std::string, at::Tensor> weights = frozen_float32_;
+  for (const auto& [name, master] : master_weights_) weights[name] = master;
+  for (const auto& p : model_->named_parameters())
+    weights.emplace(p.key(), p.value().to(at::kFloat));
+  for (const auto& b : model_->named_buffers()) weights.emplace(b.key(), b.value());
+  SaveModel(model_->cfg, std::move(weights), dir);
   std::map<std::string, at::Tensor> state;
   for (const auto& g : groups_) {
     for (size_t i = 0; i < g.params.size(); ++i) {

@@ -6,21 +6,41 @@
 // optimizer part another; every tensor they touch keeps its address (grads zeroed in place,
 // optimizer state preallocated, learning rates and step counters are device tensors), so a
 // learning-rate schedule changes the rate without recapture. CPU, graphs off, or a micro-batch
-// larger than every bucket run the same code eagerly.
+// larger than every bucket run the same code eagerly. On CUDA each micro-batch (ids, targets, tiles
+// in the compute dtype) is staged in pinned host memory and copied asynchronously.
 //
 //   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;
-//   Trainer trainer(LoadModel(dir), opt);     // keeps its own float32 master copy of the model
-//   trainer.Warmup();                         // captures every train bucket
+//   Trainer trainer(LoadModel(dir), opt);  // keeps its own copy and float32 master weights
+//   trainer.Warmup();                      // captures every train bucket
 //   TrainStepResult r = trainer.Step(examples);
-//   trainer.SaveCheckpoint("out/");           // nanoVLM config.json + model.safetensors +
-//   optimizer
+//   trainer.SaveCheckpoint("out/");        // config.json, model.safetensors, optimizer.safetensors
 //
 // Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
-// divided by the accumulation steps and summed over micro-batches, as nanoVLM's train.py does;
-// clipping as torch.nn.utils.clip_grad_norm_ (total L2 norm, coef = min(1, max / (norm + 1e-6)));
-// AdamW (Loshchilov & Hutter 2019) via at::_fused_adamw_ with decoupled weight decay.
-// Mixed precision: compute_dtype bfloat16 runs forward/backward under CUDA autocast (bf16 matmuls,
-// float32 reductions) while weights, gradients and optimizer state stay float32.
+// computed in float32 from the logits, divided by the accumulation steps and summed over
+// micro-batches, as nanoVLM's train.py does; clipping as torch.nn.utils.clip_grad_norm_ (total L2
+// norm, coef = min(1, max / (norm + 1e-6))); AdamW (Loshchilov & Hutter 2019) via
+// at::_fused_adamw_ with decoupled weight decay.
+//
+// Precision (compute_dtype):
+// - float32: the model's parameters are the master weights; backward accumulates into their
+//   float32 .grad tensors, which clipping and AdamW read. 16 device bytes per trained parameter
+//   (weight, grad, exp_avg, exp_avg_sq).
+// - bfloat16 (CPU or CUDA): bf16 working weights + float32 master weights, as NVIDIA Apex amp O2
+//   and Megatron-LM do (Micikevicius et al. 2018, "Mixed Precision Training"). The model's
+//   parameters are bf16 with persistent bf16 .grad tensors; the forward and backward run in bf16
+//   without autocast (the loss upcasts the logits to float32). The trainer owns float32 masters,
+//   float32 gradient accumulators and the float32 AdamW state. Each micro-step ends with
+//   accumulator += bf16 grad and bf16 grad = 0, so accumulation over micro-batches is float32;
+//   the optimizer part clips the accumulators, runs AdamW on the masters, copies the masters
+//   into the bf16 weights (round to nearest even) and zeroes the accumulators. 20 device bytes per
+//   trained parameter (bf16 weight 2 + bf16 grad 2 + master 4 + accumulator 4 + exp_avg 4 +
+//   exp_avg_sq 4: the 16 of ZeRO, Rajbhandari et al. 2020, plus Megatron-LM's float32 main_grad
+//   accumulator), 2 per frozen one (plus a float32 host copy of it when the source model was not
+//   bf16, so checkpoints stay exact).
+//   SaveCheckpoint's model.safetensors and master_weights() carry the float32 masters;
+//   optimizer.safetensors keeps its format (float32 exp_avg, exp_avg_sq, step). Against autocast
+//   over float32 weights, each weight is rounded to bf16 once per step instead of once per use,
+//   and its gradient is produced in bf16 instead of through a cast's float32 backward.
 //
 // Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
 // Errors: EngineError(kInvalidArgument) for bad examples (ids out of range, image-token count not
@@ -32,6 +52,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/bucket.h"
@@ -43,9 +64,10 @@ namespace vlmgraph {
 
 struct TrainOptions {
   at::Device device = at::kCPU;
-  at::ScalarType compute_dtype = at::kFloat;  // kFloat, or kBFloat16 (autocast, CUDA only)
-  double lr = 1e-4;                           // base learning rate
-  double lr_vision = -1;                      // per-group rates; < 0 = lr
+  // kFloat, or kBFloat16 (bf16 working weights + float32 masters; see the file comment)
+  at::ScalarType compute_dtype = at::kFloat;
+  double lr = 1e-4;       // base learning rate
+  double lr_vision = -1;  // per-group rates; < 0 = lr
   double lr_projector = -1;
   double lr_language = -1;
   bool train_vision = true, train_projector = true, train_language = true;
@@ -80,7 +102,8 @@ struct TrainStepResult {
 
 class Trainer {
  public:
-  // Takes a deep float32 copy of `model` onto options.device.
+  // Takes a deep copy of `model` onto options.device: float32 masters (the parameters themselves
+  // in float32 mode) and, in bfloat16 mode, bf16 working parameters rounded from them.
   Trainer(VisionLanguageModel& model, TrainOptions options);
   ~Trainer();
   Trainer(const Trainer&) = delete;
@@ -96,14 +119,22 @@ class Trainer {
   // Sets the base learning rate (group rates keep their ratio to it). No recapture.
   void SetLearningRate(double lr);
 
-  // Writes config.json + model.safetensors (nanoVLM format) and optimizer.safetensors (exp_avg.*,
-  // exp_avg_sq.*, step.* per trained parameter; metadata with the hyperparameters) into `dir`.
+  // Writes config.json + model.safetensors (nanoVLM format, float32 master weights, tied head once)
+  // and optimizer.safetensors (exp_avg.*, exp_avg_sq.*, step.* per trained parameter; metadata
+  // with the hyperparameters) into `dir`.
   void SaveCheckpoint(const std::string& dir);
   // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
   // LoadWeights). Throws std::runtime_error naming a missing or mis-shaped state tensor.
   void LoadOptimizerState(const std::string& path);
 
+  // The working model the steps run: float32, or bf16 parameters equal to the masters rounded to
+  // bf16 after every step. Read the trained weights through master_weights().
   VisionLanguageModel& model() { return model_; }
+  // (name, float32 master) of every trained parameter, named as model()->named_parameters(), on
+  // options().device. Updated in place by Step(): the tensors keep their addresses.
+  const std::vector<std::pair<std::string, at::Tensor>>& master_weights() const {
+    return master_weights_;
+  }
   int64_t steps() const { return steps_; }
   int64_t captures() const { return captures_; }
   int64_t replays() const { return replays_; }
@@ -118,6 +149,7 @@ class Trainer {
   // Returns the micro-batch's scaled loss (device scalar) after forward + backward.
   at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
                        int64_t* target_tokens);
+  bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
   std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
   std::vector<at::Tensor> RunOptimizer();
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
@@ -129,7 +161,12 @@ class Trainer {
   VisionLanguageModel model_;
   TrainOptions options_;
   std::vector<Group> groups_;
-  std::vector<at::Tensor> params_, grads_;
+  // Working parameters and their .grad (compute dtype); masters and accumulators (float32). In
+  // float32 mode master_params_/master_grads_ alias params_/grads_.
+  std::vector<at::Tensor> params_, grads_, master_params_, master_grads_;
+  std::vector<std::pair<std::string, at::Tensor>> master_weights_;
+  // bfloat16 mode: float32 host copies of frozen parameters whose source was not bf16.
+  std::map<std::string, at::Tensor> frozen_float32_;
   std::unique_ptr<StepRunner> runner_;
   std::map<BucketKey, std::unique_ptr<MicroBuffers>> buffers_;
   std::vector<at::Tensor> optimizer_outputs_;

@@ -20,7 +20,8 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   vlmgraph::TrainOptions t;
   const EngineOptions& e = engine.options();
   t.device = e.device;
-  t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;  // bf16 autocast is CUDA-only
+  // bf16 working weights + float32 masters on the GPU; float32 on CPU, where bf16 is no faster.
+  t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;
   // The base rate must be positive for the per-group rates to apply (each is given explicitly).
   t.lr = std::max({o.language_learning_rate, o.vision_learning_rate, o.projector_learning_rate});
   t.lr_language = o.language_learning_rate;
@@ -100,13 +101,14 @@ class GraphedTrainer final : public TrainBackend {
   int64_t steps() const override { return trainer_.steps(); }
 
  private:
-  // The trainer's float32 master weights -> the engine's weights (their dtype and device), in
-  // place: the serving tensors keep their addresses, so captured inference graphs stay valid.
+  // The trainer's float32 master weights of the trained parameters -> the engine's weights (their
+  // dtype, rounded to nearest even for bf16, and device), in place: the serving tensors keep their
+  // addresses, so captured inference graphs stay valid. Frozen parameters never change.
   void CopyWeightsToServingModel() {
     at::NoGradGuard no_grad;
-    auto master = trainer_.model()->named_parameters();
-    for (auto& p : serving_->named_parameters()) {
-      if (const at::Tensor* src = master.find(p.key())) p.value().copy_(*src);
+    auto serving = serving_->named_parameters();
+    for (const auto& [name, master] : trainer_.master_weights()) {
+      if (at::Tensor* dst = serving.find(name)) dst->copy_(master);
     }
   }
 

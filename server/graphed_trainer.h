@@ -3,8 +3,9 @@
 // Each step runs vlmgraph::Trainer. With the PAD policy the batch is padded to a train bucket whose
 // forward + backward is replayed from a CUDA graph (captured up front), then a captured clip +
 // fused AdamW step; with EXACT the batch runs at its own shape, eagerly. CPU or graphs off run the
-// same code eagerly. The Trainer keeps float32 master weights of its own;
-// after every step they are copied into the serving model in place (same tensors, so inference
+// same code eagerly. The Trainer keeps float32 master weights of its own (bf16 working weights
+// beside them when the server's dtype is bfloat16 on CUDA); after every step the masters of the
+// trained parameters are copied into the serving model in place (same tensors, so inference
 // graphs stay valid), so Generate and Forward see each step at once, as the Train RPC promises.
 // Save() writes the master weights (nanoVLM config.json + model.safetensors) and
 // optimizer.safetensors.
