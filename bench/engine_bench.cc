@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/profile_trace.h"
 #include "engine/engine.h"
 #include "model/checkpoint.h"
-#include "bench/profile_trace.h"
 
 namespace {
 
@@ -87,7 +87,8 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
   }
   for (int64_t batch : {1, 8, 32}) {
     std::vector<GenerateRequest> reqs(batch, ImagePrompt(cfg, 64, 1000));
-    for (auto& r : reqs) r.sampling.max_new_tokens = a.warmup + a.iters + 24;  // + 10 profiled steps
+    for (auto& r : reqs)
+      r.sampling.max_new_tokens = a.warmup + a.iters + 24;  // + 10 profiled steps
     const auto ids = engine.Admit(reqs, &events);
     std::vector<double> ms;
     for (int i = 0; i < a.warmup + a.iters; ++i) {
@@ -102,11 +103,11 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
     out["decode_region_only_ms"]["batch_" + std::to_string(batch)] =
         engine.TimeRegion(key, 50) * 1e3;
     if (!a.profile_trace.empty()) {  // 10 decode steps: PATH.<graph|eager>.b<N>.json
-      vlmgraph::bench::ProfileTrace(a.profile_trace + (graphs ? ".graph" : ".eager") + ".b" +
-                                        std::to_string(batch) + ".json",
-                                    [&] {
-                                      for (int i = 0; i < 10; ++i) engine.Step(&events);
-                                    });
+      vlmgraph::bench::ProfileTrace(
+          a.profile_trace + (graphs ? ".graph" : ".eager") + ".b" + std::to_string(batch) + ".json",
+          [&] {
+            for (int i = 0; i < 10; ++i) engine.Step(&events);
+          });
       events.clear();
     }
     for (auto id : ids) engine.Cancel(id);  // free the slots for the next batch size

@@ -17,10 +17,10 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "bench/profile_trace.h"
 #include "engine/device.h"
 #include "engine/diagnose.h"
 #include "engine/trainer.h"
-#include "bench/profile_trace.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;

@@ -2,7 +2,9 @@
 // language model when its tensors are on a CUDA device, its projections are fused (FuseWeights),
 // and autograd is off (inference). Each function computes exactly the formula of the reference
 // ATen code in language_model.cc, in fewer kernels: a decode step drops from ~52 kernels per
-// block to 9, which is what bounds a CUDA-graph replay once launch overhead is gone.
+// block to 5 (RMSNorm inside the qkv and gate/up GEMVs, RoPE and the KV-cache write inside
+// attention, SiLU-mul inside the down GEMV), which is what bounds a CUDA-graph replay once launch
+// overhead is gone; consecutive kernels overlap through programmatic dependent launch.
 //
 // Shapes: B batch rows, T tokens per row, H hidden, D head_dim, I inter_dim; dtypes float32 or
 // bfloat16 (accumulation in float32). Thread rules: stateless; stream = current CUDA stream.
@@ -41,14 +43,29 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
                          int64_t n_kv, const at::Tensor& cache_k, const at::Tensor& cache_v,
                          bool want_k);
 
-// q (B, n_heads * D) one token per row; cache (rows >= B, n_kv, S, D); row b attends to its cache
-// row b, positions [0, positions[b]], with kv_len > positions[b]. Returns (B, n_heads * D).
-at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k,
-                           const at::Tensor& cache_v, const at::Tensor& positions, int64_t kv_len,
-                           int64_t n_heads);
+// One decode token per row: qkv (B, (n_heads + 2 n_kv) D) from the fused projection, unrotated;
+// token b is at position positions[b] (B int64). Rotates q and the new key (as RopeKvWrite),
+// writes the new key and value into cache row b at that position, and attends over the row's
+// positions [0, min(positions[b] + 1, kv_len)) with grouped-query attention (softmax(q K^T /
+// sqrt(D)) V). cache (rows >= B, n_kv, S >= kv_len, D); semaphores (rows, n_kv) int32, zero
+// (KVCache::attention_semaphores). Returns (B, n_heads * D).
+at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
+                               const at::Tensor& positions, const at::Tensor& cache_k,
+                               const at::Tensor& cache_v, const at::Tensor& semaphores,
+                               int64_t kv_len, int64_t n_heads);
 
 // x (rows, k) @ weight (n, k)^T (+ residual (rows, n)): a small-batch GEMV kernel when rows <= 4
 // and the shapes are 16-byte aligned (decode steps), else cuBLAS (at::linear / at::addmm).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual = {});
+
+// Linear(RmsNorm(x, norm_weight, eps), weight) with the norm computed inside the GEMV kernel
+// when it applies (else the two ops).
+at::Tensor RmsNormLinear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                         const at::Tensor& weight);
+
+// Linear(SiluMul(gate_up), weight, residual), the activation computed inside the GEMV kernel when
+// it applies (else the two ops).
+at::Tensor SiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
+                         const at::Tensor& residual = {});
 
 }  // namespace vlmgraph::ops

@@ -15,12 +15,18 @@ RopeKvOutput RopeKvWrite(const at::Tensor&, const at::Tensor&, double, const at:
                          bool) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
-at::Tensor DecodeAttention(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, int64_t, int64_t) {
+at::Tensor RopeDecodeAttention(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                               int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
-
 at::Tensor Linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+at::Tensor RmsNormLinear(const at::Tensor&, const at::Tensor&, double, const at::Tensor&) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+at::Tensor SiluMulLinear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 

@@ -22,6 +22,9 @@ namespace vlmgraph {
 struct KVCache {
   std::vector<at::Tensor> key;    // per block: (rows, n_kv_heads, max_seq_len, head_dim)
   std::vector<at::Tensor> value;  // per block: (rows, n_kv_heads, max_seq_len, head_dim)
+  // (rows, n_kv_heads) int32, zero between kernels: the fused decode attention's split counters
+  // (ops::RopeDecodeAttention), shared by every block since blocks run one after another.
+  at::Tensor attention_semaphores;
 
   static KVCache Allocate(const VlmConfig& cfg, int64_t rows, int64_t max_seq_len,
                           const at::TensorOptions& options);

@@ -99,19 +99,17 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
   return out_proj->forward(y);
 }
 
-at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
-                                                   double scaling, const AttentionContext& ctx,
-                                                   int64_t layer) {
-  const int64_t b = x.size(0), t = x.size(1);
-  at::Tensor qkv = ops::Linear(x, w_qkv);  // (B, T, (nh + 2 nkv) D)
+at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& qkv,
+                                                   const at::Tensor& inv_freq, double scaling,
+                                                   const AttentionContext& ctx, int64_t layer) {
+  const int64_t b = qkv.size(0), t = qkv.size(1);
   const bool cached = ctx.mode != AttentionContext::Mode::kNoCache;
   at::Tensor cache_k = cached ? ctx.cache->key[layer] : at::Tensor();
   at::Tensor cache_v = cached ? ctx.cache->value[layer] : at::Tensor();
   if (ctx.mode == AttentionContext::Mode::kDecode) {
-    ops::RopeKvOutput r = ops::RopeKvWrite(qkv, inv_freq, scaling, ctx.positions, /*slots=*/{},
-                                           n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/false);
-    return ops::DecodeAttention(r.q.view({b, n_heads * head_dim}), cache_k, cache_v, ctx.positions,
-                                ctx.kv_len, n_heads)
+    return ops::RopeDecodeAttention(qkv.view({b, qkv.size(2)}), inv_freq, scaling, ctx.positions,
+                                    cache_k, cache_v, ctx.cache->attention_semaphores, ctx.kv_len,
+                                    n_heads)
         .view({b, 1, n_heads * head_dim});
   }
   ops::RopeKvOutput r =
@@ -159,13 +157,13 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
                                           int64_t layer) {
   const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
   at::Tensor x2 = x.reshape({b * t, hidden});
-  at::Tensor a =
-      attn->ForwardFused(ops::RmsNorm(x, norm1->weight, norm1->eps), inv_freq, scaling, ctx, layer);
-  at::Tensor h =
-      ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);  // x + out_proj(a)
-  at::Tensor gu = ops::Linear(ops::RmsNorm(h, norm2->weight, norm2->eps), mlp->w_gate_up);
-  at::Tensor act = ops::SiluMul(gu);
-  return ops::Linear(act, mlp->down_proj->weight, h).view({b, t, hidden});  // h + down(act)
+  // qkv = norm1(x) W_qkv^T; attention; h = x + out_proj(a); x' = h + down(silu_mul(norm2(h)
+  // W_gu^T)).
+  at::Tensor qkv = ops::RmsNormLinear(x2, norm1->weight, norm1->eps, attn->w_qkv);
+  at::Tensor a = attn->ForwardFused(qkv.view({b, t, qkv.size(-1)}), inv_freq, scaling, ctx, layer);
+  at::Tensor h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);
+  at::Tensor gu = ops::RmsNormLinear(h, norm2->weight, norm2->eps, mlp->w_gate_up);
+  return ops::SiluMulLinear(gu, mlp->down_proj->weight, h).view({b, t, hidden});
 }
 
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {

@@ -77,7 +77,9 @@ class GroupedQueryAttentionImpl : public torch::nn::Module {
                      const AttentionContext& ctx, int64_t layer);
 
   // Inference fast path (CUDA kernels, fused weights, no autograd); same formula, fewer kernels.
-  at::Tensor ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
+  // qkv: (B, T, (n_heads + 2 n_kv) D), the fused projection of the normalised input (unrotated);
+  // returns the attention output (B, T, n_heads D) before out_proj.
+  at::Tensor ForwardFused(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                           const AttentionContext& ctx, int64_t layer);
 
   int64_t n_heads, n_kv_heads, head_dim;
@@ -109,8 +111,9 @@ class DecoderBlockImpl : public torch::nn::Module {
   GroupedQueryAttention attn{nullptr};
   RMSNorm norm1{nullptr}, norm2{nullptr};
 
-  // x + attn(norm1(x)), then + mlp(norm2(.)), with fused kernels and the residual adds folded
-  // into the output GEMMs (addmm).
+  // x + attn(norm1(x)), then + mlp(norm2(.)), with fused kernels: the norms inside the qkv and
+  // gate/up GEMVs, SiLU-mul inside the down GEMV and the residual adds folded into the output
+  // projections (GEMV epilogue or addmm) — 5 kernels per block at decode.
   at::Tensor ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
                           const AttentionContext& ctx, int64_t layer);
 };

@@ -1,8 +1,12 @@
 // model/cuda/fused_kernels.cu: fused kernels for the decoder's hot path. Each replaces a chain of
 // small ATen kernels (see model/fused_ops.h for the reference formulas they implement).
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "model/cuda/fused_kernels.h"
 
@@ -134,213 +138,503 @@ __device__ __forceinline__ void LoadRow(const T* row, float* out) {
   }
 }
 
-// Grid (batch, n_kv); one block serves the g = n_heads / n_kv query heads of one KV head.
-// Phase 1: a thread per key computes g scores (vector loads of the key row); phase 2: softmax per
-// head over the block; phase 3: thread groups split the keys, each thread of a group sums p * V
-// for one (head, dim) over its share (coalesced V rows), and the groups' partial sums are added.
-template <typename T, int D>
-__global__ void DecodeAttentionKernel(const T* q, const T* cache_k, const T* cache_v,
-                                      const int64_t* positions, T* out, int n_heads, int n_kv,
-                                      int64_t max_seq, int kv_len, float scale) {
-  extern __shared__ float smem[];
-  const int g = n_heads / n_kv;
-  float* q_s = smem;                     // (g, D)
-  float* scores = smem + g * D;          // (g, kv_len)
-  float* partial = scores + g * kv_len;  // (blockDim.x) partial sums of phase 3
-  __shared__ float scratch[32];
-  __shared__ float stats[16];  // per head: 1 / softmax denominator (g <= 16)
-  const int b = blockIdx.x, kh = blockIdx.y;
-  const int64_t pos_end = positions[b] + 1;
-  const int len = static_cast<int>(pos_end < kv_len ? pos_end : kv_len);
-  const T* qb = q + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  for (int i = threadIdx.x; i < g * D; i += blockDim.x) q_s[i] = ToFloat(qb[i]);
-  __syncthreads();
-  const T* kb = cache_k + (int64_t(b) * n_kv + kh) * max_seq * D;
-  const T* vb = cache_v + (int64_t(b) * n_kv + kh) * max_seq * D;
-  for (int j = threadIdx.x; j < len; j += blockDim.x) {
-    float k[D];
-    LoadRow<T, D>(kb + int64_t(j) * D, k);
-    for (int h = 0; h < g; ++h) {
-      float acc = 0.f;
+template <typename T>
+__device__ __forceinline__ void StoreVec(T* dst, const float* v) {
+  constexpr int kVec = 16 / sizeof(T);
+  uint4 packed;
+  T* e = reinterpret_cast<T*>(&packed);
 #pragma unroll
-      for (int d = 0; d < D; ++d) acc += q_s[h * D + d] * k[d];
-      scores[h * kv_len + j] = acc * scale;
-    }
-  }
-  __syncthreads();
-  for (int h = 0; h < g; ++h) {
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) m = fmaxf(m, scores[h * kv_len + j]);
-    m = BlockReduce<true>(m, scratch);
-    float sum = 0.f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
-      const float e = __expf(scores[h * kv_len + j] - m);
-      scores[h * kv_len + j] = e;
-      sum += e;
-    }
-    sum = BlockReduce<false>(sum, scratch);
-    if (threadIdx.x == 0) stats[h] = 1.f / sum;
-  }
-  __syncthreads();
-  // Phase 3: warp w takes keys w, w + W, ...; lane l owns dims l, l + 32, ... of every head, so
-  // one V row is one coalesced load per warp and a warp's loads for its keys are independent.
-  constexpr int kDimsPerLane = (D + 31) / 32;
-  constexpr int kMaxGroups = 16;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  float acc[kMaxGroups][kDimsPerLane];
-#pragma unroll
-  for (int h = 0; h < kMaxGroups; ++h)
-#pragma unroll
-    for (int c = 0; c < kDimsPerLane; ++c) acc[h][c] = 0.f;
-#pragma unroll 4
-  for (int j = warp; j < len; j += warps) {
-    float v[kDimsPerLane];
-#pragma unroll
-    for (int c = 0; c < kDimsPerLane; ++c) {
-      const int d = lane + 32 * c;
-      v[c] = d < D ? ToFloat(vb[int64_t(j) * D + d]) : 0.f;
-    }
-#pragma unroll
-    for (int h = 0; h < kMaxGroups; ++h) {
-      if (h < g) {
-        const float p = scores[h * kv_len + j];
-#pragma unroll
-        for (int c = 0; c < kDimsPerLane; ++c) acc[h][c] += p * v[c];
-      }
-    }
-  }
-  // Sum the warps' partial outputs: partial is (warps, g * D).
-  const int pairs = g * D;
-#pragma unroll
-  for (int h = 0; h < kMaxGroups; ++h) {
-    if (h < g) {
-#pragma unroll
-      for (int c = 0; c < kDimsPerLane; ++c) {
-        const int d = lane + 32 * c;
-        if (d < D) partial[warp * pairs + h * D + d] = acc[h][c];
-      }
-    }
-  }
-  __syncthreads();
-  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    float sum = 0.f;
-    for (int w = 0; w < warps; ++w) sum += partial[w * pairs + i];
-    ob[i] = FromFloat<T>(sum * stats[i / D]);
-  }
-}
-
-template <typename T, int D>
-cudaError_t DecodeAttentionFor(const void* q, const void* ck, const void* cv,
-                               const int64_t* positions, void* out, int64_t batch, int64_t n_heads,
-                               int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
-                               cudaStream_t stream) {
-  const int g = static_cast<int>(n_heads / n_kv);
-  if (g > 16) return cudaErrorInvalidValue;
-  const int threads = 512;
-  const size_t smem =
-      sizeof(float) * (size_t(g) * D + size_t(g) * kv_len + size_t(threads / 32) * g * D);
-  auto kernel = DecodeAttentionKernel<T, D>;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
-  }
-  kernel<<<dim3(static_cast<unsigned>(batch), static_cast<unsigned>(n_kv)), threads, smem,
-           stream>>>(static_cast<const T*>(q), static_cast<const T*>(ck), static_cast<const T*>(cv),
-                     positions, static_cast<T*>(out), static_cast<int>(n_heads),
-                     static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), scale);
-  return cudaGetLastError();
+  for (int i = 0; i < kVec; ++i) e[i] = FromFloat<T>(v[i]);
+  *reinterpret_cast<uint4*>(dst) = packed;
 }
 
 template <typename T>
-cudaError_t DecodeAttentionTyped(const void* q, const void* ck, const void* cv,
-                                 const int64_t* positions, void* out, int64_t batch,
-                                 int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t max_seq,
-                                 int64_t kv_len, float scale, cudaStream_t s) {
-  switch (head_dim) {
-    case 16:
-      return DecodeAttentionFor<T, 16>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
-                                       kv_len, scale, s);
-    case 32:
-      return DecodeAttentionFor<T, 32>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
-                                       kv_len, scale, s);
-    case 64:
-      return DecodeAttentionFor<T, 64>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
-                                       kv_len, scale, s);
-    case 128:
-      return DecodeAttentionFor<T, 128>(q, ck, cv, positions, out, batch, n_heads, n_kv, max_seq,
-                                        kv_len, scale, s);
-    default:
-      return cudaErrorInvalidValue;
-  }
+__device__ __forceinline__ void LoadVec(const T* src, float* v) {
+  constexpr int kVec = 16 / sizeof(T);
+  const uint4 packed = *reinterpret_cast<const uint4*>(src);
+  const T* e = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = ToFloat(e[i]);
 }
 
-template <typename T, int M>
-__global__ void SmallBatchGemvKernel(const T* __restrict__ x, const T* __restrict__ w,
-                                     const T* __restrict__ residual, T* __restrict__ y, int n,
-                                     int k) {
+// ---- Programmatic dependent launch (Hopper and newer; no-ops before sm_90) -------------------
+// A kernel launched with the programmatic-stream-serialization attribute may start while the
+// previous kernel of the stream is still running. It must call WaitForPrerequisites() before it
+// reads anything an earlier kernel wrote or writes anything at all; work before that point (here:
+// streaming weights, which no kernel writes) overlaps the previous kernel's tail. The wait returns
+// once the previous grid has completed and its memory is visible, so as long as every kernel so
+// launched waits, each one also sees the writes of every kernel before it.
+__device__ __forceinline__ void WaitForPrerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel of the stream launch (its blocks then wait in WaitForPrerequisites).
+__device__ __forceinline__ void AllowDependentsToLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---- Decode attention with RoPE, KV-cache write and split keys -----------------------------
+// Grid (splits, n_kv, batch), kAttnThreads threads. Block (s, kh, b) attends over keys
+// [s * split_len, (s + 1) * split_len) of cache row b clipped to len_b = min(positions[b] + 1,
+// kv_len); blocks past len_b exit at once. Before waiting for the previous kernel it copies its
+// keys and values into shared memory (cp.async): those rows were written by earlier steps, never
+// by the kernel it waits for. Then it rotates the g = n_heads / n_kv query heads of KV head kh and
+// the new key (RoPE exactly as RopeKvWriteKernel), takes the new key and value at position
+// positions[b] from shared memory instead of the cache, and the block holding that position
+// stores them in the cache. Each block writes its partial softmax state (max m, sum l,
+// unnormalised output o per head) to `partials`; the last of the active blocks of (b, kh), counted
+// on semaphores[b * n_kv + kh], combines them: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
+// with M = max_s m_s (the online softmax of Milakov & Gimelshein 2018, split over keys as in
+// flash-decoding, Dao et al. 2023), then resets the semaphore to 0 for the next launch.
+// Lane mapping: kLanes = D / (16 / sizeof(T)) consecutive lanes share one key row, each holding
+// one 16-byte slice, so shared-memory reads are conflict-free and a warp covers 32 / kLanes keys.
+constexpr int kAttnThreads = 128;
+constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kAttnMaxGroups = 16;
+constexpr int kAttnMaxSplitLen = 64;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads)
+    RopeDecodeAttentionKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
+                              float scaling, const int64_t* __restrict__ positions, T* cache_k,
+                              T* cache_v, T* __restrict__ out, float* partials, int* semaphores,
+                              int n_heads, int n_kv, int64_t max_seq, int kv_len, int split_len,
+                              float scale) {
   constexpr int kVec = 16 / sizeof(T);
-  const int col = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (col >= n) return;
-  const int lane = threadIdx.x & 31;
-  const T* wr = w + int64_t(col) * k;
+  constexpr int kLanes = D / kVec;               // lanes per key row
+  constexpr int kSlots = kAttnThreads / kLanes;  // keys in flight per block
+  constexpr int kHalf = D / 2;
+  extern __shared__ __align__(16) unsigned char attn_smem_raw[];
+  const int s = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+  const int g = n_heads / n_kv;
+  // positions and the cache rows before this step's position were written before the previous
+  // kernel started (see WaitForPrerequisites), so they may be read now.
+  const int64_t pos = positions[b];
+  const int len = static_cast<int>(pos + 1 < kv_len ? pos + 1 : kv_len);
+  const int active = (len + split_len - 1) / split_len;
+  if (s >= active) return;  // the block storing the new key is always active (see below)
+  const int j0 = s * split_len;
+  const int n = min(split_len, len - j0);
+  T* k_s = reinterpret_cast<T*>(attn_smem_raw);                // (split_len, D)
+  T* v_s = k_s + split_len * D;                                // (split_len, D)
+  float* q_s = reinterpret_cast<float*>(v_s + split_len * D);  // (g, D)
+  float* kv_new = q_s + g * D;                                 // (2, D)
+  const int p_stride = max(split_len, static_cast<int>(gridDim.x));
+  float* p_s = kv_new + 2 * D;               // (g, p_stride)
+  float* red = p_s + g * p_stride;           // (warps, g, D)
+  __shared__ float w_s[2 * kAttnMaxGroups];  // per head: m, l; then 1 / L
+  __shared__ bool is_last;
+  const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
+  for (int i = threadIdx.x; i < n * kLanes; i += kAttnThreads) {
+    const int j = i / kLanes, c = (i % kLanes) * kVec;
+    __pipeline_memcpy_async(k_s + j * D + c, cache_k + (row + j0 + j) * D + c, 16);
+    __pipeline_memcpy_async(v_s + j * D + c, cache_v + (row + j0 + j) * D + c, 16);
+  }
+  __pipeline_commit();
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  const T* src = qkv + int64_t(b) * (n_heads + 2 * n_kv) * D;
+  for (int i = threadIdx.x; i < (g + 1) * kHalf; i += kAttnThreads) {
+    const int h = i / kHalf, p = i - h * kHalf;
+    float sn, cs;
+    sincosf(static_cast<float>(pos) * inv_freq[p], &sn, &cs);
+    cs *= scaling;
+    sn *= scaling;
+    const T* x = h < g ? src + (kh * g + h) * D : src + (n_heads + kh) * D;
+    const float x1 = ToFloat(x[p]), x2 = ToFloat(x[p + kHalf]);
+    float* dst = h < g ? q_s + h * D : kv_new;
+    dst[p] = ToFloat(FromFloat<T>(x1 * cs - x2 * sn));  // rounded as the cache stores it
+    dst[p + kHalf] = ToFloat(FromFloat<T>(x2 * cs + x1 * sn));
+  }
+  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+    kv_new[D + d] = ToFloat(src[(n_heads + n_kv + kh) * D + d]);
+  }
+  __pipeline_wait_prior(0);
+  __syncthreads();
+  // The block whose split holds pos (the last one when pos is past the window) stores the new key
+  // and value; when pos < kv_len that split holds pos, else it is the last split, active too.
+  const int64_t writer = (pos < kv_len ? pos : kv_len - 1) / split_len;
+  if (s == writer && pos < max_seq) {
+    for (int d = threadIdx.x; d < D; d += kAttnThreads) {
+      cache_k[(row + pos) * D + d] = FromFloat<T>(kv_new[d]);
+      cache_v[(row + pos) * D + d] = FromFloat<T>(kv_new[D + d]);
+    }
+  }
+  const int slot = threadIdx.x / kLanes, c = (threadIdx.x % kLanes) * kVec;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Scores: kLanes lanes per key, partial dot products reduced with shuffles.
+  for (int first = 0; first < n; first += kSlots) {  // same trip count in every lane (shuffles)
+    const int j = first + slot;
+    float k[kVec];
+    if (j0 + j == pos) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) k[e] = kv_new[c + e];
+    } else if (j < n) {
+      LoadVec(k_s + j * D + c, k);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) k[e] = 0.f;
+    }
+    for (int h = 0; h < g; ++h) {
+      float acc = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc += q_s[h * D + c + e] * k[e];
+#pragma unroll
+      for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+      if (c == 0 && j < n) p_s[h * p_stride + j] = acc * scale;
+    }
+  }
+  __syncthreads();
+  for (int h = warp; h < g; h += kAttnWarps) {
+    float m = -INFINITY;
+    for (int j = lane; j < n; j += 32) m = fmaxf(m, p_s[h * p_stride + j]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int j = lane; j < n; j += 32) {
+      const float e = __expf(p_s[h * p_stride + j] - m);
+      p_s[h * p_stride + j] = e;
+      l += e;
+    }
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) {
+      w_s[h] = m;
+      w_s[kAttnMaxGroups + h] = l;
+    }
+  }
+  __syncthreads();
+  // Unnormalised outputs, one head at a time: sum over this lane's keys, then over the key slots
+  // of the warp (shuffles), then over the warps (shared memory).
+  for (int h = 0; h < g; ++h) {
+    float acc[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+    for (int j = slot; j < n; j += kSlots) {
+      const float p = p_s[h * p_stride + j];
+      float v[kVec];
+      if (j0 + j == pos) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = kv_new[D + c + e];
+      } else {
+        LoadVec(v_s + j * D + c, v);
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] += p * v[e];
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+#pragma unroll
+      for (int o = kLanes; o < 32; o <<= 1) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+    }
+    if (lane < kLanes) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) red[(warp * g + h) * D + c + e] = acc[e];
+    }
+  }
+  __syncthreads();
+  const int splits = gridDim.x;
+  float* part = partials + ((int64_t(b) * n_kv + kh) * splits + s) * g * (D + 2);
+  for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) sum += red[w * g * D + i];
+    part[2 * g + i] = sum;
+  }
+  if (threadIdx.x < g) {
+    part[threadIdx.x] = w_s[threadIdx.x];
+    part[g + threadIdx.x] = w_s[kAttnMaxGroups + threadIdx.x];
+  }
+  // Publish the partials, then count this split in.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&semaphores[b * n_kv + kh], 1) == active - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // Combine: weights e^(m_s - M) / L per (split, head) in shared memory, then one pass over o.
+  const float* base = partials + (int64_t(b) * n_kv + kh) * splits * g * (D + 2);
+  float* wgt = p_s;  // (active, g), reuses the scores' space (active * g <= splits * g)
+  for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
+    wgt[i] = __ldcg(base + (i / g) * g * (D + 2) + (i % g));  // m
+  }
+  __syncthreads();
+  if (threadIdx.x < g) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
+    float l = 0.f;
+    for (int t = 0; t < active; ++t) {
+      const float e = __expf(wgt[t * g + h] - mx);
+      wgt[t * g + h] = e;
+      l += e * __ldcg(base + t * g * (D + 2) + g + h);
+    }
+    w_s[h] = 1.f / l;
+  }
+  __syncthreads();
+  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
+  for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
+    const int h = i / D;
+    float o = 0.f;
+#pragma unroll 4
+    for (int t = 0; t < active; ++t)
+      o += wgt[t * g + h] * __ldcg(base + t * g * (D + 2) + 2 * g + i);
+    ob[i] = FromFloat<T>(o * w_s[h]);
+  }
+  if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
+}
+
+// ---- GEMV with a fused input prologue -----------------------------------------------------
+// y (rows, n) = f(x) W^T (+ residual), rows <= M <= 4, W (n, k) row-major. One warp per output
+// column streams its weight row with 16-byte loads, kGemvChunks of them in flight per lane, and
+// issues the first ones before waiting for the previous kernel (weights are never written by a
+// kernel). The block then stages f(x) for all rows in shared memory, in the activations' dtype:
+//   kPlain:   f(x) = x                                               x (rows, k)
+//   kRmsNorm: f(x) = T(T(x * rsqrt(mean(x^2) + eps)) * norm_w)     x (rows, k)  (RmsNormKernel)
+//   kSiluMul: f(x) = T(silu(x[:, :k]) * x[:, k:])                   x (rows, 2k) (SiluMulKernel)
+// so the products see the same rounded inputs as the unfused kernels.
+enum GemvPrologue : int { kGemvPlain = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
+constexpr int kGemvWarps = 8;
+constexpr int kGemvChunks = 12;  // k <= 3072 (bf16) in one pass
+
+template <typename T, int M, int P>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
+               const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
+               int n, int k) {
+  constexpr int kVec = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, k) f(x)
+  T* gs = xs + rows * k;                    // (k) norm weight (kGemvRmsNorm)
+  __shared__ float row_ss[M];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int col = blockIdx.x * kGemvWarps + warp;
+  const bool active = col < n;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + int64_t(active ? col : 0) * k);
+  const int vecs = k / kVec;
+  // Parameters are never written by a kernel: load them before waiting for the previous one.
+  uint4 wreg[kGemvChunks];
+#pragma unroll
+  for (int c = 0; c < kGemvChunks; ++c) {
+    const int v = c * 32 + lane;
+    if (active && v < vecs) wreg[c] = __ldg(wr + v);
+  }
+  if (P == kGemvRmsNorm) {
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
+    }
+    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
+    __syncthreads();
+  }
+  WaitForPrerequisites();
+  // One pass over x (its only read from global memory): copy, or SiLU-mul, or copy while summing
+  // squares per row for the norm, which is then applied in shared memory.
+  float ss[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) ss[m] = 0.f;
+  for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+    const int m = i / vecs, c = (i - m * vecs) * kVec;
+    if (P == kGemvPlain) {
+      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] =
+          reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
+    } else if (P == kGemvRmsNorm) {
+      const uint4 raw = reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
+      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] = raw;
+      const T* e = reinterpret_cast<const T*>(&raw);
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) part += ToFloat(e[j]) * ToFloat(e[j]);
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        if (mm == m) ss[mm] += part;
+      }
+    } else {
+      float e[kVec], u[kVec];
+      LoadVec(x + int64_t(m) * 2 * k + c, e);
+      LoadVec(x + int64_t(m) * 2 * k + k + c, u);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = e[j] / (1.f + __expf(-e[j])) * u[j];
+      StoreVec(xs + m * k + c, e);
+    }
+  }
+  if (P == kGemvRmsNorm) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+      if (lane == 0 && m < rows) atomicAdd(&row_ss[m], ss[m]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+      const int m = i / vecs, c = (i - m * vecs) * kVec;
+      const float r = rsqrtf(row_ss[m] / k + eps);
+      float e[kVec], g[kVec];
+      LoadVec(xs + m * k + c, e);
+      LoadVec(gs + c, g);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = ToFloat(FromFloat<T>(e[j] * r)) * g[j];
+      StoreVec(xs + m * k + c, e);
+    }
+  }
+  __syncthreads();
+  AllowDependentsToLaunch();
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-#pragma unroll 4
-  for (int i = lane * kVec; i < k; i += 32 * kVec) {
-    const uint4 wv = __ldg(reinterpret_cast<const uint4*>(wr + i));
-    const T* we = reinterpret_cast<const T*>(&wv);
+  for (int first = 0; first < vecs; first += kGemvChunks * 32) {
+    if (first > 0) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + int64_t(m) * k + i));
-      const T* xe = reinterpret_cast<const T*>(&xv);
+      for (int c = 0; c < kGemvChunks; ++c) {
+        const int v = first + c * 32 + lane;
+        if (active && v < vecs) wreg[c] = __ldg(wr + v);
+      }
+    }
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[m] += ToFloat(we[e]) * ToFloat(xe[e]);
+    for (int c = 0; c < kGemvChunks; ++c) {
+      const int v = first + c * 32 + lane;
+      if (!active || v >= vecs) continue;
+      const T* we = reinterpret_cast<const T*>(&wreg[c]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (m < rows) {
+          const uint4 xv = reinterpret_cast<const uint4*>(xs + m * k)[v];
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[m] += ToFloat(we[e]) * ToFloat(xe[e]);
+        }
+      }
     }
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
   }
-  if (lane == 0) {
+  if (active && lane == 0) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const float r = residual ? ToFloat(residual[int64_t(m) * n + col]) : 0.f;
-      y[int64_t(m) * n + col] = FromFloat<T>(acc[m] + r);
+      if (m < rows) {
+        const float r = residual ? ToFloat(residual[int64_t(m) * n + col]) : 0.f;
+        y[int64_t(m) * n + col] = FromFloat<T>(acc[m] + r);
+      }
     }
   }
 }
 
+// Launches `kernel` with programmatic stream serialization when the device supports it (compute
+// capability >= 9.0) and VLMGRAPH_PDL is not "0"; a plain launch otherwise.
+bool PdlEnabled() {
+  static const bool disabled = [] {
+    const char* e = std::getenv("VLMGRAPH_PDL");
+    return e != nullptr && std::strcmp(e, "0") == 0;
+  }();
+  if (disabled) return false;
+  static std::atomic<int> major[64];  // 0 = not asked yet, -1 = unknown
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int m = major[dev].load(std::memory_order_relaxed);
+  if (m == 0) {
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) m = -1;
+    major[dev].store(m, std::memory_order_relaxed);
+  }
+  return m >= 9;
+}
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchMaybePdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = PdlEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
+}
+
+template <typename T, int D>
+cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float scaling,
+                                   const int64_t* positions, void* ck, void* cv, void* out,
+                                   float* partials, int* semaphores, int64_t batch, int64_t n_heads,
+                                   int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
+                                   cudaStream_t stream) {
+  const int g = static_cast<int>(n_heads / n_kv);
+  const int split_len = DecodeAttentionSplitLen(kv_len);
+  const int splits = static_cast<int>((kv_len + split_len - 1) / split_len);
+  const size_t p_stride = std::max(split_len, splits);
+  const size_t smem =
+      2 * sizeof(T) * size_t(split_len) * D +
+      sizeof(float) * (size_t(g) * D + 2 * D + size_t(g) * p_stride + size_t(kAttnWarps) * g * D);
+  auto kernel = RopeDecodeAttentionKernel<T, D>;
+  cudaError_t e = AllowSharedMemory(kernel, smem);
+  if (e != cudaSuccess) return e;
+  return LaunchMaybePdl(kernel,
+                        dim3(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
+                             static_cast<unsigned>(batch)),
+                        dim3(kAttnThreads), smem, stream, static_cast<const T*>(qkv), inv_freq,
+                        scaling, positions, static_cast<T*>(ck), static_cast<T*>(cv),
+                        static_cast<T*>(out), partials, semaphores, static_cast<int>(n_heads),
+                        static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), split_len,
+                        scale);
+}
+
 template <typename T>
-cudaError_t SmallBatchGemvTyped(const void* x, const void* w, const void* residual, void* y,
-                                int64_t rows, int64_t n, int64_t k, cudaStream_t s) {
-  constexpr int kWarps = 8;
-  const unsigned blocks = static_cast<unsigned>((n + kWarps - 1) / kWarps);
-  const T* xp = static_cast<const T*>(x);
-  const T* wp = static_cast<const T*>(w);
-  const T* rp = static_cast<const T*>(residual);
-  T* yp = static_cast<T*>(y);
-  const int ni = static_cast<int>(n), ki = static_cast<int>(k);
-  switch (rows) {
-#define VLMGRAPH_GEMV_CASE(M)                                                          \
-  case M:                                                                              \
-    SmallBatchGemvKernel<T, M><<<blocks, kWarps * 32, 0, s>>>(xp, wp, rp, yp, ni, ki); \
-    break;
-    VLMGRAPH_GEMV_CASE(1)
-    VLMGRAPH_GEMV_CASE(2)
-    VLMGRAPH_GEMV_CASE(3)
-    VLMGRAPH_GEMV_CASE(4)
-    VLMGRAPH_GEMV_CASE(5)
-    VLMGRAPH_GEMV_CASE(6)
-    VLMGRAPH_GEMV_CASE(7)
-    VLMGRAPH_GEMV_CASE(8)
-#undef VLMGRAPH_GEMV_CASE
+cudaError_t RopeDecodeAttentionTyped(const void* qkv, const float* inv_freq, float scaling,
+                                     const int64_t* positions, void* ck, void* cv, void* out,
+                                     float* partials, int* semaphores, int64_t batch,
+                                     int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                                     int64_t max_seq, int64_t kv_len, float scale, cudaStream_t s) {
+#define VLMGRAPH_ATTN_CASE(D)                                                                     \
+  case D:                                                                                         \
+    return RopeDecodeAttentionFor<T, D>(qkv, inv_freq, scaling, positions, ck, cv, out, partials, \
+                                        semaphores, batch, n_heads, n_kv, max_seq, kv_len, scale, \
+                                        s);
+  switch (head_dim) {
+    VLMGRAPH_ATTN_CASE(16)
+    VLMGRAPH_ATTN_CASE(32)
+    VLMGRAPH_ATTN_CASE(64)
+    VLMGRAPH_ATTN_CASE(128)
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
+#undef VLMGRAPH_ATTN_CASE
+}
+
+template <typename T, int P>
+cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* w,
+                      const void* residual, void* y, int64_t rows, int64_t n, int64_t k,
+                      cudaStream_t s) {
+  const size_t smem = size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * k * sizeof(T);
+  const dim3 grid(static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps));
+  const dim3 block(kGemvWarps * 32);
+  const T* xp = static_cast<const T*>(x);
+  const T* gp = static_cast<const T*>(norm_w);
+  const T* wp = static_cast<const T*>(w);
+  const T* rp = static_cast<const T*>(residual);
+  T* yp = static_cast<T*>(y);
+  const int ri = static_cast<int>(rows), ni = static_cast<int>(n), ki = static_cast<int>(k);
+#define VLMGRAPH_GEMV_CASE(M)                                                                 \
+  if (rows <= M) {                                                                            \
+    auto kernel = GemvKernel<T, M, P>;                                                        \
+    cudaError_t e = AllowSharedMemory(kernel, smem);                                          \
+    if (e != cudaSuccess) return e;                                                           \
+    return LaunchMaybePdl(kernel, grid, block, smem, s, xp, gp, eps, wp, rp, yp, ri, ni, ki); \
+  }
+  VLMGRAPH_GEMV_CASE(1)
+  VLMGRAPH_GEMV_CASE(2)
+  VLMGRAPH_GEMV_CASE(4)
+#undef VLMGRAPH_GEMV_CASE
+  return cudaErrorInvalidValue;
 }
 
 int ThreadsFor(int64_t work) {
@@ -408,32 +702,68 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
   return cudaGetLastError();
 }
 
-cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k,
-                                  const void* cache_v, const int64_t* positions, void* out,
-                                  int64_t batch, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                  int64_t max_seq, int64_t kv_len, float scale,
-                                  cudaStream_t stream) {
-  if (batch == 0) return cudaSuccess;
-  if (bf16) {
-    return DecodeAttentionTyped<__nv_bfloat16>(q, cache_k, cache_v, positions, out, batch, n_heads,
-                                               n_kv, head_dim, max_seq, kv_len, scale, stream);
-  }
-  return DecodeAttentionTyped<float>(q, cache_k, cache_v, positions, out, batch, n_heads, n_kv,
-                                     head_dim, max_seq, kv_len, scale, stream);
+int DecodeAttentionSplitLen(int64_t kv_len) {
+  // About 16 splits per (row, KV head), 32 or 64 keys each (more splits for longer windows).
+  return kv_len > 16 * 32 ? kAttnMaxSplitLen : 32;
 }
 
-cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual,
-                                 void* y, int64_t rows, int64_t n, int64_t k, cudaStream_t stream) {
+int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
+                                         int64_t kv_len) {
+  const int64_t splits =
+      (kv_len + DecodeAttentionSplitLen(kv_len) - 1) / DecodeAttentionSplitLen(kv_len);
+  return batch * splits * (n_heads * head_dim + 2 * n_heads);
+}
+
+cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,
+                                      float scaling, const int64_t* positions, void* cache_k,
+                                      void* cache_v, void* out, float* partials, int* semaphores,
+                                      int64_t batch, int64_t n_heads, int64_t n_kv,
+                                      int64_t head_dim, int64_t max_seq, int64_t kv_len,
+                                      float scale, cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
+  if (n_kv <= 0 || n_heads % n_kv != 0 || n_heads / n_kv > kAttnMaxGroups || kv_len <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  return bf16 ? RopeDecodeAttentionTyped<__nv_bfloat16>(
+                    qkv, inv_freq, scaling, positions, cache_k, cache_v, out, partials, semaphores,
+                    batch, n_heads, n_kv, head_dim, max_seq, kv_len, scale, stream)
+              : RopeDecodeAttentionTyped<float>(qkv, inv_freq, scaling, positions, cache_k, cache_v,
+                                                out, partials, semaphores, batch, n_heads, n_kv,
+                                                head_dim, max_seq, kv_len, scale, stream);
+}
+
+cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
+                       const void* w, const void* residual, void* y, int64_t rows, int64_t n,
+                       int64_t k, cudaStream_t stream) {
   const int64_t elem = bf16 ? 2 : 4;
   auto aligned = [](const void* p) {
     return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
   };
-  if ((k * elem) % 16 != 0 || !aligned(x) || !aligned(w) || !aligned(residual) || !aligned(y)) {
+  if (rows > kMaxGemvRows || (k * elem) % 16 != 0 || !aligned(x) || !aligned(w) ||
+      !aligned(residual) || !aligned(y) || !aligned(norm_w) ||
+      (input == GemvInput::kRmsNorm && norm_w == nullptr) ||
+      (rows + 1) * k * elem > kMaxGemvSharedBytes) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0 || n == 0) return cudaSuccess;
-  return bf16 ? SmallBatchGemvTyped<__nv_bfloat16>(x, w, residual, y, rows, n, k, stream)
-              : SmallBatchGemvTyped<float>(x, w, residual, y, rows, n, k, stream);
+  switch (input) {
+    case GemvInput::kPlain:
+      return bf16
+                 ? GemvTyped<__nv_bfloat16, kGemvPlain>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                        stream)
+                 : GemvTyped<float, kGemvPlain>(x, norm_w, eps, w, residual, y, rows, n, k, stream);
+    case GemvInput::kRmsNorm:
+      return bf16 ? GemvTyped<__nv_bfloat16, kGemvRmsNorm>(x, norm_w, eps, w, residual, y, rows, n,
+                                                           k, stream)
+                  : GemvTyped<float, kGemvRmsNorm>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                   stream);
+    case GemvInput::kSiluMul:
+      return bf16 ? GemvTyped<__nv_bfloat16, kGemvSiluMul>(x, norm_w, eps, w, residual, y, rows, n,
+                                                           k, stream)
+                  : GemvTyped<float, kGemvSiluMul>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                   stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace vlmgraph::cuda

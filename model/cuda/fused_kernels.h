@@ -33,22 +33,51 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
                               void* q_out, void* k_out, void* cache_k, void* cache_v,
                               int64_t max_seq, cudaStream_t stream);
 
-// One decode token per batch row, grouped-query attention over its KV-cache row:
-// out[b, h, :] = softmax(q[b, h] . K[b, h / g, 0..len_b) * scale) V[b, h / g, 0..len_b),
-// len_b = positions[b] + 1, g = n_heads / n_kv. q, out: (batch, n_heads * head_dim); cache_k,
-// cache_v: (rows, n_kv, max_seq, head_dim), batch row b reads cache row b. kv_len bounds len_b
-// (sizes shared memory). head_dim in {16, 32, 64, 128}; returns cudaErrorInvalidValue otherwise.
-cudaError_t LaunchDecodeAttention(bool bf16, const void* q, const void* cache_k,
-                                  const void* cache_v, const int64_t* positions, void* out,
-                                  int64_t batch, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                  int64_t max_seq, int64_t kv_len, float scale,
-                                  cudaStream_t stream);
+// One decode token per batch row: RoPE on its query heads and new key (as LaunchRopeKvWrite), the
+// new key and value written to the KV cache at positions[b], and grouped-query attention over
+// cache row b: out[b, h, :] = softmax(q[b, h] . K[b, h / g, 0..len_b) * scale) V[b, h / g,
+// 0..len_b) with len_b = min(positions[b] + 1, kv_len), g = n_heads / n_kv <= 16. qkv: (batch,
+// (n_heads + 2 n_kv) * head_dim) contiguous, unrotated (the fused projection); cache_k, cache_v:
+// (rows >= batch, n_kv, max_seq, head_dim); out: (batch, n_heads * head_dim). The keys are split
+// into chunks of DecodeAttentionSplitLen(kv_len) attended by separate thread blocks
+// (flash-decoding) whose partial softmax states go to `partials` (at least
+// RopeDecodeAttentionPartialFloats(...) floats, scratch) and are combined by the last block of
+// each (row, KV head), counted on `semaphores` (rows >= batch, n_kv) int32, which must be zero
+// before the launch and are zero again after it. head_dim in {16, 32, 64, 128}; returns
+// cudaErrorInvalidValue otherwise. Launched with programmatic dependent launch where supported.
+cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,
+                                      float scaling, const int64_t* positions, void* cache_k,
+                                      void* cache_v, void* out, float* partials, int* semaphores,
+                                      int64_t batch, int64_t n_heads, int64_t n_kv,
+                                      int64_t head_dim, int64_t max_seq, int64_t kv_len,
+                                      float scale, cudaStream_t stream);
+// Keys per split of LaunchRopeDecodeAttention for a kv_len window (32 .. 256).
+int DecodeAttentionSplitLen(int64_t kv_len);
+// Floats of scratch LaunchRopeDecodeAttention needs.
+int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
+                                         int64_t kv_len);
 
-// y (rows, n) = x (rows, k) W^T (+ residual (rows, n) when given), W: (n, k) row-major, for
-// rows <= 8 (decode): one warp per output column streams its weight row with 16-byte loads, the
-// memory-bound regime where a general GEMM leaves bandwidth unused. k * sizeof(element) must be a
-// multiple of 16 and every pointer 16-byte aligned; returns cudaErrorInvalidValue otherwise.
-cudaError_t LaunchSmallBatchGemv(bool bf16, const void* x, const void* w, const void* residual,
-                                 void* y, int64_t rows, int64_t n, int64_t k, cudaStream_t stream);
+// What LaunchGemv applies to its input rows before the product (see GemvKernel in the .cu).
+enum class GemvInput {
+  kPlain,    // x (rows, k)
+  kRmsNorm,  // x (rows, k) -> T(T(x * rsqrt(mean(x^2) + eps)) * norm_w), as LaunchRmsNorm
+  kSiluMul,  // x (rows, 2k) -> silu(x[:, :k]) * x[:, k:], as LaunchSiluMul
+};
+// Measured on an H100 at nanovlm-460m shapes (bench/decode_ops_bench.cc): the GEMV beats
+// cuBLAS up to 4 rows and loses at 8, where its per-row work no longer hides behind the loads.
+constexpr int64_t kMaxGemvRows = 4;
+constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(element) per block
+
+// y (rows, n) = f(x) W^T (+ residual (rows, n) when given), W: (n, k) row-major, rows <= 4
+// (decode): one warp per output column streams its weight row with 16-byte loads (the
+// memory-bound regime where a general GEMM leaves bandwidth unused), f per `input`. The first
+// weight loads are issued before waiting for the previous kernel (programmatic dependent launch on
+// compute capability >= 9.0; VLMGRAPH_PDL=0 turns it off). k * sizeof(element) must be a multiple
+// of 16, every pointer 16-byte aligned and (rows + 1) * k * sizeof(element) <=
+// kMaxGemvSharedBytes;
+// returns cudaErrorInvalidValue otherwise (callers then use cuBLAS).
+cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
+                       const void* w, const void* residual, void* y, int64_t rows, int64_t n,
+                       int64_t k, cudaStream_t stream);
 
 }  // namespace vlmgraph::cuda

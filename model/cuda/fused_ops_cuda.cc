@@ -90,48 +90,94 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
   return out;
 }
 
-at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& cache_k,
-                           const at::Tensor& cache_v, const at::Tensor& positions, int64_t kv_len,
-                           int64_t n_heads) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "q must be contiguous (B, n_heads * D)");
-  TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous(), "KV cache must be contiguous");
-  const int64_t b = q.size(0), n_kv = cache_k.size(1), d = cache_k.size(3);
-  TORCH_CHECK(q.size(1) == n_heads * d && cache_k.size(0) >= b && kv_len <= cache_k.size(2),
+at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
+                               const at::Tensor& positions, const at::Tensor& cache_k,
+                               const at::Tensor& cache_v, const at::Tensor& semaphores,
+                               int64_t kv_len, int64_t n_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous (B, (nh + 2 nkv) D)");
+  TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
+                  cache_k.scalar_type() == qkv.scalar_type(),
+              "KV cache must be contiguous and in the activations' dtype");
+  const int64_t b = qkv.size(0), n_kv = cache_k.size(1), d = cache_k.size(3);
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * d && cache_k.size(0) >= b &&
+                  kv_len <= cache_k.size(2) && positions.numel() == b,
               "decode attention shapes");
-  at::Tensor out = at::empty_like(q);
-  c10::cuda::CUDAGuard guard(q.device());
-  Check(cuda::LaunchDecodeAttention(IsBf16(q), q.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(),
-                                    OptionalLongPtr(positions), out.data_ptr(), b, n_heads, n_kv, d,
-                                    cache_k.size(2), kv_len,
-                                    static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
-                                    c10::cuda::getCurrentCUDAStream()),
-        "decode_attention");
+  TORCH_CHECK(semaphores.scalar_type() == at::kInt && semaphores.is_contiguous() &&
+                  semaphores.numel() >= b * n_kv,
+              "semaphores must be contiguous int32 (rows, n_kv)");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == d / 2,
+              "inv_freq must be (D/2) float32");
+  at::Tensor out = at::empty({b, n_heads * d}, qkv.options());
+  at::Tensor partials = at::empty({cuda::RopeDecodeAttentionPartialFloats(b, n_heads, d, kv_len)},
+                                  qkv.options().dtype(at::kFloat));
+  at::Tensor freq = inv_freq.contiguous();
+  c10::cuda::CUDAGuard guard(qkv.device());
+  Check(cuda::LaunchRopeDecodeAttention(
+            IsBf16(qkv), qkv.data_ptr(), freq.data_ptr<float>(), static_cast<float>(scaling),
+            OptionalLongPtr(positions), cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(),
+            partials.data_ptr<float>(), semaphores.data_ptr<int>(), b, n_heads, n_kv, d,
+            cache_k.size(2), kv_len, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+            c10::cuda::getCurrentCUDAStream()),
+        "rope_decode_attention");
   return out;
 }
 
-// Measured on an H200 at nanovlm-460m shapes (bench/decode_ops_bench.cc): the GEMV kernel beats
-// cuBLAS up to 4 rows (down projection 3.2 us vs 9.6 us at 1 row) and loses at 8.
-constexpr int64_t kMaxGemvRows = 4;
+namespace {
 
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
-  const int64_t k = x.size(-1), n = weight.size(0);
-  const int64_t rows = x.numel() / k;
+// y = f(x) W^T (+ residual) with the GEMV kernel when it applies (rows <= 8, aligned, same dtype);
+// an undefined tensor otherwise, and the caller composes the unfused ops.
+at::Tensor TryGemv(cuda::GemvInput input, const at::Tensor& x, const at::Tensor& norm_weight,
+                   double eps, const at::Tensor& weight, const at::Tensor& residual) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t rows = x.numel() / x.size(-1);
+  if (rows > cuda::kMaxGemvRows || !x.is_contiguous() || !weight.is_contiguous() ||
+      weight.scalar_type() != x.scalar_type() ||
+      (residual.defined() && (!residual.is_contiguous() || residual.numel() != rows * n)) ||
+      (norm_weight.defined() &&
+       (!norm_weight.is_contiguous() || norm_weight.scalar_type() != x.scalar_type()))) {
+    return {};
+  }
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
-  if (rows <= kMaxGemvRows && x.is_contiguous() && weight.is_contiguous() &&
-      (!residual.defined() || residual.is_contiguous()) &&
-      weight.scalar_type() == x.scalar_type()) {
-    at::Tensor y = at::empty(out_sizes, x.options());
-    c10::cuda::CUDAGuard guard(x.device());
-    if (cuda::LaunchSmallBatchGemv(IsBf16(x), x.data_ptr(), weight.data_ptr(),
-                                   residual.defined() ? residual.data_ptr() : nullptr, y.data_ptr(),
-                                   rows, n, k, c10::cuda::getCurrentCUDAStream()) == cudaSuccess) {
-      return y;
-    }
-    (void)cudaGetLastError();  // unaligned shapes: fall through to cuBLAS
+  at::Tensor y = at::empty(out_sizes, x.options());
+  c10::cuda::CUDAGuard guard(x.device());
+  if (cuda::LaunchGemv(IsBf16(x), input, x.data_ptr(),
+                       norm_weight.defined() ? norm_weight.data_ptr() : nullptr,
+                       static_cast<float>(eps), weight.data_ptr(),
+                       residual.defined() ? residual.data_ptr() : nullptr, y.data_ptr(), rows, n, k,
+                       c10::cuda::getCurrentCUDAStream()) == cudaSuccess) {
+    return y;
   }
+  (void)cudaGetLastError();  // unsupported shape or alignment: the caller falls back
+  return {};
+}
+
+at::Tensor CublasLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
+  const int64_t k = x.size(-1), n = weight.size(0);
   if (!residual.defined()) return at::linear(x, weight);
-  return at::addmm(residual.reshape({rows, n}), x.reshape({rows, k}), weight.t()).view(out_sizes);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  return at::addmm(residual.reshape({-1, n}), x.reshape({-1, k}), weight.t()).view(out_sizes);
+}
+
+}  // namespace
+
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
+  at::Tensor y = TryGemv(cuda::GemvInput::kPlain, x, {}, 0.0, weight, residual);
+  return y.defined() ? y : CublasLinear(x, weight, residual);
+}
+
+at::Tensor RmsNormLinear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                         const at::Tensor& weight) {
+  at::Tensor y =
+      TryGemv(cuda::GemvInput::kRmsNorm, x, norm_weight.to(x.scalar_type()), eps, weight, {});
+  return y.defined() ? y : CublasLinear(RmsNorm(x, norm_weight, eps), weight, {});
+}
+
+at::Tensor SiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
+                         const at::Tensor& residual) {
+  at::Tensor y = TryGemv(cuda::GemvInput::kSiluMul, gate_up, {}, 0.0, weight, residual);
+  return y.defined() ? y : CublasLinear(SiluMul(gate_up), weight, residual);
 }
 
 }  // namespace vlmgraph::ops
