@@ -102,7 +102,10 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       }
       p.value().set_requires_grad(spec.train);
       if (!spec.train) continue;
-      p.value().mutable_grad() = at::zeros_like(p.value());
+      // float32: a persistent .grad that backward accumulates into and the optimizer reads.
+      // bfloat16: no persistent .grad (see Note [Transient bf16 gradients]); a float32
+      // accumulator instead.
+      if (!mixed) p.value().mutable_grad() = at::zeros_like(p.value());
       at::Tensor master_grad = mixed ? at::zeros_like(master) : p.value().grad();
       g.names.push_back(p.key());
       g.params.push_back(master);
@@ -111,7 +114,6 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       g.exp_avg_sq.push_back(at::zeros_like(master));
       g.steps.push_back(at::zeros({}, f32));
       params_.push_back(p.value());
-      grads_.push_back(p.value().grad());
       master_params_.push_back(master);
       master_grads_.push_back(master_grad);
       master_weights_.emplace_back(p.key(), master);
@@ -188,14 +190,37 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
   at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
   at::Tensor loss = ce / count / static_cast<double>(options_.grad_accum_steps);
-  loss.backward();
-  if (mixed_precision()) {
-    // This micro-batch's bf16 gradients join the float32 accumulators; the bf16 .grad tensors
-    // start the next micro-batch at zero.
-    at::NoGradGuard no_grad;
-    at::_foreach_add_(master_grads_, grads_);
-    at::_foreach_zero_(grads_);
+  if (!mixed_precision()) {
+    loss.backward();  // accumulates into the persistent float32 .grad tensors
+    return {loss.detach()};
   }
+  // Note [Transient bf16 gradients]: the bf16 working parameters have no persistent .grad. With
+  // .grad undefined, autograd's AccumulateGrad steals each freshly computed gradient instead of
+  // adding it into an existing buffer, which took one bf16 add kernel per parameter per micro-step
+  // plus zeroing the buffers afterwards. Those gradients live only until they are added into the
+  // float32 accumulators, then go back to the allocator; inside a capture they are graph-pool
+  // blocks whose addresses the capture fixes and every replay reuses, and none outlives the capture
+  // (the only outputs are the returned tensors). A parameter that gets no gradient (not reached by
+  // this loss) is skipped. The list of parameters that get one depends only on the model and the
+  // trained groups, not on the batch's values (a graph always encodes its whole tile buffer), so
+  // the adds a capture records stay right on every replay. Eager runs rebuild the list each time:
+  // a micro-batch without tiles leaves the vision encoder without gradients.
+  for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+  loss.backward();
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> accumulators, grads;
+    accumulators.reserve(params_.size());
+    grads.reserve(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const at::Tensor& grad = params_[i].grad();
+      if (!grad.defined()) continue;
+      accumulators.push_back(master_grads_[i]);
+      grads.push_back(grad);
+    }
+    if (!grads.empty()) at::_foreach_add_(accumulators, grads);
+  }
+  for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
   return {loss.detach()};
 }
 
@@ -251,8 +276,7 @@ void Trainer::Warmup() {
                    seconds * 1e3);
     }
   }
-  at::_foreach_zero_(grads_);
-  if (mixed_precision()) at::_foreach_zero_(master_grads_);
+  at::_foreach_zero_(master_grads_);  // the model's .grad tensors in float32 mode
   SynchronizeDevice(options_.device);
   if (options_.log_captures) {
     std::fprintf(

@@ -1,13 +1,14 @@
 // engine/trainer.h: training steps replayed from CUDA graphs, one per training bucket.
 //
-// A training step is: for each micro-batch (gradient accumulation), forward + loss + backward into
-// persistent .grad tensors; then gradient-norm clipping, AdamW and zeroing the gradients in place.
-// On CUDA with graphs on, each micro-batch bucket (batch x seq) is one captured graph and the
-// optimizer part another; every tensor they touch keeps its address (grads zeroed in place,
-// optimizer state preallocated, learning rates and step counters are device tensors), so a
-// learning-rate schedule changes the rate without recapture. CPU, graphs off, or a micro-batch
-// larger than every bucket run the same code eagerly. On CUDA each micro-batch (ids, targets, tiles
-// in the compute dtype) is staged in pinned host memory and copied asynchronously.
+// A training step is: for each micro-batch (gradient accumulation), forward + loss + backward,
+// accumulating into persistent float32 gradients; then gradient-norm clipping, AdamW and zeroing
+// the gradients in place. On CUDA with graphs on, each micro-batch bucket (batch x seq) is one
+// captured graph and the optimizer part another; every persistent tensor they touch keeps its
+// address (gradients zeroed in place, optimizer state preallocated, learning rates and step
+// counters are device tensors), so a learning-rate schedule changes the rate without recapture.
+// CPU, graphs off, or a micro-batch larger than every bucket run the same code eagerly. On CUDA
+// each micro-batch (ids, targets, tiles in the compute dtype) is staged in pinned host memory and
+// copied asynchronously.
 //
 //   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;
 //   Trainer trainer(LoadModel(dir), opt);  // keeps its own copy and float32 master weights
@@ -27,16 +28,19 @@
 //   (weight, grad, exp_avg, exp_avg_sq).
 // - bfloat16 (CPU or CUDA): bf16 working weights + float32 master weights, as NVIDIA Apex amp O2
 //   and Megatron-LM do (Micikevicius et al. 2018, "Mixed Precision Training"). The model's
-//   parameters are bf16 with persistent bf16 .grad tensors; the forward and backward run in bf16
-//   without autocast (the loss upcasts the logits to float32). The trainer owns float32 masters,
-//   float32 gradient accumulators and the float32 AdamW state. Each micro-step ends with
-//   accumulator += bf16 grad and bf16 grad = 0, so accumulation over micro-batches is float32;
-//   the optimizer part clips the accumulators, runs AdamW on the masters, copies the masters
-//   into the bf16 weights (round to nearest even) and zeroes the accumulators. 20 device bytes per
-//   trained parameter (bf16 weight 2 + bf16 grad 2 + master 4 + accumulator 4 + exp_avg 4 +
-//   exp_avg_sq 4: the 16 of ZeRO, Rajbhandari et al. 2020, plus Megatron-LM's float32 main_grad
-//   accumulator), 2 per frozen one (plus a float32 host copy of it when the source model was not
-//   bf16, so checkpoints stay exact).
+//   parameters are bf16; the forward and backward run in bf16 without autocast (the loss upcasts
+//   the logits to float32). The trainer owns float32 masters, float32 gradient accumulators and
+//   the float32 AdamW state. The bf16 parameters have no persistent .grad: backward produces
+//   transient bf16 gradients that each micro-step adds into the accumulators and then releases
+//   (Note [Transient bf16 gradients] in trainer.cc), so accumulation over micro-batches is float32
+//   and no kernel adds into or zeroes a bf16 gradient; the optimizer part clips the accumulators,
+//   runs AdamW on the masters, copies the masters into the bf16 weights (round to nearest even)
+//   and zeroes the accumulators. 18 persistent device bytes per trained parameter (bf16 weight 2 +
+//   master 4 + accumulator 4 + exp_avg 4 + exp_avg_sq 4: the 16 of ZeRO, Rajbhandari et al. 2020,
+//   with Megatron-LM's float32 main_grad accumulator in place of a float32 grad, plus the bf16
+//   weight), plus up to 2 transient bytes (its bf16 gradient) during a backward; 2 per frozen one
+//   (plus a float32 host copy of it when the source model was not bf16, so checkpoints stay
+//   exact).
 //   SaveCheckpoint's model.safetensors and master_weights() carry the float32 masters;
 //   optimizer.safetensors keeps its format (float32 exp_avg, exp_avg_sq, step). Against autocast
 //   over float32 weights, each weight is rounded to bf16 once per step instead of once per use,
@@ -135,6 +139,9 @@ class Trainer {
   const std::vector<std::pair<std::string, at::Tensor>>& master_weights() const {
     return master_weights_;
   }
+  // float32 gradient accumulator of each master weight, in master_weights() order (the .grad of
+  // the parameters in float32 mode). All zero between steps: the optimizer part zeroes them.
+  const std::vector<at::Tensor>& gradient_accumulators() const { return master_grads_; }
   int64_t steps() const { return steps_; }
   int64_t captures() const { return captures_; }
   int64_t replays() const { return replays_; }
@@ -161,9 +168,10 @@ class Trainer {
   VisionLanguageModel model_;
   TrainOptions options_;
   std::vector<Group> groups_;
-  // Working parameters and their .grad (compute dtype); masters and accumulators (float32). In
-  // float32 mode master_params_/master_grads_ alias params_/grads_.
-  std::vector<at::Tensor> params_, grads_, master_params_, master_grads_;
+  // Working parameters (compute dtype); masters and gradient accumulators (float32). In float32
+  // mode master_params_ aliases params_ and master_grads_ are the parameters' .grad tensors; in
+  // bfloat16 mode the parameters' .grad is undefined outside a backward.
+  std::vector<at::Tensor> params_, master_params_, master_grads_;
   std::vector<std::pair<std::string, at::Tensor>> master_weights_;
   // bfloat16 mode: float32 host copies of frozen parameters whose source was not bf16.
   std::map<std::string, at::Tensor> frozen_float32_;

@@ -265,6 +265,67 @@ TEST(Trainer, BFloat16GradientAccumulationMatchesOneBigBatch) {
   EXPECT_LT(whole_vs_float32, 0.05);
 }
 
+// The fixture row `r` without its image: image tokens (and their targets) dropped, no tiles.
+TrainExample TextOnly(const VlmConfig& cfg, int64_t r) {
+  const TrainExample e = FixtureBatch().at(r);
+  TrainExample out;
+  for (size_t i = 0; i < e.input_ids.size(); ++i) {
+    if (e.input_ids[i] == cfg.image_token_id) continue;
+    out.input_ids.push_back(e.input_ids[i]);
+    out.targets.push_back(e.targets[i]);
+  }
+  return out;
+}
+
+// bf16 parameters have no .grad outside a backward, and the accumulators are zero between steps.
+void ExpectNoBFloat16GradsAndZeroAccumulators(Trainer& t, const std::string& when) {
+  auto working = t.model()->named_parameters();
+  const auto& accumulators = t.gradient_accumulators();
+  ASSERT_EQ(accumulators.size(), t.master_weights().size());
+  for (size_t i = 0; i < accumulators.size(); ++i) {
+    const std::string& name = t.master_weights()[i].first;
+    EXPECT_TRUE(working[name].requires_grad()) << name;
+    EXPECT_FALSE(working[name].grad().defined()) << name << " " << when;
+    EXPECT_EQ(accumulators[i].scalar_type(), at::kFloat) << name;
+    EXPECT_TRUE(accumulators[i].sizes().equals(working[name].sizes())) << name;
+    EXPECT_EQ(accumulators[i].count_nonzero().item<int64_t>(), 0) << name << " " << when;
+  }
+}
+
+TEST(Trainer, BFloat16GradientsAreTransient) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const VlmConfig& cfg = m->cfg;
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.compute_dtype = at::kBFloat16;
+  o.grad_accum_steps = 2;
+  o.weight_decay = 0;  // a parameter without gradient then keeps its value exactly
+  Trainer t(m, o);
+  ExpectNoBFloat16GradsAndZeroAccumulators(t, "before training");
+  const auto before = Masters(t);
+  // Without tiles the eager step never reaches the vision encoder or the projector: their
+  // parameters get no gradient, which must count as zero (fresh AdamW moments stay zero, so with
+  // zero weight decay those masters do not move) while the language model learns.
+  const TrainStepResult r = t.Step({TextOnly(cfg, 0), TextOnly(cfg, 1)});
+  EXPECT_TRUE(std::isfinite(r.loss));
+  ExpectNoBFloat16GradsAndZeroAccumulators(t, "after a text-only step");
+  const auto after_text = Masters(t);
+  for (const auto& [name, w] : after_text) {
+    if (name.rfind("vision_encoder.", 0) == 0 || name.rfind("MP.", 0) == 0)
+      EXPECT_TRUE(at::equal(w, before.at(name))) << name;
+  }
+  EXPECT_FALSE(at::equal(after_text.at("decoder.blocks.0.mlp.up_proj.weight"),
+                         before.at("decoder.blocks.0.mlp.up_proj.weight")));
+  // With images every group gets gradients, and they are gone again after the step.
+  t.Step(FixtureBatch());
+  ExpectNoBFloat16GradsAndZeroAccumulators(t, "after a step with images");
+  ExpectWorkingIsRoundedMaster(t, "after a step with images");
+  const auto after_images = Masters(t);
+  for (const char* name : {"vision_encoder.blocks.0.mlp.fc1.weight", "MP.proj.weight",
+                           "decoder.blocks.0.mlp.up_proj.weight"}) {
+    EXPECT_FALSE(at::equal(after_images.at(name), after_text.at(name))) << name;
+  }
+}
+
 TEST(Trainer, BFloat16CheckpointHoldsTheFloat32Masters) {
   namespace fs = std::filesystem;
   const fs::path dir =
