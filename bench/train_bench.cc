@@ -1,6 +1,6 @@
 // bench/train_bench.cc: training step time of a preset (default nanovlm-460m, random weights) at
 // batch 8 x 256 tokens with one 512px image tile per sample (64 image tokens + 192 text tokens),
-// AdamW, bf16 autocast with float32 master weights; eager vs CUDA graphs.
+// AdamW, bf16 working weights with float32 master weights (engine/trainer.h); eager vs CUDA graphs.
 //
 //   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json
 //   out.json] [--mode graph|eager|both] [--profile-trace PATH]

@@ -396,10 +396,12 @@ __global__ void __launch_bounds__(kAttnThreads)
 // so the products see the same rounded inputs as the unfused kernels.
 enum GemvPrologue : int { kGemvPlain = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
 constexpr int kGemvWarps = 8;
-constexpr int kGemvChunks = 12;  // k <= 3072 (bf16) in one pass
 
-template <typename T, int M, int P>
-__global__ void __launch_bounds__(kGemvWarps * 32)
+// kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
+// pass; few registers, so about 4 blocks fit on an SM and a 5120-column GEMV runs in one wave) or
+// 12 (longer rows, fewer passes).
+template <typename T, int M, int P, int kGemvChunks>
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
     GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
                const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
                int n, int k) {
@@ -623,9 +625,10 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
   const T* rp = static_cast<const T*>(residual);
   T* yp = static_cast<T*>(y);
   const int ri = static_cast<int>(rows), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const bool short_rows = k * sizeof(T) <= 4 * 32 * 16;  // one pass of 4 chunks per lane
 #define VLMGRAPH_GEMV_CASE(M)                                                                 \
   if (rows <= M) {                                                                            \
-    auto kernel = GemvKernel<T, M, P>;                                                        \
+    auto kernel = short_rows ? GemvKernel<T, M, P, 4> : GemvKernel<T, M, P, 12>;              \
     cudaError_t e = AllowSharedMemory(kernel, smem);                                          \
     if (e != cudaSuccess) return e;                                                           \
     return LaunchMaybePdl(kernel, grid, block, smem, s, xp, gp, eps, wp, rp, yp, ri, ni, ki); \
