@@ -3,7 +3,7 @@
 // AdamW, bf16 working weights with float32 master weights (engine/trainer.h); eager vs CUDA graphs.
 //
 //   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json
-//   out.json] [--mode graph|eager|both] [--profile-trace PATH]
+//   out.json] [--mode graph|eager|both] [--profile-trace PATH] [--sdpa default|no-cudnn]
 //
 // Figures: first step (including capture for graphs, from Trainer construction), median of the
 // following steps, peak device memory allocated and reserved over the run.
@@ -75,7 +75,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string preset = "nanovlm-460m", json, mode = "both", profile_trace;
+  std::string preset = "nanovlm-460m", json, mode = "both", profile_trace, sdpa = "default";
   int64_t batch = 8, seq = 256;
   int steps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -90,6 +90,8 @@ int main(int argc, char** argv) {
       steps = std::stoi(v);
     else if (k == "--json")
       json = v;
+    else if (k == "--sdpa")
+      sdpa = v;  // default | no-cudnn: PyTorch's own flash attention instead of cuDNN's
     else if (k == "--profile-trace")
       profile_trace = v;  // Chrome trace of 3 steps per mode: PATH.<mode>.json
     else if (k == "--mode")
@@ -99,7 +101,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "needs a CUDA device\n");
     return 1;
   }
-  nlohmann::json report = {{"preset", preset}, {"batch", batch}, {"seq", seq}};
+  if (sdpa == "no-cudnn") at::globalContext().setSDPUseCuDNN(false);
+  nlohmann::json report = {{"preset", preset}, {"batch", batch}, {"seq", seq}, {"sdpa", sdpa}};
   for (const char* m : {"graph", "eager"}) {
     if (mode != "both" && mode != m) continue;
     report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps,
