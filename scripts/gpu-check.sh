@@ -2,7 +2,8 @@
 # GPU verification from a build tree made elsewhere: the *_CUDA tests, the benchmarks (with kernel
 # traces), vlmgraph-diagnose on nanovlm-460m and the end-to-end suites with the server on the GPU.
 #
-#   scripts/gpu-check.sh BUILD_DIR OUT_DIR [part ...]     parts: tests bench train diagnose e2e e2e460
+#   scripts/gpu-check.sh BUILD_DIR OUT_DIR [part ...]
+#   parts: tests bench train diagnose e2e e2e460 e2ebf16 (default: all)
 #
 # BUILD_DIR is a build tree of this repository (scripts/test.sh's `build`, or any CMake build with
 # VLMGRAPH_WITH_CUDA, which a CPU machine with the CUDA toolkit makes, as CI does): only its
@@ -15,7 +16,7 @@ set -uo pipefail
 BIN=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 shift 2
-PARTS=${*:-tests bench train diagnose e2e e2e460}
+PARTS=${*:-tests bench train diagnose e2e e2e460 e2ebf16}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
@@ -67,7 +68,7 @@ for p in $PARTS; do
       part diagnose "$BIN/server/vlmgraph-diagnose" --set model=nanovlm-460m --set dtype=bfloat16 \
         --set device=cuda --json "$OUT/diagnose.json"
       ;;
-    e2e | e2e460)
+    e2e | e2e460 | e2ebf16)
       export VLMGRAPH_SERVER=$BIN/server/vlmgraph-server VLMGRAPH_GENERATE=$BIN/server/vlmgraph-generate
       export PYTHONPATH=$ROOT/clients/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
       export VLMGRAPH_CLIENT_GEN_DIR=/tmp/vlmgraph-e2e-gen VLMGRAPH_E2E_TMP=/tmp/vlmgraph-e2e
@@ -75,6 +76,10 @@ for p in $PARTS; do
       if [ "$p" = e2e ]; then
         for s in cuda_graphs generate image errors train shutdown; do
           part "e2e_$s" python3 tests/e2e/run.py "test_$s"
+        done
+      elif [ "$p" = e2ebf16 ]; then  # the server in bf16: graphs, and bf16 master-weight training
+        for s in cuda_graphs train digits; do
+          VLMGRAPH_E2E_DTYPE=bfloat16 part "e2e_bf16_$s" python3 tests/e2e/run.py "test_$s"
         done
       else
         VLMGRAPH_E2E_GPU_CONFIG=$ROOT/deploy/config.yaml part e2e_cuda_graphs_460m \

@@ -33,6 +33,9 @@ IN_CI = os.environ.get("CI") == "true"
 # a GPU, with CUDA graphs); the step-latency metric's mode label that its regions report.
 DEVICE = os.environ.get("VLMGRAPH_E2E_DEVICE", "cpu")
 STEP_MODE = "eager" if DEVICE == "cpu" else "graph"
+# dtype of every test server whose config names none (VLMGRAPH_E2E_DTYPE=bfloat16 on a GPU runs the
+# server, and the Train RPC's bf16 master-weight training, in bfloat16); unset: the server default.
+DTYPE = os.environ.get("VLMGRAPH_E2E_DTYPE")
 CPU_DEFAULT_BUCKETS = {"batch_sizes": [1, 2, 4, 8], "seq_lens": [32, 64, 128, 256],
                        "context_lens": [128, 256, 512], "tile_counts": [1, 2, 4, 8, 17],
                        "train_batch_sizes": [1, 2, 4, 8], "train_seq_lens": [64, 128, 256]}
@@ -72,6 +75,8 @@ class Server:
         self.dir = scratch_dir(name)
         self.config_path = config_file or os.path.join(self.dir, "config.yaml")
         config = dict(config or {})
+        if DTYPE and "dtype" not in config:
+            config["dtype"] = DTYPE
         if "device" not in config:
             config["device"] = DEVICE
             if DEVICE != "cpu":

@@ -9,7 +9,8 @@ import unittest
 
 from e2e_util import ROOT, Server, require, scratch_dir
 
-DIGITS_CSV = "/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz"
+DIGITS_CSV = os.environ.get("VLMGRAPH_DIGITS_CSV",
+                            "/usr/lib/python3/dist-packages/sklearn/datasets/data/digits.csv.gz")
 SCRIPT = os.path.join(ROOT, "clients", "python", "examples", "train_digits.py")
 
 
@@ -20,7 +21,7 @@ class DigitsTest(unittest.TestCase):
         server = Server(name="digits").start()
         try:
             proc = subprocess.run([sys.executable, SCRIPT, "--address", server.address, "--steps", "150",
-                                   "--out", out, "--min-accuracy", "0.6"], capture_output=True, text=True, timeout=600)
+                                   "--out", out, "--min-accuracy", "0.6", "--digits", DIGITS_CSV], capture_output=True, text=True, timeout=600)
             self.assertEqual(proc.returncode, 0, f"train_digits failed:\n{proc.stdout}\n{proc.stderr}")
         finally:
             self.assertEqual(server.stop(), 0)
