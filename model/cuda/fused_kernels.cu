@@ -123,21 +123,6 @@ __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float sca
   }
 }
 
-// Loads D elements of a row into float registers with 16-byte vector loads (rows are 16-byte
-// aligned: the cache's last dim is contiguous and D * sizeof(T) is a multiple of 16 for D >= 8).
-template <typename T, int D>
-__device__ __forceinline__ void LoadRow(const T* row, float* out) {
-  constexpr int kPer = 16 / sizeof(T);
-  const uint4* v = reinterpret_cast<const uint4*>(row);
-#pragma unroll
-  for (int c = 0; c < D / kPer; ++c) {
-    uint4 chunk = v[c];
-    const T* e = reinterpret_cast<const T*>(&chunk);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) out[c * kPer + k] = ToFloat(e[k]);
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void StoreVec(T* dst, const float* v) {
   constexpr int kVec = 16 / sizeof(T);
