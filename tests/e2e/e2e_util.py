@@ -141,6 +141,14 @@ class Server:
             self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def finish(self, client=None):
+        """A suite's end: closes `client`, SIGTERM, cleanup; the server must have exited with 0."""
+        if client is not None:
+            client.close()
+        status = self.stop()
+        self.cleanup()
+        assert status == 0, f"server exit status {status}"
+
     # --- metrics -------------------------------------------------------------------------------
 
     def metrics_text(self):

@@ -34,10 +34,7 @@ class CudaGraphServingTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.client.close()
-        status = cls.server.stop()
-        cls.server.cleanup()
-        assert status == 0, f"server exit status {status}"
+        cls.server.finish(cls.client)
 
     def requests(self, rng, n):
         """n requests of mixed shapes that all fit the configured buckets."""

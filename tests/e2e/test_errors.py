@@ -47,10 +47,7 @@ class ErrorsTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.client.close()
-        status = cls.server.stop()
-        cls.server.cleanup()
-        assert status == 0, f"server exit status {status}"
+        cls.server.finish(cls.client)
 
     @classmethod
     def sampled(cls):
@@ -135,6 +132,21 @@ class ErrorsTest(unittest.TestCase):
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
         self.wait_idle()
 
+    def run_client_until(self, script, marker):
+        """Runs `script` (argv[1] = server address) in its own Python process until it prints
+        `marker`, then kills it without closing its calls, as a client that disappears does."""
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.join(ROOT, "clients", "python")] + sys.path))
+        proc = subprocess.Popen([sys.executable, "-c", script, self.server.address], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        try:
+            self.assertEqual(proc.stdout.readline().strip(), marker)
+            proc.kill()
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
     def test_client_that_vanishes_mid_stream(self):
         before = self.server.metric("vlmgraph_requests_total", rpc="Generate", code="CANCELLED")
         script = (
@@ -145,17 +157,7 @@ class ErrorsTest(unittest.TestCase):
             "next(iter(call))\n"
             "print('streaming', flush=True)\n"
             "time.sleep(60)\n")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.join(ROOT, "clients", "python")] + sys.path))
-        proc = subprocess.Popen([sys.executable, "-c", script, self.server.address], stdout=subprocess.PIPE,
-                                text=True, env=env)
-        try:
-            self.assertEqual(proc.stdout.readline().strip(), "streaming")
-            proc.kill()
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        self.run_client_until(script, "streaming")
         self.server.wait_metric("vlmgraph_requests_total", lambda v: v >= before + 1, rpc="Generate", code="CANCELLED")
         self.wait_idle()
 
@@ -174,17 +176,7 @@ class ErrorsTest(unittest.TestCase):
             "next(responses)\n"
             "print('training', flush=True)\n"
             "time.sleep(60)\n")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.join(ROOT, "clients", "python")] + sys.path))
-        proc = subprocess.Popen([sys.executable, "-c", script, self.server.address], stdout=subprocess.PIPE,
-                                text=True, env=env)
-        try:
-            self.assertEqual(proc.stdout.readline().strip(), "training")
-            proc.kill()
-            proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        self.run_client_until(script, "training")
         self.server.wait_metric("vlmgraph_requests_total", lambda v: v == before + 1, rpc="Train", code="CANCELLED")
         # The job ended with its client: a new one is accepted.
         steps = list(self.client.train(self.client.train_config(language_learning_rate=1e-9),

@@ -25,10 +25,7 @@ class GenerateTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.client.close()
-        status = cls.server.stop()
-        cls.server.cleanup()
-        assert status == 0, f"server exit status {status}"
+        cls.server.finish(cls.client)
 
     def prompt(self, text_ids=(11, 12, 13)):
         return build_prompt(self.info, [image_tiles(self.image, self.info)], text_ids)

@@ -34,10 +34,7 @@ class TrainTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.client.close()
-        status = cls.server.stop()
-        cls.server.cleanup()
-        assert status == 0, f"server exit status {status}"
+        cls.server.finish(cls.client)
 
     def config(self, lr=2e-3):
         return self.client.train_config(language_learning_rate=lr, vision_learning_rate=lr, projector_learning_rate=lr,
