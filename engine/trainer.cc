@@ -114,7 +114,6 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       g.exp_avg_sq.push_back(at::zeros_like(master));
       g.steps.push_back(at::zeros({}, f32));
       params_.push_back(p.value());
-      master_params_.push_back(master);
       master_grads_.push_back(master_grad);
       master_weights_.emplace_back(p.key(), master);
     }
@@ -238,7 +237,12 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
                       options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
                       /*maximize=*/false);
   }
-  if (mixed_precision()) at::_foreach_copy_(params_, master_params_);  // round to the bf16 weights
+  if (mixed_precision()) {  // round the masters to the bf16 working weights
+    std::vector<at::Tensor> masters;
+    masters.reserve(master_weights_.size());
+    for (const auto& named : master_weights_) masters.push_back(named.second);
+    at::_foreach_copy_(params_, masters);
+  }
   at::_foreach_zero_(master_grads_);
   return {total.defined() ? total : at::full({}, -1.0, max_grad_norm_.options())};
 }
@@ -407,8 +411,9 @@ void Trainer::SaveCheckpoint(const std::string& dir) {
   // their working values, exact when the source was in the compute dtype), float32 buffers.
   std::map<std::string, at::Tensor> weights = frozen_float32_;
   for (const auto& [name, master] : master_weights_) weights[name] = master;
-  for (const auto& p : model_->named_parameters())
-    weights.emplace(p.key(), p.value().to(at::kFloat));
+  for (const auto& p : model_->named_parameters()) {
+    if (weights.count(p.key()) == 0) weights.emplace(p.key(), p.value().to(at::kFloat));
+  }
   for (const auto& b : model_->named_buffers()) weights.emplace(b.key(), b.value());
   SaveModel(model_->cfg, std::move(weights), dir);
   std::map<std::string, at::Tensor> state;

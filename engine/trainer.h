@@ -168,10 +168,11 @@ class Trainer {
   VisionLanguageModel model_;
   TrainOptions options_;
   std::vector<Group> groups_;
-  // Working parameters (compute dtype); masters and gradient accumulators (float32). In float32
-  // mode master_params_ aliases params_ and master_grads_ are the parameters' .grad tensors; in
-  // bfloat16 mode the parameters' .grad is undefined outside a backward.
-  std::vector<at::Tensor> params_, master_params_, master_grads_;
+  // Working parameters (compute dtype), their float32 gradient accumulators and their named
+  // float32 masters, in the same order. In float32 mode the masters are the parameters and the
+  // accumulators their .grad tensors; in bfloat16 mode the parameters' .grad is undefined outside
+  // a backward.
+  std::vector<at::Tensor> params_, master_grads_;
   std::vector<std::pair<std::string, at::Tensor>> master_weights_;
   // bfloat16 mode: float32 host copies of frozen parameters whose source was not bf16.
   std::map<std::string, at::Tensor> frozen_float32_;
