@@ -1,0 +1,210 @@
+// model/cuda/gemv.cu: the small-batch GEMV with its fused RMSNorm or SiLU-mul input prologue
+// (LaunchGemv in fused_kernels.h).
+#include "model/cuda/fused_kernels.h"
+#include "model/cuda/kernel_util.cuh"
+
+namespace vlmgraph::cuda {
+namespace {
+
+// ---- GEMV with a fused input prologue -----------------------------------------------------
+// y (rows, n) = f(x) W^T (+ residual), rows <= M <= 4, W (n, k) row-major. One warp per output
+// column streams its weight row with 16-byte loads, kGemvChunks of them in flight per lane, and
+// issues the first ones before waiting for the previous kernel (weights are never written by a
+// kernel). The block then stages f(x) for all rows in shared memory, in the activations' dtype:
+//   kPlain:   f(x) = x                                               x (rows, k)
+//   kRmsNorm: f(x) = T(RmsNormScale(x, rsqrt(mean(x^2) + eps), norm_w))   x (rows, k)
+//   kSiluMul: f(x) = T(SiluTimes(x[:, :k], x[:, k:]))                     x (rows, 2k)
+// so the products see the same rounded inputs as the unfused kernels.
+enum GemvPrologue : int { kGemvPlain = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
+constexpr int kGemvWarps = 8;
+
+// kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
+// pass; few registers, so about 4 blocks fit on an SM and a 5120-column GEMV runs in one wave) or
+// 12 (longer rows, fewer passes).
+template <typename T, int M, int P, int kGemvChunks>
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
+    GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
+               const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
+               int n, int k) {
+  constexpr int kVec = 16 / sizeof(T);
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, k) f(x)
+  T* gs = xs + rows * k;                    // (k) norm weight (kGemvRmsNorm)
+  __shared__ float row_ss[M];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int col = blockIdx.x * kGemvWarps + warp;
+  const bool active = col < n;
+  const uint4* wr = reinterpret_cast<const uint4*>(w + int64_t(active ? col : 0) * k);
+  const int vecs = k / kVec;
+  // Parameters are never written by a kernel: load them before waiting for the previous one.
+  uint4 wreg[kGemvChunks];
+#pragma unroll
+  for (int c = 0; c < kGemvChunks; ++c) {
+    const int v = c * 32 + lane;
+    if (active && v < vecs) wreg[c] = __ldg(wr + v);
+  }
+  if (P == kGemvRmsNorm) {
+    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
+    }
+    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
+    __syncthreads();
+  }
+  WaitForPrerequisites();
+  // One pass over x (its only read from global memory): copy, or SiLU-mul, or copy while summing
+  // squares per row for the norm, which is then applied in shared memory.
+  float ss[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) ss[m] = 0.f;
+  for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+    const int m = i / vecs, c = (i - m * vecs) * kVec;
+    if (P == kGemvPlain) {
+      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] =
+          reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
+    } else if (P == kGemvRmsNorm) {
+      const uint4 raw = reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
+      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] = raw;
+      const T* e = reinterpret_cast<const T*>(&raw);
+      float part = 0.f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) part += ToFloat(e[j]) * ToFloat(e[j]);
+#pragma unroll
+      for (int mm = 0; mm < M; ++mm) {
+        if (mm == m) ss[mm] += part;
+      }
+    } else {
+      float e[kVec], u[kVec];
+      LoadVec(x + int64_t(m) * 2 * k + c, e);
+      LoadVec(x + int64_t(m) * 2 * k + k + c, u);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = SiluTimes(e[j], u[j]);
+      StoreVec(xs + m * k + c, e);
+    }
+  }
+  if (P == kGemvRmsNorm) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+      if (lane == 0 && m < rows) atomicAdd(&row_ss[m], ss[m]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+      const int m = i / vecs, c = (i - m * vecs) * kVec;
+      const float r = rsqrtf(row_ss[m] / k + eps);
+      float e[kVec], g[kVec];
+      LoadVec(xs + m * k + c, e);
+      LoadVec(gs + c, g);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) e[j] = RmsNormScale<T>(e[j], r, g[j]);
+      StoreVec(xs + m * k + c, e);
+    }
+  }
+  __syncthreads();
+  AllowDependentsToLaunch();
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int first = 0; first < vecs; first += kGemvChunks * 32) {
+    if (first > 0) {
+#pragma unroll
+      for (int c = 0; c < kGemvChunks; ++c) {
+        const int v = first + c * 32 + lane;
+        if (active && v < vecs) wreg[c] = __ldg(wr + v);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kGemvChunks; ++c) {
+      const int v = first + c * 32 + lane;
+      if (!active || v >= vecs) continue;
+      const T* we = reinterpret_cast<const T*>(&wreg[c]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (m < rows) {
+          const uint4 xv = reinterpret_cast<const uint4*>(xs + m * k)[v];
+          const T* xe = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[m] += ToFloat(we[e]) * ToFloat(xe[e]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  }
+  if (active && lane == 0) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m < rows) {
+        const float r = residual ? ToFloat(residual[int64_t(m) * n + col]) : 0.f;
+        y[int64_t(m) * n + col] = FromFloat<T>(acc[m] + r);
+      }
+    }
+  }
+}
+
+template <typename T, int P>
+cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* w,
+                      const void* residual, void* y, int64_t rows, int64_t n, int64_t k,
+                      cudaStream_t s) {
+  const size_t smem = size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * k * sizeof(T);
+  const dim3 grid(static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps));
+  const dim3 block(kGemvWarps * 32);
+  const T* xp = static_cast<const T*>(x);
+  const T* gp = static_cast<const T*>(norm_w);
+  const T* wp = static_cast<const T*>(w);
+  const T* rp = static_cast<const T*>(residual);
+  T* yp = static_cast<T*>(y);
+  const int ri = static_cast<int>(rows), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const bool short_rows = k * sizeof(T) <= 4 * 32 * 16;  // one pass of 4 chunks per lane
+#define VLMGRAPH_GEMV_CASE(M)                                                                 \
+  if (rows <= M) {                                                                            \
+    auto kernel = short_rows ? GemvKernel<T, M, P, 4> : GemvKernel<T, M, P, 12>;              \
+    cudaError_t e = AllowSharedMemory(kernel, smem);                                          \
+    if (e != cudaSuccess) return e;                                                           \
+    return LaunchMaybePdl(kernel, grid, block, smem, s, xp, gp, eps, wp, rp, yp, ri, ni, ki); \
+  }
+  VLMGRAPH_GEMV_CASE(1)
+  VLMGRAPH_GEMV_CASE(2)
+  VLMGRAPH_GEMV_CASE(4)
+#undef VLMGRAPH_GEMV_CASE
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
+                       const void* w, const void* residual, void* y, int64_t rows, int64_t n,
+                       int64_t k, cudaStream_t stream) {
+  const int64_t elem = bf16 ? 2 : 4;
+  auto aligned = [](const void* p) {
+    return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  };
+  if (rows > kMaxGemvRows || (k * elem) % 16 != 0 || !aligned(x) || !aligned(w) ||
+      !aligned(residual) || !aligned(y) || !aligned(norm_w) ||
+      (input == GemvInput::kRmsNorm && norm_w == nullptr) ||
+      (rows + 1) * k * elem > kMaxGemvSharedBytes) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || n == 0) return cudaSuccess;
+  switch (input) {
+    case GemvInput::kPlain:
+      return bf16
+                 ? GemvTyped<__nv_bfloat16, kGemvPlain>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                        stream)
+                 : GemvTyped<float, kGemvPlain>(x, norm_w, eps, w, residual, y, rows, n, k, stream);
+    case GemvInput::kRmsNorm:
+      return bf16 ? GemvTyped<__nv_bfloat16, kGemvRmsNorm>(x, norm_w, eps, w, residual, y, rows, n,
+                                                           k, stream)
+                  : GemvTyped<float, kGemvRmsNorm>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                   stream);
+    case GemvInput::kSiluMul:
+      return bf16 ? GemvTyped<__nv_bfloat16, kGemvSiluMul>(x, norm_w, eps, w, residual, y, rows, n,
+                                                           k, stream)
+                  : GemvTyped<float, kGemvSiluMul>(x, norm_w, eps, w, residual, y, rows, n, k,
+                                                   stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace vlmgraph::cuda

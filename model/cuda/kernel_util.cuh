@@ -1,0 +1,155 @@
+// model/cuda/kernel_util.cuh: what the fused kernels' .cu files share: element conversion, block
+// reductions, 16-byte vector loads, the formulas that the separate and the fused kernels must
+// round alike, and programmatic dependent launch. Device code and launch helpers only; included
+// by model/cuda/*.cu, never by host-only sources.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace vlmgraph::cuda {
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+
+// Sum (or max) over the block; every thread gets the result. `scratch` holds >= 32 floats.
+template <bool kMax>
+__device__ float BlockReduce(float v, float* scratch) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : (kMax ? -INFINITY : 0.f);
+  for (int o = 16; o > 0; o >>= 1) {
+    float other = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? fmaxf(v, other) : v + other;
+  }
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreVec(T* dst, const float* v) {
+  constexpr int kVec = 16 / sizeof(T);
+  uint4 packed;
+  T* e = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) e[i] = FromFloat<T>(v[i]);
+  *reinterpret_cast<uint4*>(dst) = packed;
+}
+
+template <typename T>
+__device__ __forceinline__ void LoadVec(const T* src, float* v) {
+  constexpr int kVec = 16 / sizeof(T);
+  const uint4 packed = *reinterpret_cast<const uint4*>(src);
+  const T* e = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = ToFloat(e[i]);
+}
+
+// ---- Programmatic dependent launch (Hopper and newer; no-ops before sm_90) -------------------
+// A kernel launched with the programmatic-stream-serialization attribute may start while the
+// previous kernel of the stream is still running. It must call WaitForPrerequisites() before it
+// reads anything an earlier kernel wrote or writes anything at all; work before that point (here:
+// streaming weights, which no kernel writes) overlaps the previous kernel's tail. The wait returns
+// once the previous grid has completed and its memory is visible, so as long as every kernel so
+// launched waits, each one also sees the writes of every kernel before it.
+__device__ __forceinline__ void WaitForPrerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel of the stream launch (its blocks then wait in WaitForPrerequisites).
+__device__ __forceinline__ void AllowDependentsToLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---- Formulas shared by the separate kernels and the fused ones, so both round alike ---------
+
+// RMSNorm's output before its final rounding: normalise, round to T, then scale by the weight
+// (the reference's order: T(x * r) * w). r = rsqrt(mean(x^2) + eps).
+template <typename T>
+__device__ __forceinline__ float RmsNormScale(float x, float r, float w) {
+  return ToFloat(FromFloat<T>(x * r)) * w;
+}
+
+// SwiGLU's activation: silu(g) * u.
+__device__ __forceinline__ float SiluTimes(float g, float u) { return g / (1.f + __expf(-g)) * u; }
+
+// RoPE, rotate_half form (Su et al. 2021): the pair (x1, x2) = (x[p], x[p + D/2]) of a head at
+// position pos, angle pos * inv_freq[p], both factors scaled by `scaling`.
+__device__ __forceinline__ void Rotate(float x1, float x2, int64_t pos, float inv_freq,
+                                       float scaling, float* y1, float* y2) {
+  float s, c;
+  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
+  c *= scaling;
+  s *= scaling;
+  *y1 = x1 * c - x2 * s;
+  *y2 = x2 * c + x1 * s;
+}
+
+// Whether launches use programmatic stream serialization: compute capability >= 9.0 and
+// VLMGRAPH_PDL is not "0".
+inline bool PdlEnabled() {
+  static const bool disabled = [] {
+    const char* e = std::getenv("VLMGRAPH_PDL");
+    return e != nullptr && std::strcmp(e, "0") == 0;
+  }();
+  if (disabled) return false;
+  static std::atomic<int> major[64];  // 0 = not asked yet, -1 = unknown
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  int m = major[dev].load(std::memory_order_relaxed);
+  if (m == 0) {
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) m = -1;
+    major[dev].store(m, std::memory_order_relaxed);
+  }
+  return m >= 9;
+}
+
+// Launches `kernel` with programmatic stream serialization when PdlEnabled(); a plain launch
+// otherwise.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchMaybePdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = PdlEnabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
+}
+
+}  // namespace vlmgraph::cuda
