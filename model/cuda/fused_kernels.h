@@ -1,4 +1,5 @@
-// model/cuda/fused_kernels.h: launchers for vlmgraph's fused CUDA kernels (fused_kernels.cu).
+// model/cuda/fused_kernels.h: launchers for vlmgraph's fused CUDA kernels (fused_kernels.cu,
+// decode_attention.cu, gemv.cu).
 // Plain pointers and sizes, no ATen, so the .cu compiles with nvcc alone. Every launcher queues
 // work on `stream` and returns cudaGetLastError(); shapes are documented at each launcher and
 // checked by the ATen wrappers in fused_ops_cuda.cc. `bf16` selects __nv_bfloat16 elements,
