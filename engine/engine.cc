@@ -311,6 +311,12 @@ int64_t Engine::ActiveSequences() const {
   return static_cast<int64_t>(slots_.size()) - FreeSlots();
 }
 
+at::Tensor Engine::ToDevice(const at::Tensor& tiles) const {
+  // Copy first, convert on the device: a CPU-to-GPU copy that changes dtype converts on the CPU,
+  // which for a 512x512 tile costs milliseconds of the request's time to first token.
+  return tiles.to(options_.device).to(options_.dtype);
+}
+
 void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
   Buffers& buf = *buffers_;
   const int64_t tokens = model_->cfg.mp_image_token_length;
@@ -336,7 +342,7 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
     real += r->input_ids.size();
     if (r->tiles.defined() && r->tiles.numel() > 0) tiles.push_back(r->tiles);
   }
-  if (!tiles.empty()) RunVision(at::cat(tiles, 0).to(options_.dtype), 0);
+  if (!tiles.empty()) RunVision(ToDevice(at::cat(tiles, 0)), 0);
   const BucketKey key = *options_.buckets.PickPrefill(n, max_len);
   // Host-side padding: rows right-padded with the pad id; padding rows write the scratch KV row.
   // Causal attention means real tokens never see the right padding, so their logits equal an
@@ -369,7 +375,7 @@ at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot)
   auto dev_long = at::TensorOptions().dtype(at::kLong).device(options_.device);
   at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
   at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
-                         ? request.tiles.to(options_.device, options_.dtype)
+                         ? ToDevice(request.tiles)
                          : at::Tensor();
   at::Tensor slots = at::full({1}, slot, dev_long);
   return RunEagerFallback(
@@ -580,7 +586,7 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
     VisionLanguageModelImpl* m = model_.get();
     at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
     at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
-                           ? request.tiles.to(options_.device, options_.dtype)
+                           ? ToDevice(request.tiles)
                            : at::Tensor();
     result.bucket = BucketKey{Region::kPrefill, 1, len, 0};
     hidden = RunEagerFallback(

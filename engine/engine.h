@@ -122,6 +122,8 @@ class Engine {
   std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn,
                                            int64_t real_tokens);
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
+  // Request tiles (N, 3, S, S), any dtype, on the engine's device in its dtype.
+  at::Tensor ToDevice(const at::Tensor& tiles) const;
   // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
   void RunVision(const at::Tensor& tiles, int64_t row_offset);
   // Vision + prefill for requests whose prompts fit one prefill bucket; writes their KV rows.
