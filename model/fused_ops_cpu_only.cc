@@ -30,4 +30,12 @@ at::Tensor SiluMulLinear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 
+at::Tensor DecodeStack(const at::Tensor&, const DecodeStackWeights&, const at::Tensor&, int64_t,
+                       const at::Tensor&, double, double, int64_t, const at::Tensor&,
+                       const at::Tensor&, const at::Tensor&) {
+  return {};
+}
+bool DecodeStackEnabled() { return false; }
+void SetDecodeStackEnabled(bool) {}
+
 }  // namespace vlmgraph::ops

@@ -8,6 +8,13 @@
 #include "model/vision_language_model.h"
 #include "tests/test_util.h"
 
+#if VLMGRAPH_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace vlmgraph {
 namespace {
 
@@ -98,10 +105,13 @@ TEST(FusedOps, GemvAndItsProloguesMatchTheUnfusedOps_CUDA) {
       const double scale = std::max(1.0, want.abs().max().item<double>());
       return MaxAbsDiff(got, want) < (dtype == at::kFloat ? 1e-4 : scale / 64);
     };
-    // k = 2560 takes two passes of the kernel's in-flight weight loads; n = 7 leaves idle warps.
-    for (int64_t k : {64, 960, 2560}) {
+    // k = 2560 takes two passes of the kernel's in-flight weight loads; n = 7 leaves idle warps;
+    // k = 1000 ends in a partial 32-column chunk of the tensor-core GEMV.
+    for (int64_t k : {64, 960, 1000, 2560}) {
       for (int64_t n : {7, 960}) {
-        for (int64_t rows : {1, 2, 3, 4, 5, 9}) {  // 5 and 9 take the cuBLAS fallback
+        // 1-4: CUDA-core GEMV; 5-8: tensor-core GEMV in bf16 where n * k <= 2M (else and in
+        // float32 cuBLAS); 9: cuBLAS.
+        for (int64_t rows : {1, 2, 3, 4, 5, 6, 8, 9}) {
           SCOPED_TRACE(::testing::Message()
                        << c10::toString(dtype) << " k " << k << " n " << n << " rows " << rows);
           at::Tensor x = at::randn({rows, k}, opt), w = at::randn({n, k}, opt) * 0.05;
@@ -188,6 +198,180 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
       }
     }
   }
+}
+
+// ---- The one-kernel decoder stack (ops::DecodeStack) ----------------------------------------
+// Checked against the per-block kernels (themselves checked against the ATen reference above):
+// both round at the same points, so they differ only by float32 summation order.
+
+struct StackCase {
+  int64_t hidden, nh, nkv, inter, blocks, batch, kv_len;
+};
+
+VlmConfig StackConfig(const StackCase& c) {
+  VlmConfig cfg = VlmConfig::Preset("nanovlm-460m");
+  cfg.lm_hidden_dim = c.hidden;
+  cfg.lm_n_heads = c.nh;
+  cfg.lm_n_kv_heads = c.nkv;
+  cfg.lm_inter_dim = c.inter;
+  cfg.lm_n_blocks = c.blocks;
+  return cfg;
+}
+
+LanguageModel StackModel(const VlmConfig& cfg) {
+  LanguageModel lm(cfg);
+  lm->to(at::kCUDA, at::kBFloat16);
+  lm->rotary_embd->inv_freq.set_data(lm->rotary_embd->inv_freq.to(at::kFloat));
+  lm->FuseWeights();
+  return lm;
+}
+
+KVCache CloneCache(const KVCache& c) {
+  KVCache out = c;
+  for (auto& t : out.key) t = t.clone();
+  for (auto& t : out.value) t = t.clone();
+  out.attention_semaphores = c.attention_semaphores.clone();
+  out.decode_barrier = c.decode_barrier.clone();
+  return out;
+}
+
+// Positions covering the window's ends, a split boundary and random ones.
+at::Tensor StackPositions(int64_t batch, int64_t kv_len) {
+  at::Tensor p = at::randint(0, kv_len, {batch}, at::dtype(at::kLong).device(at::kCUDA));
+  p[0] = kv_len - 1;
+  if (batch > 1) p[1] = 0;
+  if (batch > 2) p[2] = std::min<int64_t>(kv_len - 1, 16);
+  return p;
+}
+
+// The stack's cache writes equal the per-block ones at each row's new position (to a bf16 ulp of
+// the projections) and leave every other position untouched.
+void ExpectSameCache(const KVCache& got, const KVCache& want, const at::Tensor& positions) {
+  for (size_t l = 0; l < got.key.size(); ++l) {
+    for (const auto* pair : {&got.key, &got.value}) {
+      const at::Tensor& g = (*pair)[l];
+      const at::Tensor& w = (pair == &got.key ? want.key : want.value)[l];
+      at::Tensor diff = (g.to(at::kFloat) - w.to(at::kFloat)).abs();
+      at::Tensor at_new = at::zeros_like(diff, diff.options().dtype(at::kBool));
+      for (int64_t b = 0; b < positions.numel(); ++b) {
+        at_new[b].select(1, positions[b].item<int64_t>()).fill_(true);
+      }
+      EXPECT_LT(diff.masked_select(at_new).max().item<float>(), 0.05) << "layer " << l;
+      EXPECT_EQ(diff.masked_select(at_new.logical_not()).max().item<float>(), 0.f)
+          << "layer " << l << ": positions other than the new token's changed";
+    }
+  }
+}
+
+void ExpectCloseHidden(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor diff = (got.to(at::kFloat) - want.to(at::kFloat)).abs();
+  // Hidden states of magnitude ~1; a few bf16 roundings flip between the two summation orders.
+  EXPECT_LT(diff.max().item<float>(), 0.08);
+  EXPECT_LT(diff.mean().item<float>(), 4e-3);
+}
+
+// Turns the experimental one-kernel stack on for a scope.
+struct DecodeStackOn {
+  DecodeStackOn() { ops::SetDecodeStackEnabled(true); }
+  ~DecodeStackOn() { ops::SetDecodeStackEnabled(false); }
+};
+
+bool HopperOrNewer() {
+#if VLMGRAPH_WITH_CUDA
+  return at::cuda::getCurrentDeviceProperties()->major >= 9;
+#else
+  return false;
+#endif
+}
+
+TEST(FusedOps, DecodeStackMatchesPerBlockKernels_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  if (!HopperOrNewer()) GTEST_SKIP() << "the one-kernel decoder stack needs sm_90";
+  DecodeStackOn stack_on;
+  // 460m shapes (15 / 5 heads, D 64) at batch 1, 3 and 8 with one to eight key splits; D 128
+  // without grouping; uneven row splits over the SMs; a model narrower than the SM count (blocks
+  // without rows).
+  const StackCase cases[] = {{960, 15, 5, 2560, 3, 1, 64},     {960, 15, 5, 2560, 3, 8, 600},
+                             {960, 15, 5, 2560, 2, 3, 1024},   {512, 4, 4, 1000, 2, 5, 300},
+                             {384, 6, 3, 1368, 2, 2, 48},      {128, 2, 1, 256, 2, 4, 100}};
+  for (const StackCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "hidden " << c.hidden << " heads " << c.nh << "/"
+                                      << c.nkv << " batch " << c.batch << " kv_len " << c.kv_len);
+    at::manual_seed(c.batch * 1000 + c.kv_len);
+    const VlmConfig cfg = StackConfig(c);
+    LanguageModel lm = StackModel(cfg);
+    at::NoGradGuard ng;
+    auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
+    KVCache cache = KVCache::Allocate(cfg, c.batch + 1, c.kv_len + 8, opt);
+    for (size_t l = 0; l < cache.key.size(); ++l) {
+      cache.key[l].normal_();
+      cache.value[l].normal_();
+    }
+    const at::Tensor positions = StackPositions(c.batch, c.kv_len);
+    const at::Tensor x = at::randn({c.batch, 1, c.hidden}, opt);
+    KVCache want_cache = CloneCache(cache);
+    ops::SetDecodeStackEnabled(false);
+    const at::Tensor want = lm->Decode(x, &want_cache, positions, c.kv_len);
+    ops::SetDecodeStackEnabled(true);
+    for (int round = 0; round < 2; ++round) {  // the grid barrier must be reusable
+      KVCache got_cache = CloneCache(cache);
+      AttentionContext ctx;
+      ctx.mode = AttentionContext::Mode::kDecode;
+      ctx.cache = &got_cache;
+      ctx.positions = positions;
+      ctx.kv_len = c.kv_len;
+      at::Tensor raw = lm->DecodeStack(x, ctx);
+      ASSERT_TRUE(raw.defined()) << "the one-kernel stack must apply to this shape";
+      ExpectCloseHidden(ops::RmsNorm(raw.view_as(x), lm->norm->weight, lm->norm->eps), want);
+      ExpectSameCache(got_cache, want_cache, positions);
+      EXPECT_EQ(got_cache.decode_barrier.item<int>(), 0);
+      // Decode takes the stack by itself.
+      KVCache again = CloneCache(cache);
+      ExpectCloseHidden(lm->Decode(x, &again, positions, c.kv_len), want);
+    }
+  }
+}
+
+TEST(FusedOps, DecodeStackReplaysFromACudaGraph_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  if (!HopperOrNewer()) GTEST_SKIP() << "the one-kernel decoder stack needs sm_90";
+#if VLMGRAPH_WITH_CUDA
+  DecodeStackOn stack_on;
+  const StackCase c{960, 15, 5, 2560, 2, 2, 256};
+  at::manual_seed(5);
+  const VlmConfig cfg = StackConfig(c);
+  LanguageModel lm = StackModel(cfg);
+  at::NoGradGuard ng;
+  auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
+  KVCache cache = KVCache::Allocate(cfg, c.batch, c.kv_len, opt);
+  for (size_t l = 0; l < cache.key.size(); ++l) {
+    cache.key[l].normal_();
+    cache.value[l].normal_();
+  }
+  at::Tensor x = at::randn({c.batch, 1, c.hidden}, opt);
+  at::Tensor positions = StackPositions(c.batch, c.kv_len);
+  at::cuda::CUDAGraph graph;
+  at::Tensor out;
+  {
+    c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+    lm->Decode(x, &cache, positions, c.kv_len);  // warm-up outside the capture
+    graph.capture_begin();
+    out = lm->Decode(x, &cache, positions, c.kv_len);
+    graph.capture_end();
+  }
+  for (int round = 0; round < 3; ++round) {  // new inputs copied into the static tensors
+    x.copy_(at::randn_like(x));
+    positions.copy_(StackPositions(c.batch, c.kv_len));
+    KVCache want_cache = CloneCache(cache);
+    ops::SetDecodeStackEnabled(false);
+    const at::Tensor want = lm->Decode(x, &want_cache, positions, c.kv_len);
+    ops::SetDecodeStackEnabled(true);
+    graph.replay();
+    ExpectCloseHidden(out, want);
+    ExpectSameCache(cache, want_cache, positions);
+    EXPECT_EQ(cache.decode_barrier.item<int>(), 0);
+  }
+#endif
 }
 
 TEST(FusedOps, CpuTensorsKeepTheReferencePath) {

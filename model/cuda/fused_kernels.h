@@ -1,5 +1,5 @@
 // model/cuda/fused_kernels.h: launchers for vlmgraph's fused CUDA kernels (fused_kernels.cu,
-// decode_attention.cu, gemv.cu).
+// decode_attention.cu, gemv.cu, decode_stack.cu).
 // Plain pointers and sizes, no ATen, so the .cu compiles with nvcc alone. Every launcher queues
 // work on `stream` and returns cudaGetLastError(); shapes are documented at each launcher and
 // checked by the ATen wrappers in fused_ops_cuda.cc. `bf16` selects __nv_bfloat16 elements,
@@ -64,14 +64,19 @@ enum class GemvInput {
   kRmsNorm,  // x (rows, k) -> T(T(x * rsqrt(mean(x^2) + eps)) * norm_w), as LaunchRmsNorm
   kSiluMul,  // x (rows, 2k) -> silu(x[:, :k]) * x[:, k:], as LaunchSiluMul
 };
-// Measured on an H100 at nanovlm-460m shapes (bench/decode_ops_bench.cc): the GEMV beats
-// cuBLAS up to 4 rows and loses at 8, where its per-row work no longer hides behind the loads.
-constexpr int64_t kMaxGemvRows = 4;
+// Measured on an H100 at nanovlm-460m shapes (bench/decode_ops_bench.cc): the CUDA-core GEMV
+// beats cuBLAS up to 4 rows and loses at 8, where its per-row multiply-adds no longer hide behind
+// the loads; 5 to 8 rows (bf16, small weights) take the tensor-core GEMV instead.
+constexpr int64_t kMaxCudaCoreGemvRows = 4;
+constexpr int64_t kMaxGemvRows = 8;
 constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(element) per block
 
-// y (rows, n) = f(x) W^T (+ residual (rows, n) when given), W: (n, k) row-major, rows <= 4
-// (decode): one warp per output column streams its weight row with 16-byte loads (the
-// memory-bound regime where a general GEMM leaves bandwidth unused), f per `input`. The first
+// y (rows, n) = f(x) W^T (+ residual (rows, n) when given), W: (n, k) row-major, rows <= 8
+// (decode), f per `input`. Up to kMaxCudaCoreGemvRows rows one warp per output column streams its
+// weight row with 16-byte loads (the memory-bound regime where a general GEMM leaves bandwidth
+// unused); 5 to 8 rows in bf16 with n * k <= 2M (the qkv and out projections of nanovlm-460m),
+// one block per 16 output columns multiplies them with mma.sync (other shapes and float32 return
+// cudaErrorInvalidValue there: cuBLAS with the separate prologue kernels is faster or equal). The first
 // weight loads are issued before waiting for the previous kernel (programmatic dependent launch on
 // compute capability >= 9.0; VLMGRAPH_PDL=0 turns it off). k * sizeof(element) must be a multiple
 // of 16, every pointer 16-byte aligned and (rows + 1) * k * sizeof(element) <=
@@ -80,5 +85,75 @@ constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream);
+
+// ---- The decoder stack of one decode step as one persistent kernel (decode_stack.cu) ---------
+constexpr int kDecodeStackMaxLayers = 48;
+constexpr int kDecodeStackMaxBatch = 8;
+// DecodeStackArgs::trace points per (block, layer), globaltimer ns: for stage s in A..E, 5s + 0
+// passed its grid barrier, + 1 inputs and weights in, + 2 and + 3 stage-specific (A, D: norm done,
+// GEMV done; B: first item's query loaded, its keys and values in; C, E: GEMV done, outputs
+// written), + 4 about to arrive; 25 + s arrived.
+constexpr int kDecodeStackTracePoints = 30;
+
+// One decoder block's tensors, bf16, contiguous: norm weights (hidden); w_qkv ((n_heads + 2 n_kv)
+// head_dim, hidden) = q, k, v projections stacked; w_out (hidden, n_heads head_dim); w_gate_up
+// (2 inter, hidden) = gate then up; w_down (hidden, inter); cache_k, cache_v (rows >= batch, n_kv,
+// max_seq, head_dim).
+struct DecodeStackLayer {
+  const void* norm1;
+  const void* w_qkv;
+  const void* w_out;
+  const void* norm2;
+  const void* w_gate_up;
+  const void* w_down;
+  void* cache_k;
+  void* cache_v;
+};
+
+struct DecodeStackArgs {
+  DecodeStackLayer layer[kDecodeStackMaxLayers];
+  int layers = 0;
+  const void* x = nullptr;  // (batch, hidden) hidden states entering block 0
+  void* out = nullptr;      // (batch, hidden) hidden states leaving the last block (no final norm)
+  const int64_t* positions = nullptr;  // (batch) position of each row's new token
+  const float* inv_freq = nullptr;     // (head_dim / 2) RoPE inverse frequencies
+  float rope_scaling = 1.f;
+  float eps = 1e-5f;  // RMSNorm epsilon
+  int batch = 0, hidden = 0, n_heads = 0, n_kv = 0, head_dim = 0, inter = 0;
+  int64_t max_seq = 0;  // the cache's positions per row
+  int kv_len = 0;       // attend over cache positions [0, min(position + 1, kv_len))
+  void* qkv = nullptr;  // scratch (batch, (n_heads + 2 n_kv) head_dim) bf16
+  void* act = nullptr;  // scratch (batch, inter) bf16
+  void* attn = nullptr;  // scratch (batch, n_heads head_dim) bf16
+  float* partials = nullptr;    // scratch, DecodeStackPartialFloats(...) floats
+  int* semaphores = nullptr;    // (rows >= batch, n_kv) int32, zero before and after the launch
+  unsigned* barrier = nullptr;  // one uint32, zero before the launch and zero again after it
+  uint64_t* trace = nullptr;    // optional (grid, layers, kDecodeStackTracePoints) timeline
+};
+
+// Launch shape and shared-memory layout for one (shape, device); ok == false when the kernel
+// cannot run here (see decode_stack.cu's requirements), and the caller uses the per-layer kernels.
+struct DecodeStackPlan {
+  bool ok = false;
+  int grid = 0;       // one block per SM
+  int split_len = 0;  // keys per attention item
+  int splits = 0;     // attention items per (row, KV head)
+  int acc_floats = 0;
+  float scale = 0.f;  // 1 / sqrt(head_dim)
+  uint32_t off_slot_a = 0, off_slot_c = 0, off_slot_d = 0, off_slot_e = 0, off_act = 0,
+           off_attn = 0, off_acc = 0, smem_bytes = 0;
+};
+// For the current device.
+DecodeStackPlan PlanDecodeStack(int64_t batch, int64_t hidden, int64_t n_heads, int64_t n_kv,
+                                int64_t head_dim, int64_t inter, int64_t layers, int64_t kv_len);
+int64_t DecodeStackPartialFloats(const DecodeStackPlan& plan, int64_t batch, int64_t n_heads,
+                                 int64_t head_dim);
+
+// Runs every decoder block for one new token per row (RMSNorm, qkv, RoPE, KV-cache write,
+// grouped-query attention, out projection, residual, RMSNorm, SwiGLU MLP, residual), computing what
+// the per-layer kernels compute (LaunchGemv, LaunchRopeDecodeAttention) with the same roundings.
+// Launched with programmatic dependent launch where supported.
+cudaError_t LaunchDecodeStack(const DecodeStackArgs& args, const DecodeStackPlan& plan,
+                              cudaStream_t stream);
 
 }  // namespace vlmgraph::cuda
