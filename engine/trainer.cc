@@ -12,6 +12,7 @@
 #include "model/checkpoint.h"
 #include "model/prompt_check.h"
 #include "model/safetensors.h"
+#include "model/weight_init.h"
 
 namespace vlmgraph {
 namespace {
@@ -47,8 +48,17 @@ struct Trainer::MicroBuffers {
   int64_t real_tiles = 0;  // tiles the current micro-batch filled (eager runs encode only these)
 };
 
+namespace {
+// A model of `cfg` whose parameters are about to be overwritten: nanoVLM's random initialisation
+// (seconds on the CPU for nanovlm-460m) is skipped.
+VisionLanguageModel UninitialisedModel(const VlmConfig& cfg) {
+  SkipWeightInit skip;
+  return VisionLanguageModel(cfg);
+}
+}  // namespace
+
 Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
-    : model_(VisionLanguageModel(source->cfg)), options_(std::move(options)) {
+    : model_(UninitialisedModel(source->cfg)), options_(std::move(options)) {
   try {
     options_.buckets.Validate();
   } catch (const std::invalid_argument& e) {
@@ -57,17 +67,17 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
   if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
     throw Invalid("compute_dtype must be float32 or bfloat16");
+  model_->to(options_.device, at::kFloat);
   {
-    // Deep float32 copy: the trainer's master weights never alias the inference engine's.
+    // Deep float32 copy on the device: the trainer's master weights never alias the inference
+    // engine's. copy_ moves the source (wherever it lives) once and converts a bf16 source on the
+    // device.
     torch::NoGradGuard no_grad;
     auto src = source->named_parameters();
-    for (auto& p : model_->named_parameters())
-      p.value().copy_(src[p.key()].to(at::kCPU, at::kFloat));
+    for (auto& p : model_->named_parameters()) p.value().copy_(src[p.key()].to(options_.device));
     auto src_buf = source->named_buffers();
-    for (auto& b : model_->named_buffers())
-      b.value().copy_(src_buf[b.key()].to(at::kCPU, at::kFloat));
+    for (auto& b : model_->named_buffers()) b.value().copy_(src_buf[b.key()].to(options_.device));
   }
-  model_->to(options_.device, at::kFloat);
   model_->train();
   base_lr_ = options_.lr;
   struct Spec {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "model/safetensors.h"
+#include "model/weight_init.h"
 
 namespace vlmgraph {
 namespace {
@@ -111,7 +112,11 @@ VisionLanguageModel LoadModel(const std::string& dir) {
   if (!std::filesystem::exists(weights_path)) {
     throw CheckpointError("no model.safetensors in checkpoint directory '" + dir + "'");
   }
-  VisionLanguageModel model(VlmConfig::FromJsonFile(config_path.string()));
+  const VlmConfig cfg = VlmConfig::FromJsonFile(config_path.string());
+  VisionLanguageModel model = [&] {
+    SkipWeightInit skip;  // LoadWeights overwrites every parameter or throws
+    return VisionLanguageModel(cfg);
+  }();
   LoadWeights(model, weights_path.string());
   return model;
 }

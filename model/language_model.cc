@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "model/fused_ops.h"
+#include "model/weight_init.h"
 
 namespace vlmgraph {
 
@@ -179,6 +180,7 @@ LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
                     torch::nn::LinearOptions(cfg.lm_hidden_dim, cfg.lm_vocab_size).bias(false)));
   }
   // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02); RMSNorm weight 1.
+  if (WeightInitSkipped()) return;
   torch::NoGradGuard no_grad;
   torch::nn::init::normal_(token_embedding->weight, 0.0, 0.02);
   for (auto& m : modules(/*include_self=*/false)) {

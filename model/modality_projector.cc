@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "model/weight_init.h"
+
 namespace vlmgraph {
 
 at::Tensor PixelShuffle(const at::Tensor& x, int64_t factor) {
@@ -25,6 +27,7 @@ ModalityProjectorImpl::ModalityProjectorImpl(const VlmConfig& cfg)
       "proj", torch::nn::Linear(
                   torch::nn::LinearOptions(cfg.vit_hidden_dim * factor * factor, cfg.lm_hidden_dim)
                       .bias(false)));
+  if (WeightInitSkipped()) return;
   torch::NoGradGuard no_grad;
   torch::nn::init::normal_(proj->weight, 0.0, 0.02);
 }

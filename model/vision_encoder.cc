@@ -4,6 +4,8 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
 
+#include "model/weight_init.h"
+
 namespace vlmgraph {
 
 ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
@@ -69,6 +71,7 @@ VisionEncoderImpl::VisionEncoderImpl(const VlmConfig& cfg) {
       "layer_norm",
       torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.vit_hidden_dim}).eps(cfg.vit_ln_eps)));
   // Upstream ViT._init_weights: Linear ~ N(0, 0.02) with zero bias; LayerNorm weight 1, bias 0.
+  if (WeightInitSkipped()) return;
   torch::NoGradGuard no_grad;
   for (auto& m : modules(/*include_self=*/false)) {
     if (auto* lin = m->as<torch::nn::Linear>()) {

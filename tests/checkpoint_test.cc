@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "model/weight_init.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {
@@ -30,6 +31,38 @@ std::string ErrorOf(const std::function<void()>& f) {
     return e.what();
   }
   return "";
+}
+
+TEST(WeightInit, SkipLeavesTorchDefaultsAndNests) {
+  const VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
+  auto head_std = [](const VisionLanguageModel& m) {
+    return m->decoder->token_embedding->weight.std().item<double>();
+  };
+  EXPECT_NEAR(head_std(VisionLanguageModel(cfg)), 0.02, 0.005);  // upstream's N(0, 0.02)
+  {
+    SkipWeightInit outer;
+    {
+      SkipWeightInit inner;
+      EXPECT_TRUE(WeightInitSkipped());
+    }
+    EXPECT_TRUE(WeightInitSkipped());
+    // torch::nn::Embedding's own N(0, 1) stays: the N(0, 0.02) draw was skipped.
+    EXPECT_GT(head_std(VisionLanguageModel(cfg)), 0.5);
+  }
+  EXPECT_FALSE(WeightInitSkipped());
+  // LoadModel skips the draw and still takes every tensor from the checkpoint.
+  VisionLanguageModel loaded = LoadModel(testing::TinyCheckpointDir());
+  const auto file = ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors");
+  auto params = loaded->named_parameters();
+  for (const auto& b : loaded->named_buffers()) params.insert(b.key(), b.value());  // inv_freq
+  for (const auto& [name, t] : file.tensors) {
+    // The tied head is stored once, under the head's name.
+    const std::string key =
+        name == "decoder.head.weight" && !params.contains(name) ? "decoder.token_embedding.weight"
+                                                                : name;
+    ASSERT_TRUE(params.contains(key)) << key;
+    EXPECT_TRUE(at::equal(params[key], t.to(params[key].scalar_type()))) << key;
+  }
 }
 
 TEST(Config, ReadsEveryUpstreamDefaultField) {
