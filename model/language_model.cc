@@ -1,12 +1,10 @@
 #include "model/language_model.h"
 
 #include <ATen/ATen.h>
-#include <torch/nn/init.h>
 
 #include <cmath>
 
 #include "model/fused_ops.h"
-#include "model/weight_init.h"
 
 namespace vlmgraph {
 
@@ -49,9 +47,7 @@ std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Ten
 
 GroupedQueryAttentionImpl::GroupedQueryAttentionImpl(const VlmConfig& cfg)
     : n_heads(cfg.lm_n_heads), n_kv_heads(cfg.lm_n_kv_heads), head_dim(cfg.lm_head_dim()) {
-  auto lin = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
+  auto lin = [](int64_t in, int64_t out) { return Dense(in, out, /*bias=*/false); };
   q_proj = register_module("q_proj", lin(cfg.lm_hidden_dim, n_heads * head_dim));
   k_proj = register_module("k_proj", lin(cfg.lm_hidden_dim, n_kv_heads * head_dim));
   v_proj = register_module("v_proj", lin(cfg.lm_hidden_dim, n_kv_heads * head_dim));
@@ -127,9 +123,7 @@ at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& qkv,
 }
 
 SwiGluMlpImpl::SwiGluMlpImpl(const VlmConfig& cfg) {
-  auto lin = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
+  auto lin = [](int64_t in, int64_t out) { return Dense(in, out, /*bias=*/false); };
   gate_proj = register_module("gate_proj", lin(cfg.lm_hidden_dim, cfg.lm_inter_dim));
   up_proj = register_module("up_proj", lin(cfg.lm_hidden_dim, cfg.lm_inter_dim));
   down_proj = register_module("down_proj", lin(cfg.lm_inter_dim, cfg.lm_hidden_dim));
@@ -168,23 +162,16 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
 }
 
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
+  // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02) (Dense and
+  // EmbeddingTable start so); RMSNorm weight 1.
   token_embedding = register_module("token_embedding",
-                                    torch::nn::Embedding(cfg.lm_vocab_size, cfg.lm_hidden_dim));
+                                    EmbeddingTable(cfg.lm_vocab_size, cfg.lm_hidden_dim));
   rotary_embd = register_module("rotary_embd", RotaryEmbedding(cfg));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.lm_n_blocks; ++i) blocks->push_back(DecoderBlock(cfg));
   norm = register_module("norm", RMSNorm(cfg.lm_hidden_dim, cfg.lm_rms_eps));
   if (!cfg.lm_tie_weights) {
-    head = register_module(
-        "head", torch::nn::Linear(
-                    torch::nn::LinearOptions(cfg.lm_hidden_dim, cfg.lm_vocab_size).bias(false)));
-  }
-  // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02); RMSNorm weight 1.
-  if (WeightInitSkipped()) return;
-  torch::NoGradGuard no_grad;
-  torch::nn::init::normal_(token_embedding->weight, 0.0, 0.02);
-  for (auto& m : modules(/*include_self=*/false)) {
-    if (auto* lin = m->as<torch::nn::Linear>()) torch::nn::init::normal_(lin->weight, 0.0, 0.02);
+    head = register_module("head", Dense(cfg.lm_hidden_dim, cfg.lm_vocab_size, /*bias=*/false));
   }
 }
 

@@ -23,11 +23,10 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 
 #include "model/config.h"
 #include "model/kv_cache.h"
+#include "model/layers.h"
 
 namespace vlmgraph {
 
@@ -83,7 +82,7 @@ class GroupedQueryAttentionImpl : public torch::nn::Module {
                           const AttentionContext& ctx, int64_t layer);
 
   int64_t n_heads, n_kv_heads, head_dim;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Dense q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
   // ((n_heads + 2 n_kv) D, H): q, k, v weights stacked; the three weights are views into it once
   // LanguageModel::FuseWeights ran, so checkpoints and optimizers still see upstream's names.
   at::Tensor w_qkv;
@@ -96,7 +95,7 @@ class SwiGluMlpImpl : public torch::nn::Module {
   explicit SwiGluMlpImpl(const VlmConfig& cfg);
   at::Tensor forward(const at::Tensor& x);
 
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Dense gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
   at::Tensor w_gate_up;  // (2I, H): gate and up weights stacked (views into it after FuseWeights)
 };
 TORCH_MODULE(SwiGluMlp);
@@ -149,11 +148,11 @@ class LanguageModelImpl : public torch::nn::Module {
   bool UsesFusedPath(const at::Tensor& x) const;
 
   VlmConfig cfg;
-  torch::nn::Embedding token_embedding{nullptr};
+  EmbeddingTable token_embedding{nullptr};
   RotaryEmbedding rotary_embd{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm norm{nullptr};
-  torch::nn::Linear head{nullptr};  // registered only when !lm_tie_weights
+  Dense head{nullptr};  // registered only when !lm_tie_weights
 
  private:
   at::Tensor Run(const at::Tensor& x, const at::Tensor& positions, const AttentionContext& ctx);

@@ -5,7 +5,6 @@
 
 #include <cmath>
 
-#include "model/weight_init.h"
 
 namespace vlmgraph {
 
@@ -23,13 +22,9 @@ at::Tensor PixelShuffle(const at::Tensor& x, int64_t factor) {
 
 ModalityProjectorImpl::ModalityProjectorImpl(const VlmConfig& cfg)
     : factor(cfg.mp_pixel_shuffle_factor) {
+  // Upstream ModalityProjector._init_weights: N(0, 0.02), no bias (Dense starts so).
   proj = register_module(
-      "proj", torch::nn::Linear(
-                  torch::nn::LinearOptions(cfg.vit_hidden_dim * factor * factor, cfg.lm_hidden_dim)
-                      .bias(false)));
-  if (WeightInitSkipped()) return;
-  torch::NoGradGuard no_grad;
-  torch::nn::init::normal_(proj->weight, 0.0, 0.02);
+      "proj", Dense(cfg.vit_hidden_dim * factor * factor, cfg.lm_hidden_dim, /*bias=*/false));
 }
 
 at::Tensor ModalityProjectorImpl::forward(const at::Tensor& x) {

@@ -7,9 +7,9 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 
 #include "model/config.h"
+#include "model/layers.h"
 
 namespace vlmgraph {
 
@@ -24,7 +24,7 @@ class ModalityProjectorImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
 
   int64_t factor;
-  torch::nn::Linear proj{nullptr};
+  Dense proj{nullptr};
 };
 TORCH_MODULE(ModalityProjector);
 

@@ -4,8 +4,6 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
 
-#include "model/weight_init.h"
-
 namespace vlmgraph {
 
 ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
@@ -25,9 +23,8 @@ at::Tensor ViTPatchEmbeddingsImpl::forward(const at::Tensor& x) {
 
 ViTAttentionImpl::ViTAttentionImpl(const VlmConfig& cfg)
     : n_heads(cfg.vit_n_heads), head_dim(cfg.vit_head_dim()) {
-  qkv_proj =
-      register_module("qkv_proj", torch::nn::Linear(cfg.vit_hidden_dim, 3 * cfg.vit_hidden_dim));
-  out_proj = register_module("out_proj", torch::nn::Linear(cfg.vit_hidden_dim, cfg.vit_hidden_dim));
+  qkv_proj = register_module("qkv_proj", Dense(cfg.vit_hidden_dim, 3 * cfg.vit_hidden_dim, true));
+  out_proj = register_module("out_proj", Dense(cfg.vit_hidden_dim, cfg.vit_hidden_dim, true));
 }
 
 at::Tensor ViTAttentionImpl::forward(const at::Tensor& x) {
@@ -42,8 +39,8 @@ at::Tensor ViTAttentionImpl::forward(const at::Tensor& x) {
 }
 
 ViTMlpImpl::ViTMlpImpl(const VlmConfig& cfg) {
-  fc1 = register_module("fc1", torch::nn::Linear(cfg.vit_hidden_dim, cfg.vit_inter_dim));
-  fc2 = register_module("fc2", torch::nn::Linear(cfg.vit_inter_dim, cfg.vit_hidden_dim));
+  fc1 = register_module("fc1", Dense(cfg.vit_hidden_dim, cfg.vit_inter_dim, true));
+  fc2 = register_module("fc2", Dense(cfg.vit_inter_dim, cfg.vit_hidden_dim, true));
 }
 
 at::Tensor ViTMlpImpl::forward(const at::Tensor& x) {
@@ -70,15 +67,8 @@ VisionEncoderImpl::VisionEncoderImpl(const VlmConfig& cfg) {
   layer_norm = register_module(
       "layer_norm",
       torch::nn::LayerNorm(torch::nn::LayerNormOptions({cfg.vit_hidden_dim}).eps(cfg.vit_ln_eps)));
-  // Upstream ViT._init_weights: Linear ~ N(0, 0.02) with zero bias; LayerNorm weight 1, bias 0.
-  if (WeightInitSkipped()) return;
-  torch::NoGradGuard no_grad;
-  for (auto& m : modules(/*include_self=*/false)) {
-    if (auto* lin = m->as<torch::nn::Linear>()) {
-      torch::nn::init::normal_(lin->weight, 0.0, 0.02);
-      if (lin->bias.defined()) lin->bias.zero_();
-    }
-  }
+  // Upstream ViT._init_weights: Linear ~ N(0, 0.02) with zero bias (Dense starts so); LayerNorm
+  // weight 1, bias 0 (torch's default).
 }
 
 at::Tensor VisionEncoderImpl::forward(const at::Tensor& tiles) {

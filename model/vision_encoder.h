@@ -12,10 +12,10 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include "model/config.h"
+#include "model/layers.h"
 
 namespace vlmgraph {
 
@@ -38,7 +38,7 @@ class ViTAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);  // (N, P, C) -> (N, P, C)
 
   int64_t n_heads, head_dim;
-  torch::nn::Linear qkv_proj{nullptr}, out_proj{nullptr};
+  Dense qkv_proj{nullptr}, out_proj{nullptr};
 };
 TORCH_MODULE(ViTAttention);
 
@@ -48,7 +48,7 @@ class ViTMlpImpl : public torch::nn::Module {
   explicit ViTMlpImpl(const VlmConfig& cfg);
   at::Tensor forward(const at::Tensor& x);
 
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  Dense fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(ViTMlp);
 

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "model/layers.h"
 #include "model/weight_init.h"
 #include "tests/test_util.h"
 
@@ -33,23 +34,31 @@ std::string ErrorOf(const std::function<void()>& f) {
   return "";
 }
 
-TEST(WeightInit, SkipLeavesTorchDefaultsAndNests) {
+TEST(WeightInit, DenseLayersStartAsUpstreamOrSkipTheDraw) {
+  // Upstream's _init_weights: weight ~ N(0, 0.02), bias 0, in one draw.
+  Dense dense(512, 256, /*bias=*/true);
+  EXPECT_NEAR(dense->weight.std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(dense->weight.mean().item<double>(), 0.0, 0.001);
+  EXPECT_TRUE(at::equal(dense->bias, at::zeros({256})));
+  EXPECT_NEAR(EmbeddingTable(1000, 64)->weight.std().item<double>(), 0.02, 0.001);
   const VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
-  auto head_std = [](const VisionLanguageModel& m) {
-    return m->decoder->token_embedding->weight.std().item<double>();
-  };
-  EXPECT_NEAR(head_std(VisionLanguageModel(cfg)), 0.02, 0.005);  // upstream's N(0, 0.02)
+  EXPECT_NEAR(VisionLanguageModel(cfg)->decoder->token_embedding->weight.std().item<double>(),
+              0.02, 0.005);
+  // Skipped: the layers draw nothing from the generator; guards nest.
+  at::manual_seed(7);
+  const double want = at::randn({1}).item<double>();
+  at::manual_seed(7);
   {
     SkipWeightInit outer;
     {
       SkipWeightInit inner;
-      EXPECT_TRUE(WeightInitSkipped());
+      Dense skipped(512, 256, true);
+      EmbeddingTable table(1000, 64);
     }
     EXPECT_TRUE(WeightInitSkipped());
-    // torch::nn::Embedding's own N(0, 1) stays: the N(0, 0.02) draw was skipped.
-    EXPECT_GT(head_std(VisionLanguageModel(cfg)), 0.5);
   }
   EXPECT_FALSE(WeightInitSkipped());
+  EXPECT_EQ(at::randn({1}).item<double>(), want);
   // LoadModel skips the draw and still takes every tensor from the checkpoint.
   VisionLanguageModel loaded = LoadModel(testing::TinyCheckpointDir());
   const auto file = ReadSafetensors(testing::TinyCheckpointDir() + "/model.safetensors");
