@@ -68,6 +68,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
     throw Invalid("compute_dtype must be float32 or bfloat16");
   model_->to(options_.device, at::kFloat);
+  model_->vision_encoder->recompute_blocks = options_.recompute_vision;
+  model_->decoder->recompute_blocks = options_.recompute_language;
   {
     // Deep float32 copy on the device: the trainer's master weights never alias the inference
     // engine's. copy_ moves the source (wherever it lives) once and converts a bf16 source on the

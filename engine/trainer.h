@@ -84,6 +84,10 @@ struct TrainOptions {
   // Run every micro-batch at its own shape (right-padded to its longest example), eagerly,
   // instead of padding it to a bucket and replaying that bucket's graph.
   bool exact_shapes = false;
+  // Activation recomputation (model/recompute.h) of the vision encoder's / the decoder's blocks:
+  // only each block's input is kept for the backward pass, which runs the block again. Same
+  // losses and gradients; less peak memory for one more forward pass of those blocks.
+  bool recompute_vision = false, recompute_language = false;
   bool log_captures = true;
 };
 

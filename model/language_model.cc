@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "model/fused_ops.h"
+#include "model/recompute.h"
 
 namespace vlmgraph {
 
@@ -192,7 +193,15 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
   auto [cos, sin] = rotary_embd->forward(positions);
   at::Tensor h = x;
   for (size_t i = 0; i < blocks->size(); ++i) {
-    h = blocks[i]->as<DecoderBlock>()->forward(h, cos, sin, ctx, static_cast<int64_t>(i));
+    auto block = std::dynamic_pointer_cast<DecoderBlockImpl>(blocks[i]);
+    const int64_t layer = static_cast<int64_t>(i);
+    if (recompute_blocks && ctx.mode == AttentionContext::Mode::kNoCache) {
+      h = Recompute([block, cos = cos, sin = sin, ctx, layer](
+                        const at::Tensor& in) { return block->forward(in, cos, sin, ctx, layer); },
+                    h);
+    } else {
+      h = block->forward(h, cos, sin, ctx, layer);
+    }
   }
   return norm->forward(h);
 }

@@ -153,6 +153,9 @@ class LanguageModelImpl : public torch::nn::Module {
   torch::nn::ModuleList blocks{nullptr};
   RMSNorm norm{nullptr};
   Dense head{nullptr};  // registered only when !lm_tie_weights
+  // Training: keep only each block's input and recompute the block in the backward pass
+  // (model/recompute.h). Same values and gradients, less activation memory, one more forward.
+  bool recompute_blocks = false;
 
  private:
   at::Tensor Run(const at::Tensor& x, const at::Tensor& positions, const AttentionContext& ctx);

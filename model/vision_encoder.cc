@@ -4,6 +4,8 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
 
+#include "model/recompute.h"
+
 namespace vlmgraph {
 
 ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
@@ -73,7 +75,11 @@ VisionEncoderImpl::VisionEncoderImpl(const VlmConfig& cfg) {
 
 at::Tensor VisionEncoderImpl::forward(const at::Tensor& tiles) {
   at::Tensor x = patch_embedding->forward(tiles);
-  for (const auto& b : *blocks) x = b->as<ViTBlock>()->forward(x);
+  for (const auto& b : *blocks) {
+    auto block = std::dynamic_pointer_cast<ViTBlockImpl>(b);
+    x = recompute_blocks ? Recompute([block](const at::Tensor& h) { return block->forward(h); }, x)
+                         : block->forward(x);
+  }
   return layer_norm->forward(x);
 }
 

@@ -74,6 +74,9 @@ class VisionEncoderImpl : public torch::nn::Module {
   ViTPatchEmbeddings patch_embedding{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm layer_norm{nullptr};
+  // Training: keep only each block's input and recompute the block in the backward pass
+  // (model/recompute.h). Same values and gradients, less activation memory, one more forward.
+  bool recompute_blocks = false;
 };
 TORCH_MODULE(VisionEncoder);
 

@@ -46,6 +46,8 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   t.buckets = e.buckets;
   t.log_captures = false;
   t.exact_shapes = o.padding == TrainPadding::kExact;
+  t.recompute_vision = o.recompute_vision;
+  t.recompute_language = o.recompute_language;
   return t;
 }
 

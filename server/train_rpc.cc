@@ -73,6 +73,19 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   }
   o.padding = c.bucket_policy() == v1::TRAIN_BUCKET_POLICY_EXACT ? TrainPadding::kExact
                                                                  : TrainPadding::kPadToBucket;
+  for (int i = 0; i < c.recompute_parts_size(); ++i) {
+    switch (c.recompute_parts(i)) {
+      case v1::MODEL_PART_VISION:
+        o.recompute_vision = true;
+        break;
+      case v1::MODEL_PART_LANGUAGE:
+        o.recompute_language = true;
+        break;
+      default:
+        throw InvalidArgument("config.recompute_parts[" + std::to_string(i) +
+                              "]: must be MODEL_PART_VISION or MODEL_PART_LANGUAGE");
+    }
+  }
   return o;
 }
 

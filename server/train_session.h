@@ -36,6 +36,7 @@ struct TrainOptions {
   double max_grad_norm = 1.0;         // 0 = no clipping
   int64_t max_tiles_per_example = 1;  // sizes the graphed step's tile buffer
   TrainPadding padding = TrainPadding::kPadToBucket;
+  bool recompute_vision = false, recompute_language = false;  // activation recomputation
 };
 
 struct TrainStepStats {

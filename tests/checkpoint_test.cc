@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/layers.h"
+#include "model/recompute.h"
 #include "model/weight_init.h"
 #include "tests/test_util.h"
 
@@ -72,6 +73,38 @@ TEST(WeightInit, DenseLayersStartAsUpstreamOrSkipTheDraw) {
     ASSERT_TRUE(params.contains(key)) << key;
     EXPECT_TRUE(at::equal(params[key], t.to(params[key].scalar_type()))) << key;
   }
+}
+
+TEST(Recompute, RunsTheBlockAgainInBackwardWithTheSameGradients) {
+  at::manual_seed(3);
+  Dense fc1(16, 32, true), fc2(32, 16, true);
+  int calls = 0;
+  RecomputeFn block = [&](const at::Tensor& h) {
+    ++calls;
+    return h + fc2->forward(at::gelu(fc1->forward(h), "tanh"));
+  };
+  const at::Tensor x0 = at::randn({4, 16});
+  auto run = [&](bool recompute) {
+    for (auto& p : fc1->parameters()) p.mutable_grad() = at::Tensor();
+    for (auto& p : fc2->parameters()) p.mutable_grad() = at::Tensor();
+    at::Tensor x = x0.clone().requires_grad_(true);
+    at::Tensor y = recompute ? Recompute(block, block(x)) : block(block(x));
+    (y * y).sum().backward();
+    return std::vector<at::Tensor>{y.detach(), x.grad(), fc1->weight.grad().clone(),
+                                   fc2->bias.grad().clone()};
+  };
+  calls = 0;
+  const auto plain = run(false);
+  EXPECT_EQ(calls, 2);
+  calls = 0;
+  const auto recomputed = run(true);
+  EXPECT_EQ(calls, 3);  // the recomputed block ran again in the backward pass
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(at::allclose(plain[i], recomputed[i]));
+  // Without autograd it is just the block.
+  at::NoGradGuard no_grad;
+  calls = 0;
+  EXPECT_TRUE(at::equal(Recompute(block, x0), block(x0)));
+  EXPECT_EQ(calls, 2);
 }
 
 TEST(Config, ReadsEveryUpstreamDefaultField) {

@@ -112,6 +112,21 @@ class TrainTest(unittest.TestCase):
                                                                 projector_learning_rate=0))
         self.assertTrainFails(INVALID, "nothing to train", [frozen, batch])
         self.assertTrainFails(INVALID, "config.beta1", [t.TrainRequest(config=t.TrainConfig(beta1=1.0))])
+        projector = t.TrainConfig(recompute_parts=[t.MODEL_PART_PROJECTOR])
+        self.assertTrainFails(INVALID, "config.recompute_parts[0]", [t.TrainRequest(config=projector)])
+
+    def test_recompute_parts_give_the_same_loss(self):
+        """Activation recomputation changes memory, not results: the same first-step loss."""
+        losses = []
+        for parts in ([], ["vision", "language"]):
+            cfg = self.client.train_config(language_learning_rate=1e-12, vision_learning_rate=1e-12,
+                                           projector_learning_rate=1e-12, recompute_parts=parts,
+                                           max_tiles_per_example=self.tiles)
+            steps = [r.step for r in self.client.train(cfg, iter([self.client.train_batch(self.examples[:2])]))
+                     if r.HasField("step")]
+            self.assertEqual(len(steps), 1)
+            losses.append(steps[0].loss)
+        self.assertAlmostEqual(losses[0], losses[1], delta=1e-4 * abs(losses[0]))
 
     def test_one_job_at_a_time(self):
         t = self.client.pb.train_pb2

@@ -102,12 +102,16 @@ class VlmGraphClient:
         return self.stub.Forward(req, timeout=timeout or self.timeout)
 
     def train_config(self, **kwargs):
-        """A TrainConfig: language_learning_rate=..., trainable_parts=["LANGUAGE", ...], ..."""
+        """A TrainConfig: language_learning_rate=..., trainable_parts=["LANGUAGE", ...],
+        recompute_parts=["VISION", ...], ..."""
         t = self.pb.train_pb2
         parts = kwargs.pop("trainable_parts", None)
+        recompute = kwargs.pop("recompute_parts", None)
         cfg = t.TrainConfig(**kwargs)
         for p in parts or []:
             cfg.trainable_parts.append(t.ModelPart.Value(f"MODEL_PART_{p.upper()}"))
+        for p in recompute or []:
+            cfg.recompute_parts.append(t.ModelPart.Value(f"MODEL_PART_{p.upper()}"))
         return cfg
 
     def train_batch(self, examples):
