@@ -89,10 +89,11 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
 // ---- The decoder stack of one decode step as one persistent kernel (decode_stack.cu) ---------
 constexpr int kDecodeStackMaxLayers = 48;
 constexpr int kDecodeStackMaxBatch = 8;
-// DecodeStackArgs::trace points per (block, layer), globaltimer ns: for stage s in A..E, 5s + 0
-// passed its grid barrier, + 1 inputs and weights in, + 2 and + 3 stage-specific (A, D: norm done,
-// GEMV done; B: first item's query loaded, its keys and values in; C, E: GEMV done, outputs
-// written), + 4 about to arrive; 25 + s arrived.
+// DecodeStackArgs::trace points per (block, layer), globaltimer ns. Stage s in A..E has points
+// 5s + 0 (passed its grid barrier) to 5s + 4 (about to arrive at the next one) and 25 + s (arrived).
+// In between: A and D: + 1 weights in, + 2 norm done, + 3 GEMV done; C and E: + 1 inputs and
+// weights in, + 2 GEMV done, + 3 outputs written; B (blocks with an attention item, its first one):
+// + 1 query loaded, + 2 keys and values in, + 3 partial softmax state written.
 constexpr int kDecodeStackTracePoints = 30;
 
 // One decoder block's tensors, bf16, contiguous: norm weights (hidden); w_qkv ((n_heads + 2 n_kv)
