@@ -207,6 +207,7 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
 }
 
 at::Tensor LanguageModelImpl::DecodeStack(const at::Tensor& x, const AttentionContext& ctx) {
+  if (!ops::DecodeStackEnabled()) return {};  // before gathering 8 tensors per block
   ops::DecodeStackWeights w;
   for (const auto& m : *blocks) {
     auto* block = m->as<DecoderBlock>();

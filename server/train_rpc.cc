@@ -22,6 +22,26 @@ double NonNegative(bool has, double value, double fallback, const char* field) {
   return v;
 }
 
+// The flag that model part `part` (config.<field>[i]) sets: vision, projector or language;
+// projector == nullptr where the projector is not a valid choice. INVALID_ARGUMENT otherwise.
+bool* PartFlag(int part, const char* field, int i, bool* vision, bool* projector, bool* language) {
+  switch (part) {
+    case v1::MODEL_PART_VISION:
+      return vision;
+    case v1::MODEL_PART_LANGUAGE:
+      return language;
+    case v1::MODEL_PART_PROJECTOR:
+      if (projector != nullptr) return projector;
+      break;
+    default:
+      break;
+  }
+  throw InvalidArgument(std::string("config.") + field + "[" + std::to_string(i) + "]: must be " +
+                        (projector != nullptr
+                             ? "MODEL_PART_VISION, MODEL_PART_PROJECTOR or MODEL_PART_LANGUAGE"
+                             : "MODEL_PART_VISION or MODEL_PART_LANGUAGE"));
+}
+
 TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   if (c.optimizer() != v1::OPTIMIZER_UNSPECIFIED && c.optimizer() != v1::OPTIMIZER_ADAMW) {
     throw InvalidArgument("config.optimizer: only OPTIMIZER_ADAMW is supported");
@@ -37,21 +57,8 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   if (c.trainable_parts_size() > 0) {
     o.train_language = o.train_vision = o.train_projector = false;
     for (int i = 0; i < c.trainable_parts_size(); ++i) {
-      switch (c.trainable_parts(i)) {
-        case v1::MODEL_PART_LANGUAGE:
-          o.train_language = true;
-          break;
-        case v1::MODEL_PART_VISION:
-          o.train_vision = true;
-          break;
-        case v1::MODEL_PART_PROJECTOR:
-          o.train_projector = true;
-          break;
-        default:
-          throw InvalidArgument(
-              "config.trainable_parts[" + std::to_string(i) +
-              "]: must be MODEL_PART_VISION, MODEL_PART_PROJECTOR or MODEL_PART_LANGUAGE");
-      }
+      *PartFlag(c.trainable_parts(i), "trainable_parts", i, &o.train_vision, &o.train_projector,
+                &o.train_language) = true;
     }
   }
   o.weight_decay =
@@ -74,17 +81,8 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   o.padding = c.bucket_policy() == v1::TRAIN_BUCKET_POLICY_EXACT ? TrainPadding::kExact
                                                                  : TrainPadding::kPadToBucket;
   for (int i = 0; i < c.recompute_parts_size(); ++i) {
-    switch (c.recompute_parts(i)) {
-      case v1::MODEL_PART_VISION:
-        o.recompute_vision = true;
-        break;
-      case v1::MODEL_PART_LANGUAGE:
-        o.recompute_language = true;
-        break;
-      default:
-        throw InvalidArgument("config.recompute_parts[" + std::to_string(i) +
-                              "]: must be MODEL_PART_VISION or MODEL_PART_LANGUAGE");
-    }
+    *PartFlag(c.recompute_parts(i), "recompute_parts", i, &o.recompute_vision, nullptr,
+              &o.recompute_language) = true;
   }
   return o;
 }

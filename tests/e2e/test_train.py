@@ -114,6 +114,9 @@ class TrainTest(unittest.TestCase):
         self.assertTrainFails(INVALID, "config.beta1", [t.TrainRequest(config=t.TrainConfig(beta1=1.0))])
         projector = t.TrainConfig(recompute_parts=[t.MODEL_PART_PROJECTOR])
         self.assertTrainFails(INVALID, "config.recompute_parts[0]", [t.TrainRequest(config=projector)])
+        unspecified = t.TrainConfig(trainable_parts=[t.MODEL_PART_UNSPECIFIED])
+        self.assertTrainFails(INVALID, "config.trainable_parts[0]: must be MODEL_PART_VISION, MODEL_PART_PROJECTOR",
+                              [t.TrainRequest(config=unspecified)])
 
     def test_recompute_parts_give_the_same_loss(self):
         """Activation recomputation changes memory, not results: the same first-step loss."""

@@ -105,13 +105,10 @@ class VlmGraphClient:
         """A TrainConfig: language_learning_rate=..., trainable_parts=["LANGUAGE", ...],
         recompute_parts=["VISION", ...], ..."""
         t = self.pb.train_pb2
-        parts = kwargs.pop("trainable_parts", None)
-        recompute = kwargs.pop("recompute_parts", None)
+        part_lists = {f: kwargs.pop(f, None) or [] for f in ("trainable_parts", "recompute_parts")}
         cfg = t.TrainConfig(**kwargs)
-        for p in parts or []:
-            cfg.trainable_parts.append(t.ModelPart.Value(f"MODEL_PART_{p.upper()}"))
-        for p in recompute or []:
-            cfg.recompute_parts.append(t.ModelPart.Value(f"MODEL_PART_{p.upper()}"))
+        for field, parts in part_lists.items():
+            getattr(cfg, field).extend(t.ModelPart.Value(f"MODEL_PART_{p.upper()}") for p in parts)
         return cfg
 
     def train_batch(self, examples):
