@@ -49,8 +49,14 @@ struct Engine::Buffers {
   at::Tensor last;        // (max_batch) int64, index of each prefill row's last real token
   at::Tensor tiles;       // (max_tiles, 3, S, S) model dtype, vision input
   at::Tensor image_rows;  // (max_batch * max_seq, H) model dtype, image embeddings for prefill
+  at::Tensor dec_in;      // (2, max_batch) int64: row 0 dec_tokens, row 1 dec_pos (one H2D copy)
   at::Tensor dec_tokens;  // (max_batch) int64, token fed to each decode row
   at::Tensor dec_pos;     // (max_batch) int64, position of that token
+  // Host staging of a decode step (pinned when the device is CUDA, so the copies are truly
+  // asynchronous): dec_in's contents, and each row's greedy token read back. Reused every step;
+  // each step synchronises before the next one writes them.
+  at::Tensor host_dec_in;      // (2, max_batch) int64
+  at::Tensor host_dec_greedy;  // (max_batch) int64
   KVCache cache;          // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
   int64_t scratch_row = 0;
 };
@@ -101,8 +107,12 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   buf.last = at::zeros({b.max_batch()}, i64);
   buf.tiles = at::zeros({b.max_tiles(), 3, cfg.vit_img_size, cfg.vit_img_size}, act);
   buf.image_rows = at::zeros({b.max_batch() * b.max_seq(), cfg.lm_hidden_dim}, act);
-  buf.dec_tokens = at::zeros({b.max_batch()}, i64);
-  buf.dec_pos = at::zeros({b.max_batch()}, i64);
+  buf.dec_in = at::zeros({2, b.max_batch()}, i64);
+  buf.dec_tokens = buf.dec_in[0];
+  buf.dec_pos = buf.dec_in[1];
+  auto host_i64 = at::TensorOptions().dtype(at::kLong).pinned_memory(cuda);
+  buf.host_dec_in = at::zeros({2, b.max_batch()}, host_i64);
+  buf.host_dec_greedy = at::zeros({b.max_batch()}, host_i64);
   buf.cache = KVCache::Allocate(cfg, b.max_batch() + 1, b.max_context(), act);
   slots_.resize(static_cast<size_t>(b.max_batch()));
 }
@@ -143,7 +153,9 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
         at::Tensor x =
             m->decoder->token_embedding->forward(bf->dec_tokens.narrow(0, 0, b).view({b, 1}));
         at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
-        return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, 0))};  // (b, V)
+        at::Tensor logits = m->decoder->Logits(h.select(1, 0));  // (b, V)
+        // Greedy tokens (b) int64 inside the region, so a step launches nothing after it.
+        return std::vector<at::Tensor>{logits, logits.argmax(-1)};
       };
     }
     case Region::kTrain:
@@ -154,7 +166,9 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
 
 std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens,
                                           int64_t padded_tokens,
-                                          const Clock::time_point* dispatch_start) {
+                                          const Clock::time_point* dispatch_start,
+                                          const std::function<void(const std::vector<at::Tensor>&)>&
+                                              before_sync) {
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs;
   RunKind kind =
@@ -165,6 +179,7 @@ std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tok
     counters_.decode_dispatch_seconds_total += SecondsSince(*dispatch_start);
     counters_.decode_steps++;
   }
+  if (before_sync) before_sync(outputs);
   SynchronizeDevice(options_.device);
   if (kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
   Count(key, kind, SecondsSince(t0), real_tokens, padded_tokens);
@@ -488,36 +503,42 @@ void Engine::Step(std::vector<TokenEvent>* events) {
   // Every row in [0, rows) runs; free rows get a pad token at position 0 of their own (unused) row.
   std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
   const int64_t batch = key ? key->batch : rows;
-  at::Tensor tokens = at::full({batch}, model_->cfg.pad_token_id(), at::kLong);
-  at::Tensor positions = at::zeros({batch}, at::kLong);
-  int64_t* tokens_p = tokens.data_ptr<int64_t>();
-  int64_t* positions_p = positions.data_ptr<int64_t>();
-  bool rows_are_prefix = true;  // active sequences hold rows [0, n): no gather needed
-  for (size_t k = 0; k < active.size(); ++k) {
-    tokens_p[active[k]->slot] = active[k]->last_token;
-    positions_p[active[k]->slot] = active[k]->length;
-    rows_are_prefix = rows_are_prefix && active[k]->slot == static_cast<int64_t>(k);
+  int64_t* tokens_p = buf.host_dec_in[0].data_ptr<int64_t>();
+  int64_t* positions_p = buf.host_dec_in[1].data_ptr<int64_t>();
+  std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
+  std::fill(positions_p, positions_p + batch, 0);
+  bool all_greedy = true;
+  for (Sequence* s : active) {
+    tokens_p[s->slot] = s->last_token;
+    positions_p[s->slot] = s->length;
+    all_greedy = all_greedy && s->sampling.greedy;
   }
-  buf.dec_tokens.narrow(0, 0, batch).copy_(tokens, /*non_blocking=*/true);
-  buf.dec_pos.narrow(0, 0, batch).copy_(positions, true);
+  // One copy for tokens and positions (rows past `batch` are not read by this step).
+  buf.dec_in.copy_(buf.host_dec_in, /*non_blocking=*/true);
   if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(active.size()));
-  at::Tensor logits;
+  // Outputs: logits (batch, V) and greedy tokens (batch). The greedy tokens are copied to the
+  // host before the step's one synchronisation.
+  std::vector<at::Tensor> out;
+  at::Tensor host_greedy = buf.host_dec_greedy.narrow(0, 0, batch);
   if (key) {
-    logits = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch, &dispatch_start)[0];
+    out = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch, &dispatch_start,
+                    [&](const std::vector<at::Tensor>& o) { host_greedy.copy_(o[1], true); });
   } else {
     const BucketKey exact{Region::kDecode, rows, context, 0};
     RegionFn fn = MakeRegionFn(exact);
-    logits = RunEagerFallback(exact, fn, static_cast<int64_t>(active.size()))[0];
+    out = RunEagerFallback(exact, fn, static_cast<int64_t>(active.size()));
+    host_greedy.copy_(out[1]);
   }
-  at::Tensor active_logits;
-  if (rows_are_prefix) {
-    active_logits = logits.narrow(0, 0, static_cast<int64_t>(active.size()));
-  } else {
+  std::vector<int64_t> next(active.size());
+  const int64_t* greedy = host_greedy.data_ptr<int64_t>();
+  for (size_t k = 0; k < active.size(); ++k) next[k] = greedy[active[k]->slot];
+  if (!all_greedy) {
     std::vector<int64_t> rows_index;
     for (Sequence* s : active) rows_index.push_back(s->slot);
-    active_logits = logits.index_select(0, at::tensor(rows_index, at::kLong).to(options_.device));
+    at::Tensor active_logits =
+        out[0].index_select(0, at::tensor(rows_index, at::kLong).to(options_.device));
+    next = SampleRows(active_logits, active);
   }
-  std::vector<int64_t> next = SampleRows(active_logits, active);
   for (size_t k = 0; k < active.size(); ++k) {
     active[k]->length += 1;  // the fed token is now in the cache
     Emit(*active[k], next[k], events);

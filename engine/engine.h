@@ -114,10 +114,12 @@ class Engine {
   RegionFn MakeRegionFn(const BucketKey& key);
   // Runs a bucketed region (replay, capture on first use, or eager) and records it.
   // `dispatch_start`: when set, the host time from it until the replay is launched is recorded as
-  // decode dispatch time.
-  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens,
-                                    int64_t padded_tokens,
-                                    const Clock::time_point* dispatch_start = nullptr);
+  // decode dispatch time. `before_sync`: queues work on the region's outputs (a copy to the host)
+  // after the launch and before the one synchronisation.
+  std::vector<at::Tensor> RunRegion(
+      const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
+      const Clock::time_point* dispatch_start = nullptr,
+      const std::function<void(const std::vector<at::Tensor>&)>& before_sync = {});
   // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
   std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn,
                                            int64_t real_tokens);
