@@ -80,6 +80,26 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
   __syncthreads();
 }
 
+// What both GEMV kernels do between issuing their first weight loads and the product: copy the
+// norm weight into gs and zero row_ss (kRmsNorm; neither depends on the previous kernel), wait for
+// the previous kernel, stage f(x) (StageGemvInput), and let the next kernel launch.
+template <typename T, int M, int P>
+__device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
+                                                      const T* __restrict__ norm_w, float eps,
+                                                      int rows, int k, T* xs, T* gs,
+                                                      float* row_ss) {
+  if (P == kGemvRmsNorm) {
+    for (int v = threadIdx.x; v < k / (16 / int(sizeof(T))); v += blockDim.x) {
+      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
+    }
+    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
+    __syncthreads();
+  }
+  WaitForPrerequisites();
+  StageGemvInput<T, M, P>(x, eps, rows, k, xs, gs, row_ss);
+  AllowDependentsToLaunch();
+}
+
 // kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
 // pass; few registers, so about 4 blocks fit on an SM and a 5120-column GEMV runs in one wave) or
 // 12 (longer rows, fewer passes).
@@ -105,16 +125,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
     const int v = c * 32 + lane;
     if (active && v < vecs) wreg[c] = __ldg(wr + v);
   }
-  if (P == kGemvRmsNorm) {
-    for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
-    }
-    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
-    __syncthreads();
-  }
-  WaitForPrerequisites();
-  StageGemvInput<T, M, P>(x, eps, rows, k, xs, gs, row_ss);
-  AllowDependentsToLaunch();
+  WaitAndStageGemvInput<T, M, P>(x, norm_w, eps, rows, k, xs, gs, row_ss);
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -216,16 +227,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   };
   // Parameters are never written by a kernel: load them before waiting for the previous one.
   load(0);
-  if (P == kGemvRmsNorm) {
-    for (int v = threadIdx.x; v < k / kVec; v += blockDim.x) {
-      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
-    }
-    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
-    __syncthreads();
-  }
-  WaitForPrerequisites();
-  StageGemvInput<T, M, P>(x, eps, rows, k, xs, gs, row_ss);
-  AllowDependentsToLaunch();
+  WaitAndStageGemvInput<T, M, P>(x, norm_w, eps, rows, k, xs, gs, row_ss);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int first = 0; first < chunks; first += kGemvWarps * kMmaChunks) {
     if (first > 0) load(first);
