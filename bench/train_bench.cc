@@ -5,6 +5,7 @@
 //   vlmgraph-train-bench [--preset nanovlm-460m] [--batch 8] [--seq 256] [--steps 20] [--json
 //   out.json] [--mode graph|eager|both] [--profile-trace PATH] [--sdpa default|no-cudnn]
 //   [--recompute none|vision|all]   (activation recomputation of the vision / all blocks)
+//   [--optimizer fused|aten]        (engine/fused_optimizer.h's kernels, or ATen's foreach ops)
 //
 // Figures: first step (including capture for graphs, from Trainer construction; the construction
 // alone is reported too), median of the following steps, peak device memory allocated and reserved
@@ -28,7 +29,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
-                   const std::string& profile_trace, const std::string& recompute) {
+                   const std::string& profile_trace, const std::string& recompute,
+                   bool fused_optimizer) {
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
   const auto& cfg = source->cfg;
@@ -47,6 +49,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   o.log_captures = true;  // capture times on stderr
   o.recompute_vision = recompute == "vision" || recompute == "all";
   o.recompute_language = recompute == "all";
+  o.fused_optimizer = fused_optimizer;
   vlmgraph::SynchronizeDevice(at::kCUDA);
   vlmgraph::ResetPeakDeviceMemory(at::kCUDA);
   const auto t0 = Clock::now();
@@ -83,7 +86,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
 
 int main(int argc, char** argv) {
   std::string preset = "nanovlm-460m", json, mode = "both", profile_trace, sdpa = "default",
-              recompute = "none";
+              recompute = "none", optimizer = "fused";
   int64_t batch = 8, seq = 256;
   int steps = 20;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -106,18 +109,21 @@ int main(int argc, char** argv) {
       mode = v;  // graph | eager | both (separate processes give clean peaks)
     else if (k == "--recompute")
       recompute = v;  // none | vision | all: activation recomputation of those blocks
+    else if (k == "--optimizer")
+      optimizer = v;  // fused | aten
   }
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "needs a CUDA device\n");
     return 1;
   }
   if (sdpa == "no-cudnn") at::globalContext().setSDPUseCuDNN(false);
-  nlohmann::json report = {{"preset", preset}, {"batch", batch},          {"seq", seq},
-                           {"sdpa", sdpa},     {"recompute", recompute}};
+  nlohmann::json report = {{"preset", preset}, {"batch", batch},         {"seq", seq},
+                           {"sdpa", sdpa},     {"recompute", recompute}, {"optimizer", optimizer}};
   for (const char* m : {"graph", "eager"}) {
     if (mode != "both" && mode != m) continue;
     report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps,
-                    profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute);
+                    profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute,
+                    optimizer != "aten");
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);
   }

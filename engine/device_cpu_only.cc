@@ -1,5 +1,8 @@
-// CPU-only build: no CUDA graph runner, no device memory statistics.
+// CPU-only build: no CUDA graph runner, no device memory statistics, no fused optimizer kernels.
+#include <c10/util/Exception.h>
+
 #include "engine/device.h"
+#include "engine/fused_optimizer.h"
 #include "engine/step_runner.h"
 
 namespace vlmgraph {
@@ -9,5 +12,14 @@ MemoryStats DeviceMemory(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 bool BuiltWithCudaGraphs() { return false; }
 std::unique_ptr<StepRunner> MakeCudaGraphStepRunner(int) { return nullptr; }
+
+bool FusedOptimizerAvailable(const at::Device&) { return false; }
+void AccumulateGradients(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                         const at::Tensor&) {
+  TORCH_CHECK(false, "AccumulateGradients needs a CUDA build");
+}
+void FusedAdamW(const AdamWTensors&, const at::Tensor&, const AdamWHyperparameters&) {
+  TORCH_CHECK(false, "FusedAdamW needs a CUDA build");
+}
 
 }  // namespace vlmgraph

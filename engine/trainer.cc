@@ -134,6 +134,20 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   if (params_.empty())
     throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
+  fused_ = options_.fused_optimizer && FusedOptimizerAvailable(options_.device);
+  grad_sq_sum_ = at::zeros({}, f32.dtype(at::kDouble));
+  for (const auto& g : groups_) {
+    auto append = [](std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
+      to.insert(to.end(), from.begin(), from.end());
+    };
+    append(adamw_.params, g.params);
+    append(adamw_.grads, g.grads);
+    append(adamw_.exp_avg, g.exp_avg);
+    append(adamw_.exp_avg_sq, g.exp_avg_sq);
+    append(adamw_.steps, g.steps);
+    adamw_.lrs.insert(adamw_.lrs.end(), g.params.size(), g.lr);
+  }
+  if (mixed) adamw_.working = params_;
   if (options_.device.is_cuda() && options_.cuda_graphs) {
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
@@ -218,7 +232,16 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   // a micro-batch without tiles leaves the vision encoder without gradients.
   for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
   loss.backward();
-  {
+  if (fused_) {
+    // All accumulators, an undefined gradient where none came; the kernel also leaves the
+    // squared norm of the accumulated gradients for the optimizer's clipping.
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> grads;
+    grads.reserve(params_.size());
+    for (const at::Tensor& p : params_) grads.push_back(p.grad());
+    grad_sq_sum_.zero_();
+    AccumulateGradients(master_grads_, grads, grad_sq_sum_);
+  } else {
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> accumulators, grads;
     accumulators.reserve(params_.size());
@@ -238,6 +261,19 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
   at::Tensor total;
+  if (fused_) {
+    const bool clip = options_.max_grad_norm > 0;
+    if (clip && !mixed_precision()) {  // float32: autograd filled the gradients; take their norm
+      grad_sq_sum_.zero_();
+      AccumulateGradients(master_grads_, {}, grad_sq_sum_);
+    }
+    for (auto& g : groups_) at::_foreach_add_(g.steps, 1);
+    FusedAdamW(adamw_, grad_sq_sum_,
+               {options_.beta1, options_.beta2, options_.eps, options_.weight_decay,
+                options_.max_grad_norm});
+    return {clip ? grad_sq_sum_.sqrt().to(at::kFloat)
+                 : at::full({}, -1.0, max_grad_norm_.options())};
+  }
   if (options_.max_grad_norm > 0) {
     total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
     at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);

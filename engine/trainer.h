@@ -19,8 +19,10 @@
 // Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
 // computed in float32 from the logits, divided by the accumulation steps and summed over
 // micro-batches, as nanoVLM's train.py does; clipping as torch.nn.utils.clip_grad_norm_ (total L2
-// norm, coef = min(1, max / (norm + 1e-6))); AdamW (Loshchilov & Hutter 2019) via
-// at::_fused_adamw_ with decoupled weight decay.
+// norm, coef = min(1, max / (norm + 1e-6))); AdamW (Loshchilov & Hutter 2019) with decoupled
+// weight decay, as at::_fused_adamw_ computes it. On CUDA the optimizer runs as the multi-tensor
+// kernels of engine/fused_optimizer.h (TrainOptions::fused_optimizer), elsewhere as ATen's
+// _foreach_* ops and _fused_adamw_.
 //
 // Precision (compute_dtype):
 // - float32: the model's parameters are the master weights; backward accumulates into their
@@ -61,6 +63,7 @@
 
 #include "engine/bucket.h"
 #include "engine/engine_types.h"
+#include "engine/fused_optimizer.h"
 #include "engine/step_runner.h"
 #include "model/vision_language_model.h"
 
@@ -88,6 +91,10 @@ struct TrainOptions {
   // only each block's input is kept for the backward pass, which runs the block again. Same
   // losses and gradients; less peak memory for one more forward pass of those blocks.
   bool recompute_vision = false, recompute_language = false;
+  // CUDA: the optimizer as the multi-tensor kernels of engine/fused_optimizer.h (gradient
+  // accumulation fused with the norm; clipping, AdamW, the bf16 copy and the zeroing in one pass).
+  // false, or CPU: ATen's _foreach_* ops and _fused_adamw_. Same formulas either way.
+  bool fused_optimizer = true;
   bool log_captures = true;
 };
 
@@ -184,6 +191,12 @@ class Trainer {
   std::map<BucketKey, std::unique_ptr<MicroBuffers>> buffers_;
   std::vector<at::Tensor> optimizer_outputs_;
   at::Tensor max_grad_norm_;  // device scalar
+  // Fused optimizer (TrainOptions::fused_optimizer on CUDA): every group's AdamW lists in one
+  // table, and the squared gradient norm (float64 device scalar) that the bf16 micro-steps'
+  // accumulation leaves for clipping.
+  bool fused_ = false;
+  AdamWTensors adamw_;
+  at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;
   int64_t steps_ = 0, captures_ = 0, replays_ = 0;
   double base_lr_ = 0;

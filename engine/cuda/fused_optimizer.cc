@@ -1,0 +1,115 @@
+// engine/cuda/fused_optimizer.cc: ATen wrappers of the multi-tensor optimizer kernels (see
+// engine/fused_optimizer.h).
+#include "engine/fused_optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <optional>
+
+#include "engine/cuda/optimizer_kernels.h"
+
+namespace vlmgraph {
+namespace {
+
+void CheckFloat32(const at::Tensor& t, const at::Device& device, const char* what) {
+  TORCH_CHECK(
+      t.defined() && t.device() == device && t.scalar_type() == at::kFloat && t.is_contiguous(),
+      what, " must be contiguous float32 tensors on ", device);
+}
+
+void CheckGradSqSum(const at::Tensor& s, const at::Device& device) {
+  TORCH_CHECK(
+      s.defined() && s.device() == device && s.scalar_type() == at::kDouble && s.numel() == 1,
+      "grad_sq_sum must be a float64 scalar on ", device);
+}
+
+}  // namespace
+
+bool FusedOptimizerAvailable(const at::Device& device) { return device.is_cuda(); }
+
+void AccumulateGradients(const std::vector<at::Tensor>& accumulators,
+                         const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum) {
+  if (accumulators.empty()) return;
+  const at::Device device = accumulators[0].device();
+  TORCH_CHECK(grads.empty() || grads.size() == accumulators.size(),
+              "AccumulateGradients: ", grads.size(), " gradients for ", accumulators.size(),
+              " accumulators");
+  CheckGradSqSum(grad_sq_sum, device);
+  std::optional<at::ScalarType> grad_dtype;
+  std::vector<at::Tensor> keep;  // contiguous copies of strided gradients, alive until queued
+  std::vector<cuda::AccumulateTensor> table(accumulators.size());
+  for (size_t i = 0; i < accumulators.size(); ++i) {
+    const at::Tensor& acc = accumulators[i];
+    CheckFloat32(acc, device, "accumulators");
+    table[i] = {acc.data_ptr<float>(), nullptr, acc.numel()};
+    if (grads.empty() || !grads[i].defined()) continue;
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.device() == device && g.sizes() == acc.sizes(), "gradient ", i,
+                " must match its accumulator's device and shape");
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
+                "gradients must be float32 or bfloat16");
+    TORCH_CHECK(!grad_dtype || *grad_dtype == g.scalar_type(),
+                "gradients of one call must share a dtype");
+    grad_dtype = g.scalar_type();
+    keep.push_back(g.contiguous());
+    table[i].grad = keep.back().data_ptr();
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const cudaError_t e = cuda::LaunchAccumulateGradients(
+      table.data(), static_cast<int>(table.size()), grad_dtype == at::kBFloat16,
+      grad_sq_sum.data_ptr<double>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(e == cudaSuccess, "gradient accumulation launch failed: ", cudaGetErrorString(e));
+}
+
+void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
+                const AdamWHyperparameters& h) {
+  const size_t n = t.params.size();
+  if (n == 0) return;
+  TORCH_CHECK(t.grads.size() == n && t.exp_avg.size() == n && t.exp_avg_sq.size() == n &&
+                  t.steps.size() == n && t.lrs.size() == n &&
+                  (t.working.empty() || t.working.size() == n),
+              "FusedAdamW: every list needs one tensor per parameter");
+  const at::Device device = t.params[0].device();
+  if (h.max_grad_norm > 0) CheckGradSqSum(grad_sq_sum, device);
+  std::vector<cuda::AdamWTensor> table(n);
+  for (size_t i = 0; i < n; ++i) {
+    CheckFloat32(t.params[i], device, "params");
+    CheckFloat32(t.grads[i], device, "grads");
+    CheckFloat32(t.exp_avg[i], device, "exp_avg");
+    CheckFloat32(t.exp_avg_sq[i], device, "exp_avg_sq");
+    CheckFloat32(t.steps[i], device, "steps");
+    CheckFloat32(t.lrs[i], device, "lrs");
+    const int64_t numel = t.params[i].numel();
+    TORCH_CHECK(t.grads[i].numel() == numel && t.exp_avg[i].numel() == numel &&
+                    t.exp_avg_sq[i].numel() == numel && t.steps[i].numel() == 1 &&
+                    t.lrs[i].numel() == 1,
+                "FusedAdamW: parameter ", i, "'s state does not match its size");
+    void* working = nullptr;
+    if (!t.working.empty()) {
+      const at::Tensor& w = t.working[i];
+      TORCH_CHECK(w.device() == device && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+                      w.numel() == numel,
+                  "working weights must be contiguous bfloat16 tensors of the params' sizes");
+      working = w.data_ptr();
+    }
+    table[i] = {t.params[i].data_ptr<float>(),
+                t.grads[i].data_ptr<float>(),
+                t.exp_avg[i].data_ptr<float>(),
+                t.exp_avg_sq[i].data_ptr<float>(),
+                working,
+                t.steps[i].data_ptr<float>(),
+                t.lrs[i].data_ptr<float>(),
+                numel};
+  }
+  const cuda::AdamWScalars s{h.beta1, h.beta2, h.eps, h.weight_decay, h.max_grad_norm};
+  c10::cuda::CUDAGuard guard(device);
+  const cudaError_t e =
+      cuda::LaunchAdamW(table.data(), static_cast<int>(n), s,
+                        h.max_grad_norm > 0 ? grad_sq_sum.data_ptr<double>() : nullptr,
+                        c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(e == cudaSuccess, "AdamW launch failed: ", cudaGetErrorString(e));
+}
+
+}  // namespace vlmgraph

@@ -1,0 +1,45 @@
+// engine/cuda/optimizer_kernels.h: launchers of the multi-tensor optimizer kernels
+// (optimizer_kernels.cu). Plain pointers, no ATen, so the .cu compiles with nvcc alone; the ATen
+// wrappers and their checks are in fused_optimizer.cc (API and formulas: engine/fused_optimizer.h).
+// Each launcher queues one kernel per kMaxTensorsPerLaunch tensors on `stream` and returns the
+// first launch error. Every pointer is device memory; sizes are element counts.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace vlmgraph::cuda {
+
+constexpr int kMaxTensorsPerLaunch = 256;
+
+struct AccumulateTensor {
+  float* acc;        // float32 accumulator
+  const void* grad;  // bf16 or float32 gradient (AccumulateArgs::grad_bf16), or nullptr
+  int64_t numel;
+};
+
+// acc += grad for every tensor, and *grad_sq_sum += sum(acc^2) over all of them.
+cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count, bool grad_bf16,
+                                      double* grad_sq_sum, cudaStream_t stream);
+
+struct AdamWTensor {
+  float* param;
+  float* grad;  // zeroed after use
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* working;      // bf16 copy of param, or nullptr
+  const float* step;  // already advanced
+  const float* lr;
+  int64_t numel;
+};
+
+struct AdamWScalars {
+  double beta1, beta2, eps, weight_decay;
+  double max_grad_norm;  // > 0: clip with the norm sqrt(*grad_sq_sum)
+};
+
+cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, const AdamWScalars& s,
+                        const double* grad_sq_sum, cudaStream_t stream);
+
+}  // namespace vlmgraph::cuda
