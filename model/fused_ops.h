@@ -13,6 +13,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <utility>
 #include <vector>
 
 namespace vlmgraph::ops {
@@ -69,6 +70,26 @@ at::Tensor RmsNormLinear(const at::Tensor& x, const at::Tensor& norm_weight, dou
 // it applies (else the two ops).
 at::Tensor SiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
                          const at::Tensor& residual = {});
+
+// ---- Training: differentiable versions (autograd functions) for the reference path ---------
+// The reference path (RMSNormImpl::forward, ApplyRotary) takes these on CUDA while its module is
+// in training mode: the ATen chains cost ~23 (RMSNorm) and ~18 (RoPE of q and k) small kernels
+// forward + backward, these 1 + 2 and 1 + 1.
+
+// RmsNorm as above, with a backward: gn = T(g * w); dx = T(gn * r - x * r^3 * sum(gn * x) / H);
+// dweight = sum over rows of T(g * T(x * r)), summed in float32 (the order autograd takes the
+// reference ops in). Applies when RmsNormDifferentiableSupported: a CUDA tensor, weight of x's
+// dtype, H <= 4096.
+bool RmsNormDifferentiableSupported(const at::Tensor& x, const at::Tensor& weight);
+at::Tensor RmsNormDifferentiable(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// RoPE with a backward, bit-identical to ApplyRotary's ATen ops forward and backward (each product
+// and sum rounded to the dtype as they round it). q (B, T, n_q, D), k (B, T, n_k, D) (any strides;
+// the outputs are contiguous in this layout), cos/sin (B, T, D) float32 as RotaryEmbedding returns
+// them. Returns rotated (q, k) in the (B, T, heads, D) layout. CUDA float32/bfloat16 only.
+std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& cos,
+                                                       const at::Tensor& sin);
 
 // One decode token per row through every decoder block in one persistent kernel
 // (model/cuda/decode_stack.cu): blocks meet at grid barriers while each streams its next weights,

@@ -30,6 +30,15 @@ at::Tensor SiluMulLinear(const at::Tensor&, const at::Tensor&, const at::Tensor&
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 
+bool RmsNormDifferentiableSupported(const at::Tensor&, const at::Tensor&) { return false; }
+at::Tensor RmsNormDifferentiable(const at::Tensor&, const at::Tensor&, double) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor&, const at::Tensor&,
+                                                       const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+
 at::Tensor DecodeStack(const at::Tensor&, const DecodeStackWeights&, const at::Tensor&, int64_t,
                        const at::Tensor&, double, double, int64_t, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&) {

@@ -14,6 +14,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps(eps) {
 }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  if (is_training() && ops::RmsNormDifferentiableSupported(x, weight))
+    return ops::RmsNormDifferentiable(x, weight, eps);
   at::Tensor xf = x.to(at::kFloat);
   at::Tensor irms = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return (xf * irms).to(x.scalar_type()) * weight;
@@ -59,10 +61,17 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
                                               const at::Tensor& sin, const AttentionContext& ctx,
                                               int64_t layer) {
   const int64_t b = x.size(0), t = x.size(1), h = x.size(2);
-  at::Tensor q = q_proj->forward(x).view({b, t, n_heads, head_dim}).transpose(1, 2);
-  at::Tensor k = k_proj->forward(x).view({b, t, n_kv_heads, head_dim}).transpose(1, 2);
+  at::Tensor q = q_proj->forward(x).view({b, t, n_heads, head_dim});
+  at::Tensor k = k_proj->forward(x).view({b, t, n_kv_heads, head_dim});
   at::Tensor v = v_proj->forward(x).view({b, t, n_kv_heads, head_dim}).transpose(1, 2);
-  std::tie(q, k) = ApplyRotary(q, k, cos, sin);  // (B, heads, T, D)
+  if (is_training() && ops::FusedKernelsAvailable(q)) {
+    std::tie(q, k) = ops::RotaryDifferentiable(q, k, cos, sin);  // (B, T, heads, D)
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
+  } else {
+    std::tie(q, k) =
+        ApplyRotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin);  // (B, heads, T, D)
+  }
 
   at::Tensor y;
   if (ctx.mode == AttentionContext::Mode::kDecode) {
@@ -165,8 +174,8 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
   // Upstream LanguageModel._init_weights: Linear and Embedding ~ N(0, 0.02) (Dense and
   // EmbeddingTable start so); RMSNorm weight 1.
-  token_embedding = register_module("token_embedding",
-                                    EmbeddingTable(cfg.lm_vocab_size, cfg.lm_hidden_dim));
+  token_embedding =
+      register_module("token_embedding", EmbeddingTable(cfg.lm_vocab_size, cfg.lm_hidden_dim));
   rotary_embd = register_module("rotary_embd", RotaryEmbedding(cfg));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.lm_n_blocks; ++i) blocks->push_back(DecoderBlock(cfg));

@@ -33,7 +33,9 @@ namespace vlmgraph {
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
-  // Computed in float32 and cast back (identical to upstream in float32; steadier in bf16).
+  // Computed in float32 and cast back (identical to upstream in float32; steadier in bf16). In
+  // training mode on CUDA: ops::RmsNormDifferentiable (the same formula in one kernel forward and
+  // two backward).
   at::Tensor forward(const at::Tensor& x);
 
   double eps;
@@ -53,7 +55,8 @@ class RotaryEmbeddingImpl : public torch::nn::Module {
 TORCH_MODULE(RotaryEmbedding);
 
 // q, k: (B, heads, T, D); cos, sin: (B, T, D). Returns (q * cos + rotate_half(q) * sin, same for
-// k).
+// k). (GroupedQueryAttention in training mode on CUDA takes ops::RotaryDifferentiable instead:
+// the same results in one kernel each way.)
 std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& cos, const at::Tensor& sin);
 

@@ -291,12 +291,12 @@ TEST(FusedOps, DecodeStackMatchesPerBlockKernels_CUDA) {
   // 460m shapes (15 / 5 heads, D 64) at batch 1, 3 and 8 with one to eight key splits; D 128
   // without grouping; uneven row splits over the SMs; a model narrower than the SM count (blocks
   // without rows).
-  const StackCase cases[] = {{960, 15, 5, 2560, 3, 1, 64},     {960, 15, 5, 2560, 3, 8, 600},
-                             {960, 15, 5, 2560, 2, 3, 1024},   {512, 4, 4, 1000, 2, 5, 300},
-                             {384, 6, 3, 1368, 2, 2, 48},      {128, 2, 1, 256, 2, 4, 100}};
+  const StackCase cases[] = {{960, 15, 5, 2560, 3, 1, 64},   {960, 15, 5, 2560, 3, 8, 600},
+                             {960, 15, 5, 2560, 2, 3, 1024}, {512, 4, 4, 1000, 2, 5, 300},
+                             {384, 6, 3, 1368, 2, 2, 48},    {128, 2, 1, 256, 2, 4, 100}};
   for (const StackCase& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "hidden " << c.hidden << " heads " << c.nh << "/"
-                                      << c.nkv << " batch " << c.batch << " kv_len " << c.kv_len);
+    SCOPED_TRACE(::testing::Message() << "hidden " << c.hidden << " heads " << c.nh << "/" << c.nkv
+                                      << " batch " << c.batch << " kv_len " << c.kv_len);
     at::manual_seed(c.batch * 1000 + c.kv_len);
     const VlmConfig cfg = StackConfig(c);
     LanguageModel lm = StackModel(cfg);
@@ -372,6 +372,76 @@ TEST(FusedOps, DecodeStackReplaysFromACudaGraph_CUDA) {
     EXPECT_EQ(cache.decode_barrier.item<int>(), 0);
   }
 #endif
+}
+
+// Training: RotaryDifferentiable is bit-identical to ApplyRotary's ATen ops forward and backward,
+// float32 and bf16, GQA shapes (3 query heads per KV head).
+TEST(FusedOps, RotaryDifferentiableEqualsApplyRotaryAndItsGradients_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::manual_seed(3);
+  VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
+  cfg.lm_attn_scaling = 0.9;  // the scaled cos/sin path
+  RotaryEmbedding rope(cfg);
+  rope->to(at::kCUDA);
+  const int64_t b = 2, t = 7, nq = 6, nk = 2, d = cfg.lm_head_dim();
+  at::Tensor positions =
+      at::arange(t, at::TensorOptions().dtype(at::kLong).device(at::kCUDA)).expand({b, t}) + 3;
+  auto [cos, sin] = rope->forward(positions);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto opt = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+    at::Tensor q0 = at::randn({b, t, nq, d}, opt), k0 = at::randn({b, t, nk, d}, opt);
+    at::Tensor gq = at::randn({b, nq, t, d}, opt), gk = at::randn({b, nk, t, d}, opt);
+    at::Tensor q1 = q0.clone().requires_grad_(), k1 = k0.clone().requires_grad_();
+    auto [rq, rk] = ApplyRotary(q1.transpose(1, 2), k1.transpose(1, 2), cos, sin);
+    ((rq * gq).sum() + (rk * gk).sum()).backward();
+    at::Tensor q2 = q0.clone().requires_grad_(), k2 = k0.clone().requires_grad_();
+    auto [fq, fk] = ops::RotaryDifferentiable(q2, k2, cos, sin);
+    ((fq.transpose(1, 2) * gq).sum() + (fk.transpose(1, 2) * gk).sum()).backward();
+    EXPECT_TRUE(at::equal(fq.transpose(1, 2), rq)) << dtype;
+    EXPECT_TRUE(at::equal(fk.transpose(1, 2), rk)) << dtype;
+    EXPECT_TRUE(at::equal(q2.grad(), q1.grad()))
+        << dtype << " " << MaxAbsDiff(q2.grad(), q1.grad());
+    EXPECT_TRUE(at::equal(k2.grad(), k1.grad()))
+        << dtype << " " << MaxAbsDiff(k2.grad(), k1.grad());
+  }
+}
+
+// Training: RmsNormDifferentiable against RMSNormImpl's reference ATen chain (eval mode): output,
+// input gradient and weight gradient, on rows that span several backward blocks.
+TEST(FusedOps, RmsNormDifferentiableMatchesReferenceAndItsGradients_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::manual_seed(5);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t hidden : {64, 960, 1000}) {
+      RMSNorm norm(hidden, 1e-5);
+      norm->to(at::kCUDA, dtype);
+      {
+        at::NoGradGuard ng;
+        norm->weight.copy_(at::rand({hidden}) + 0.5);
+      }
+      auto opt = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+      at::Tensor x0 = at::randn({3, 700, hidden}, opt) * 2, g = at::randn({3, 700, hidden}, opt);
+      norm->eval();
+      at::Tensor x1 = x0.clone().requires_grad_();
+      at::Tensor y1 = norm->forward(x1);
+      (y1 * g).sum().backward();
+      at::Tensor w_grad_ref = norm->weight.grad().clone();
+      norm->weight.mutable_grad() = at::Tensor();
+      norm->train();
+      at::Tensor x2 = x0.clone().requires_grad_();
+      at::Tensor y2 = norm->forward(x2);
+      (y2 * g).sum().backward();
+      auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+        return MaxAbsDiff(a, b) / b.abs().max().item<double>();
+      };
+      // float32: rounding of a different summation order. bf16: a normalised value or a gradient
+      // element one bf16 rounding step (2^-8 relative) apart; the weight gradient sums 2100 rows.
+      const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+      EXPECT_LT(rel(y2, y1), tol) << dtype << " " << hidden;
+      EXPECT_LT(rel(x2.grad(), x1.grad()), tol) << dtype << " " << hidden;
+      EXPECT_LT(rel(norm->weight.grad(), w_grad_ref), tol) << dtype << " " << hidden;
+    }
+  }
 }
 
 TEST(FusedOps, CpuTensorsKeepTheReferencePath) {

@@ -2,6 +2,7 @@
 // used by prefill and as the fused GEMV's fallbacks. Decode attention is in decode_attention.cu,
 // the GEMV in gemv.cu; see model/fused_ops.h for the reference formulas.
 #include <algorithm>
+#include <type_traits>
 
 #include "model/cuda/fused_kernels.h"
 #include "model/cuda/kernel_util.cuh"
@@ -83,6 +84,103 @@ __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float sca
   }
 }
 
+// ---- Training (differentiable) versions: RoPE forward/backward, RMSNorm backward -------------
+
+template <typename T>
+__device__ __forceinline__ float Round(float v) {
+  return ToFloat(FromFloat<T>(v));
+}
+
+// ApplyRotary's ATen ops (language_model.cc) on one pair (x1, x2) = (x[p], x[p + D/2]), with each
+// product and each sum rounded to T as those ops round them: y = x * c + rotate_half(x) * s, c and
+// s rounded to T first. Backward: the adjoint, gx[p] = g[p] c[p] + g[p + D/2] s[p + D/2] and gx[p +
+// D/2] = g[p + D/2] c[p + D/2] - g[p] s[p], rounded as autograd's ops round them. _rn intrinsics
+// keep the compiler from contracting into FMAs (the ATen kernels round each op).
+template <typename T, bool kBackward>
+__global__ void RotaryKernel(const T* q, const T* k, const float* cos, const float* sin, T* q_out,
+                             T* k_out, int n_q, int n_k, int head_dim) {
+  const int64_t token = blockIdx.x;
+  const int half = head_dim / 2;
+  const float* c = cos + token * head_dim;
+  const float* s = sin + token * head_dim;
+  for (int i = threadIdx.x; i < (n_q + n_k) * half; i += blockDim.x) {
+    const int h = i / half, p = i % half;
+    const int64_t offset =
+        h < n_q ? (token * n_q + h) * head_dim : (token * n_k + (h - n_q)) * head_dim;
+    const T* x = (h < n_q ? q : k) + offset;
+    T* y = (h < n_q ? q_out : k_out) + offset;
+    const float c1 = Round<T>(c[p]), c2 = Round<T>(c[p + half]);
+    const float s1 = Round<T>(s[p]), s2 = Round<T>(s[p + half]);
+    const float x1 = ToFloat(x[p]), x2 = ToFloat(x[p + half]);
+    float y1, y2;
+    if (!kBackward) {
+      y1 = __fadd_rn(Round<T>(__fmul_rn(x1, c1)), Round<T>(__fmul_rn(-x2, s1)));
+      y2 = __fadd_rn(Round<T>(__fmul_rn(x2, c2)), Round<T>(__fmul_rn(x1, s2)));
+    } else {
+      y1 = __fadd_rn(Round<T>(__fmul_rn(x1, c1)), Round<T>(__fmul_rn(x2, s2)));
+      y2 = __fadd_rn(Round<T>(__fmul_rn(x2, c2)), -Round<T>(__fmul_rn(x1, s1)));
+    }
+    y[p] = FromFloat<T>(y1);
+    y[p + half] = FromFloat<T>(y2);
+  }
+}
+
+// RMSNorm backward for y = T(x * r) * w, r = rsqrt(mean(x^2) + eps), in the order autograd takes
+// the reference ops (RMSNormImpl::forward): gn = T(g * w); gx = T(gn * r - x * r^3 * sum(gn * x)
+// / H); the weight's gradient sum over rows of T(g * T(x * r)), here per block of rows into
+// dw_partial (blocks, H) float32, summed over blocks by the caller. One block of kNormThreads
+// threads takes rows_per_block rows one after another; thread t owns columns t + j * kNormThreads.
+constexpr int kNormThreads = 256, kNormCols = 16;  // hidden <= 4096
+template <typename T>
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormBackwardKernel(const T* x, const T* w, const T* g, T* dx, float* dw_partial,
+                          int64_t rows, int rows_per_block, int hidden, float eps) {
+  __shared__ float scratch[32];
+  float wv[kNormCols], acc[kNormCols];
+#pragma unroll
+  for (int j = 0; j < kNormCols; ++j) {
+    const int col = threadIdx.x + j * kNormThreads;
+    wv[j] = col < hidden ? ToFloat(w[col]) : 0.f;
+    acc[j] = 0.f;
+  }
+  const int64_t first = blockIdx.x * int64_t(rows_per_block);
+  const int64_t last = min(rows, first + rows_per_block);
+  for (int64_t row = first; row < last; ++row) {
+    const T* xr = x + row * hidden;
+    const T* gr = g + row * hidden;
+    float xv[kNormCols], gn[kNormCols];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormCols; ++j) {
+      const int col = threadIdx.x + j * kNormThreads;
+      xv[j] = col < hidden ? ToFloat(xr[col]) : 0.f;
+      gn[j] = col < hidden ? ToFloat(gr[col]) : 0.f;  // g until the next loop
+      ss += xv[j] * xv[j];
+    }
+    const float r = rsqrtf(BlockReduce<false>(ss, scratch) / hidden + eps);
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormCols; ++j) {
+      acc[j] += Round<T>(gn[j] * Round<T>(xv[j] * r));
+      gn[j] = Round<T>(gn[j] * wv[j]);
+      dot += gn[j] * xv[j];
+    }
+    dot = BlockReduce<false>(dot, scratch);
+    const float k = dot * -0.5f * r * r * r / hidden * 2.f;
+    T* dr = dx + row * hidden;
+#pragma unroll
+    for (int j = 0; j < kNormCols; ++j) {
+      const int col = threadIdx.x + j * kNormThreads;
+      if (col < hidden) dr[col] = FromFloat<T>(gn[j] * r + k * xv[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kNormCols; ++j) {
+    const int col = threadIdx.x + j * kNormThreads;
+    if (col < hidden) dw_partial[blockIdx.x * int64_t(hidden) + col] = acc[j];
+  }
+}
+
 int ThreadsFor(int64_t work) {
   return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (work + 31) / 32 * 32)));
 }
@@ -144,6 +242,58 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
         static_cast<int>(n_heads), static_cast<int>(n_kv), static_cast<int>(head_dim),
         static_cast<T*>(q_out), static_cast<T*>(k_out), static_cast<T*>(cache_k),
         static_cast<T*>(cache_v), max_seq);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchRotary(bool bf16, bool backward, const void* q, const void* k, const float* cos,
+                         const float* sin, void* q_out, void* k_out, int64_t tokens, int64_t n_q,
+                         int64_t n_k, int64_t head_dim, cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  const int threads = ThreadsFor((n_q + n_k) * head_dim / 2);
+  const unsigned blocks = static_cast<unsigned>(tokens);
+  auto launch = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    auto kernel = backward ? RotaryKernel<T, true> : RotaryKernel<T, false>;
+    kernel<<<blocks, threads, 0, stream>>>(static_cast<const T*>(q), static_cast<const T*>(k), cos,
+                                           sin, static_cast<T*>(q_out), static_cast<T*>(k_out),
+                                           static_cast<int>(n_q), static_cast<int>(n_k),
+                                           static_cast<int>(head_dim));
+  };
+  if (bf16) {
+    launch(static_cast<__nv_bfloat16*>(nullptr));
+  } else {
+    launch(static_cast<float*>(nullptr));
+  }
+  return cudaGetLastError();
+}
+
+int64_t RmsNormBackwardBlocks(int64_t rows, int64_t hidden) {
+  if (hidden > kNormThreads * kNormCols || rows == 0) return 0;
+  return (rows + RmsNormBackwardRowsPerBlock(rows) - 1) / RmsNormBackwardRowsPerBlock(rows);
+}
+
+int RmsNormBackwardRowsPerBlock(int64_t rows) {
+  // About 4 blocks per SM of an H100 (132 SMs); fewer rows per block only add partial sums.
+  return static_cast<int>(std::max<int64_t>(1, (rows + 527) / 528));
+}
+
+cudaError_t LaunchRmsNormBackward(bool bf16, const void* x, const void* w, const void* g, void* dx,
+                                  float* dw_partial, int64_t rows, int64_t hidden, float eps,
+                                  cudaStream_t stream) {
+  const int64_t blocks = RmsNormBackwardBlocks(rows, hidden);
+  if (blocks == 0) return rows == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  const int rpb = RmsNormBackwardRowsPerBlock(rows);
+  if (bf16) {
+    using T = __nv_bfloat16;
+    RmsNormBackwardKernel<T><<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(g),
+        static_cast<T*>(dx), dw_partial, rows, rpb, static_cast<int>(hidden), eps);
+  } else {
+    using T = float;
+    RmsNormBackwardKernel<T><<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(g),
+        static_cast<T*>(dx), dw_partial, rows, rpb, static_cast<int>(hidden), eps);
   }
   return cudaGetLastError();
 }

@@ -76,10 +76,10 @@ constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(
 // weight row with 16-byte loads (the memory-bound regime where a general GEMM leaves bandwidth
 // unused); 5 to 8 rows in bf16 with n * k <= 2M (the qkv and out projections of nanovlm-460m),
 // one block per 16 output columns multiplies them with mma.sync (other shapes and float32 return
-// cudaErrorInvalidValue there: cuBLAS with the separate prologue kernels is faster or equal). The first
-// weight loads are issued before waiting for the previous kernel (programmatic dependent launch on
-// compute capability >= 9.0; VLMGRAPH_PDL=0 turns it off). k * sizeof(element) must be a multiple
-// of 16, every pointer 16-byte aligned and (rows + 1) * k * sizeof(element) <=
+// cudaErrorInvalidValue there: cuBLAS with the separate prologue kernels is faster or equal). The
+// first weight loads are issued before waiting for the previous kernel (programmatic dependent
+// launch on compute capability >= 9.0; VLMGRAPH_PDL=0 turns it off). k * sizeof(element) must be a
+// multiple of 16, every pointer 16-byte aligned and (rows + 1) * k * sizeof(element) <=
 // kMaxGemvSharedBytes;
 // returns cudaErrorInvalidValue otherwise (callers then use cuBLAS).
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
@@ -90,9 +90,10 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
 constexpr int kDecodeStackMaxLayers = 48;
 constexpr int kDecodeStackMaxBatch = 8;
 // DecodeStackArgs::trace points per (block, layer), globaltimer ns. Stage s in A..E has points
-// 5s + 0 (passed its grid barrier) to 5s + 4 (about to arrive at the next one) and 25 + s (arrived).
-// In between: A and D: + 1 weights in, + 2 norm done, + 3 GEMV done; C and E: + 1 inputs and
-// weights in, + 2 GEMV done, + 3 outputs written; B (blocks with an attention item, its first one):
+// 5s + 0 (passed its grid barrier) to 5s + 4 (about to arrive at the next one) and 25 + s
+// (arrived). In between: A and D: + 1 weights in, + 2 norm done, + 3 GEMV done; C and E: + 1 inputs
+// and weights in, + 2 GEMV done, + 3 outputs written; B (blocks with an attention item, its first
+// one):
 // + 1 query loaded, + 2 keys and values in, + 3 partial softmax state written.
 constexpr int kDecodeStackTracePoints = 30;
 
@@ -121,11 +122,11 @@ struct DecodeStackArgs {
   float rope_scaling = 1.f;
   float eps = 1e-5f;  // RMSNorm epsilon
   int batch = 0, hidden = 0, n_heads = 0, n_kv = 0, head_dim = 0, inter = 0;
-  int64_t max_seq = 0;  // the cache's positions per row
-  int kv_len = 0;       // attend over cache positions [0, min(position + 1, kv_len))
-  void* qkv = nullptr;  // scratch (batch, (n_heads + 2 n_kv) head_dim) bf16
-  void* act = nullptr;  // scratch (batch, inter) bf16
-  void* attn = nullptr;  // scratch (batch, n_heads head_dim) bf16
+  int64_t max_seq = 0;          // the cache's positions per row
+  int kv_len = 0;               // attend over cache positions [0, min(position + 1, kv_len))
+  void* qkv = nullptr;          // scratch (batch, (n_heads + 2 n_kv) head_dim) bf16
+  void* act = nullptr;          // scratch (batch, inter) bf16
+  void* attn = nullptr;         // scratch (batch, n_heads head_dim) bf16
   float* partials = nullptr;    // scratch, DecodeStackPartialFloats(...) floats
   int* semaphores = nullptr;    // (rows >= batch, n_kv) int32, zero before and after the launch
   unsigned* barrier = nullptr;  // one uint32, zero before the launch and zero again after it
@@ -156,5 +157,23 @@ int64_t DecodeStackPartialFloats(const DecodeStackPlan& plan, int64_t batch, int
 // Launched with programmatic dependent launch where supported.
 cudaError_t LaunchDecodeStack(const DecodeStackArgs& args, const DecodeStackPlan& plan,
                               cudaStream_t stream);
+
+// Training (autograd) kernels, wrapped by ops::RotaryDifferentiable / RmsNormDifferentiable.
+// RoPE of ApplyRotary (language_model.cc), rounding as its ATen ops do: q (tokens, n_q, D),
+// k (tokens, n_k, D) contiguous, cos/sin (tokens, D) float32 (scaled, the cat(freqs, freqs)
+// layout). Forward writes the rotated q_out, k_out; backward (q, k = upstream gradients) the
+// gradients of the unrotated inputs.
+cudaError_t LaunchRotary(bool bf16, bool backward, const void* q, const void* k, const float* cos,
+                         const float* sin, void* q_out, void* k_out, int64_t tokens, int64_t n_q,
+                         int64_t n_k, int64_t head_dim, cudaStream_t stream);
+// RMSNorm backward of LaunchRmsNorm's formula: x, g, dx (rows, hidden) contiguous, w (hidden);
+// dw_partial (RmsNormBackwardBlocks(rows, hidden), hidden) float32 receives per-block sums of the
+// weight gradient (the caller sums them over blocks). hidden <= 4096, else cudaErrorInvalidValue
+// (RmsNormBackwardBlocks returns 0).
+cudaError_t LaunchRmsNormBackward(bool bf16, const void* x, const void* w, const void* g, void* dx,
+                                  float* dw_partial, int64_t rows, int64_t hidden, float eps,
+                                  cudaStream_t stream);
+int64_t RmsNormBackwardBlocks(int64_t rows, int64_t hidden);
+int RmsNormBackwardRowsPerBlock(int64_t rows);
 
 }  // namespace vlmgraph::cuda

@@ -2,6 +2,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <atomic>
 #include <cmath>
@@ -208,16 +209,16 @@ at::Tensor DecodeStack(const at::Tensor& x, const DecodeStackWeights& w,
       !x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 2 || !x.is_contiguous() ||
       !barrier.defined() || barrier.scalar_type() != at::kInt || !semaphores.defined() ||
       semaphores.scalar_type() != at::kInt || !semaphores.is_contiguous() ||
-      !positions.is_contiguous() ||
-      positions.scalar_type() != at::kLong || inv_freq.scalar_type() != at::kFloat) {
+      !positions.is_contiguous() || positions.scalar_type() != at::kLong ||
+      inv_freq.scalar_type() != at::kFloat) {
     return {};
   }
   const int64_t b = x.size(0), hidden = x.size(1);
   const at::Tensor& k0 = w.cache_k[0];
   const int64_t n_kv = k0.size(1), max_seq = k0.size(2), d = k0.size(3);
   const int64_t inter = w.w_down[0].size(1);
-  if (positions.numel() != b || k0.size(0) < b || kv_len > max_seq ||
-      inv_freq.numel() != d / 2 || semaphores.numel() < b * n_kv) {
+  if (positions.numel() != b || k0.size(0) < b || kv_len > max_seq || inv_freq.numel() != d / 2 ||
+      semaphores.numel() < b * n_kv) {
     return {};
   }
   auto ok = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes) {
@@ -233,10 +234,9 @@ at::Tensor DecodeStack(const at::Tensor& x, const DecodeStackWeights& w,
         !ok(w.cache_v[l], {k0.size(0), n_kv, max_seq, d})) {
       return {};
     }
-    args.layer[l] = {w.norm1[l].data_ptr(),    w.w_qkv[l].data_ptr(),
-                     w.w_out[l].data_ptr(),    w.norm2[l].data_ptr(),
-                     w.w_gate_up[l].data_ptr(), w.w_down[l].data_ptr(),
-                     w.cache_k[l].data_ptr(),  w.cache_v[l].data_ptr()};
+    args.layer[l] = {w.norm1[l].data_ptr(),   w.w_qkv[l].data_ptr(),     w.w_out[l].data_ptr(),
+                     w.norm2[l].data_ptr(),   w.w_gate_up[l].data_ptr(), w.w_down[l].data_ptr(),
+                     w.cache_k[l].data_ptr(), w.cache_v[l].data_ptr()};
   }
   c10::cuda::CUDAGuard guard(x.device());
   const cuda::DecodeStackPlan plan =
@@ -278,6 +278,106 @@ at::Tensor DecodeStack(const at::Tensor& x, const DecodeStackWeights& w,
   args.barrier = reinterpret_cast<unsigned*>(barrier.data_ptr<int>());
   Check(cuda::LaunchDecodeStack(args, plan, c10::cuda::getCurrentCUDAStream()), "decode_stack");
   return out;
+}
+
+// ---- Training: autograd functions -------------------------------------------------------------
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct RmsNormFunction : torch::autograd::Function<RmsNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            double eps) {
+    at::Tensor xc = x.contiguous();
+    ctx->save_for_backward({xc, weight});
+    ctx->saved_data["eps"] = eps;
+    return RmsNorm(xc, weight, eps);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& w = saved[1];
+    const float eps = static_cast<float>(ctx->saved_data["eps"].toDouble());
+    const at::Tensor g = grads[0].contiguous();
+    const int64_t h = x.size(-1), rows = x.numel() / h;
+    at::Tensor dx = at::empty_like(x);
+    at::Tensor partial = at::empty({std::max<int64_t>(1, cuda::RmsNormBackwardBlocks(rows, h)), h},
+                                   x.options().dtype(at::kFloat));
+    c10::cuda::CUDAGuard guard(x.device());
+    Check(cuda::LaunchRmsNormBackward(IsBf16(x), x.data_ptr(), w.data_ptr(), g.data_ptr(),
+                                      dx.data_ptr(), partial.data_ptr<float>(), rows, h, eps,
+                                      c10::cuda::getCurrentCUDAStream()),
+          "rms_norm backward");
+    at::Tensor dw = rows == 0 ? at::zeros_like(w) : partial.sum(0, false, w.scalar_type());
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+// q (B, T, n_q, D) and k (B, T, n_k, D), contiguous, through LaunchRotary.
+std::pair<at::Tensor, at::Tensor> RunRotary(bool backward, const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor qo = at::empty_like(q), ko = at::empty_like(k);
+  const int64_t tokens = q.size(0) * q.size(1);
+  c10::cuda::CUDAGuard guard(q.device());
+  Check(cuda::LaunchRotary(IsBf16(q), backward, q.data_ptr(), k.data_ptr(), cos.data_ptr<float>(),
+                           sin.data_ptr<float>(), qo.data_ptr(), ko.data_ptr(), tokens, q.size(2),
+                           k.size(2), q.size(3), c10::cuda::getCurrentCUDAStream()),
+        "rotary");
+  return {qo, ko};
+}
+
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["n_q"] = q.size(2);
+    ctx->saved_data["n_k"] = k.size(2);
+    auto [qo, ko] = RunRotary(false, q.contiguous(), k.contiguous(), cos, sin);
+    return {qo, ko};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor gq = grads[0], gk = grads[1];
+    if (!gq.defined() && !gk.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), {}};
+    // An output without a gradient (not used by the loss) contributes zero.
+    const at::Tensor& like = gq.defined() ? gq : gk;
+    const int64_t b = saved[0].size(0), t = saved[0].size(1), d = saved[0].size(2);
+    if (!gq.defined()) gq = at::zeros({b, t, ctx->saved_data["n_q"].toInt(), d}, like.options());
+    if (!gk.defined()) gk = at::zeros({b, t, ctx->saved_data["n_k"].toInt(), d}, like.options());
+    auto [dq, dk] = RunRotary(true, gq.contiguous(), gk.contiguous(), saved[0], saved[1]);
+    return {dq, dk, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool RmsNormDifferentiableSupported(const at::Tensor& x, const at::Tensor& weight) {
+  return FusedKernelsAvailable(x) && weight.defined() && weight.scalar_type() == x.scalar_type() &&
+         weight.device() == x.device() && x.dim() >= 1 && weight.numel() == x.size(-1) &&
+         (x.numel() == 0 || cuda::RmsNormBackwardBlocks(1, x.size(-1)) > 0);
+}
+
+at::Tensor RmsNormDifferentiable(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(
+      RmsNormDifferentiableSupported(x, weight),
+      "RmsNormDifferentiable: needs a CUDA tensor, a weight of its dtype and hidden <= 4096");
+  return RmsNormFunction::apply(x, weight, eps);
+}
+
+std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& cos,
+                                                       const at::Tensor& sin) {
+  TORCH_CHECK(FusedKernelsAvailable(q) && k.scalar_type() == q.scalar_type() && q.dim() == 4 &&
+                  k.dim() == 4 && q.size(3) % 2 == 0,
+              "RotaryDifferentiable: q, k (B, T, heads, D) float32/bfloat16 on CUDA");
+  const int64_t b = q.size(0), t = q.size(1), d = q.size(3);
+  TORCH_CHECK(k.size(0) == b && k.size(1) == t && k.size(3) == d,
+              "RotaryDifferentiable: q and k must share B, T and D");
+  at::Tensor c = cos.to(at::kFloat).expand({b, t, d}).contiguous();
+  at::Tensor s = sin.to(at::kFloat).expand({b, t, d}).contiguous();
+  variable_list out = RotaryFunction::apply(q, k, c, s);
+  return {out[0], out[1]};
 }
 
 }  // namespace vlmgraph::ops
