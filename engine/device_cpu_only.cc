@@ -18,6 +18,9 @@ void AccumulateGradients(const std::vector<at::Tensor>&, const std::vector<at::T
                          const at::Tensor&) {
   TORCH_CHECK(false, "AccumulateGradients needs a CUDA build");
 }
+void AddSquaredNorm(const std::vector<at::Tensor>&, const at::Tensor&) {
+  TORCH_CHECK(false, "AddSquaredNorm needs a CUDA build");
+}
 void FusedAdamW(const AdamWTensors&, const at::Tensor&, const AdamWHyperparameters&) {
   TORCH_CHECK(false, "FusedAdamW needs a CUDA build");
 }

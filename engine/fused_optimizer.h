@@ -40,10 +40,15 @@ bool FusedOptimizerAvailable(const at::Device& device);
 void AccumulateGradients(const std::vector<at::Tensor>& accumulators,
                          const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum);
 
+// grad_sq_sum += sum over every defined tensor of `grads` (float32 or bf16, one dtype) of its
+// elements squared: the squared gradient norm when the gradients are not accumulated.
+void AddSquaredNorm(const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum);
+
 struct AdamWTensors {
   // One entry per trained parameter, all on one CUDA device, contiguous:
   std::vector<at::Tensor> params;      // float32 master weights, updated in place
-  std::vector<at::Tensor> grads;       // float32 gradients, read, then zeroed
+  std::vector<at::Tensor> grads;       // float32 accumulators, read, then zeroed; or bf16
+                                       // gradients, read only, undefined = zero gradient
   std::vector<at::Tensor> exp_avg;     // float32, updated in place
   std::vector<at::Tensor> exp_avg_sq;  // float32, updated in place
   std::vector<at::Tensor> working;     // empty, or bf16 copies that get the rounded new weight
@@ -59,7 +64,7 @@ struct AdamWHyperparameters {
 
 // One AdamW step over every parameter of `t`, with the gradients clipped first when
 // h.max_grad_norm > 0 (grad_sq_sum, float64 scalar, must then hold their squared norm, as
-// AccumulateGradients leaves it); zeroes the gradients.
+// AccumulateGradients or AddSquaredNorm leave it); zeroes float32 gradients.
 void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                 const AdamWHyperparameters& h);
 

@@ -152,6 +152,8 @@ class Trainer {
   }
   // float32 gradient accumulator of each master weight, in master_weights() order (the .grad of
   // the parameters in float32 mode). All zero between steps: the optimizer part zeroes them.
+  // Empty when a bf16 step of one micro-batch runs the fused optimizer on the backward's own
+  // gradients (CUDA, fused_optimizer, grad_accum_steps 1).
   const std::vector<at::Tensor>& gradient_accumulators() const { return master_grads_; }
   int64_t steps() const { return steps_; }
   int64_t captures() const { return captures_; }
@@ -165,11 +167,15 @@ class Trainer {
 
   void ValidateExample(const TrainExample& e) const;
   // Returns the micro-batch's scaled loss (device scalar) after forward + backward.
+  // With the optimizer inside the micro-step (direct_), *grad_norm gets its gradient norm.
   at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
-                       int64_t* target_tokens);
+                       int64_t* target_tokens, at::Tensor* grad_norm);
   bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
   std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
   std::vector<at::Tensor> RunOptimizer();
+  // Clipping norm, step counters and FusedAdamW over `t`; returns the gradient norm (device
+  // float32 scalar, -1 without clipping).
+  at::Tensor RunFusedAdamW(const AdamWTensors& t);
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
@@ -195,6 +201,10 @@ class Trainer {
   // table, and the squared gradient norm (float64 device scalar) that the bf16 micro-steps'
   // accumulation leaves for clipping.
   bool fused_ = false;
+  // bf16, fused, one micro-batch per step: AdamW runs inside the micro-step on the bf16 gradients,
+  // there are no float32 accumulators and no optimizer graph (Note [Optimizer inside the
+  // micro-step] in trainer.cc).
+  bool direct_ = false;
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;

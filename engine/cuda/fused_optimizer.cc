@@ -63,6 +63,31 @@ void AccumulateGradients(const std::vector<at::Tensor>& accumulators,
   TORCH_CHECK(e == cudaSuccess, "gradient accumulation launch failed: ", cudaGetErrorString(e));
 }
 
+void AddSquaredNorm(const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum) {
+  std::optional<at::ScalarType> dtype;
+  std::vector<at::Tensor> keep;  // contiguous copies of strided gradients, alive until queued
+  keep.reserve(grads.size());
+  std::vector<cuda::AccumulateTensor> table;
+  for (const at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    TORCH_CHECK(g.device() == grad_sq_sum.device(),
+                "AddSquaredNorm: gradients must be on grad_sq_sum's device");
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
+                "gradients must be float32 or bfloat16");
+    TORCH_CHECK(!dtype || *dtype == g.scalar_type(), "gradients of one call must share a dtype");
+    dtype = g.scalar_type();
+    keep.push_back(g.contiguous());
+    table.push_back({nullptr, keep.back().data_ptr(), g.numel()});
+  }
+  if (table.empty()) return;
+  CheckGradSqSum(grad_sq_sum, grad_sq_sum.device());
+  c10::cuda::CUDAGuard guard(grad_sq_sum.device());
+  const cudaError_t e = cuda::LaunchAccumulateGradients(
+      table.data(), static_cast<int>(table.size()), dtype == at::kBFloat16,
+      grad_sq_sum.data_ptr<double>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(e == cudaSuccess, "squared norm launch failed: ", cudaGetErrorString(e));
+}
+
 void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                 const AdamWHyperparameters& h) {
   const size_t n = t.params.size();
@@ -73,19 +98,43 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
               "FusedAdamW: every list needs one tensor per parameter");
   const at::Device device = t.params[0].device();
   if (h.max_grad_norm > 0) CheckGradSqSum(grad_sq_sum, device);
+  std::optional<at::ScalarType> grad_dtype;
+  for (const at::Tensor& g : t.grads) {
+    if (!g.defined()) continue;
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
+                "grads must be float32 or bfloat16");
+    TORCH_CHECK(!grad_dtype || *grad_dtype == g.scalar_type(), "grads must share a dtype");
+    grad_dtype = g.scalar_type();
+  }
+  const bool bf16_grads = grad_dtype.value_or(at::kBFloat16) == at::kBFloat16;
+  std::vector<at::Tensor> keep;  // contiguous copies of strided bf16 gradients
+  keep.reserve(n);
   std::vector<cuda::AdamWTensor> table(n);
   for (size_t i = 0; i < n; ++i) {
     CheckFloat32(t.params[i], device, "params");
-    CheckFloat32(t.grads[i], device, "grads");
     CheckFloat32(t.exp_avg[i], device, "exp_avg");
     CheckFloat32(t.exp_avg_sq[i], device, "exp_avg_sq");
     CheckFloat32(t.steps[i], device, "steps");
     CheckFloat32(t.lrs[i], device, "lrs");
     const int64_t numel = t.params[i].numel();
-    TORCH_CHECK(t.grads[i].numel() == numel && t.exp_avg[i].numel() == numel &&
-                    t.exp_avg_sq[i].numel() == numel && t.steps[i].numel() == 1 &&
-                    t.lrs[i].numel() == 1,
+    TORCH_CHECK(t.exp_avg[i].numel() == numel && t.exp_avg_sq[i].numel() == numel &&
+                    t.steps[i].numel() == 1 && t.lrs[i].numel() == 1,
                 "FusedAdamW: parameter ", i, "'s state does not match its size");
+    void* grad = nullptr;
+    if (t.grads[i].defined()) {
+      const at::Tensor& g = t.grads[i];
+      TORCH_CHECK(g.device() == device && g.numel() == numel, "FusedAdamW: gradient ", i,
+                  " does not match its parameter");
+      if (bf16_grads) {
+        keep.push_back(g.contiguous());
+        grad = keep.back().data_ptr();
+      } else {
+        CheckFloat32(g, device, "float32 grads");  // zeroed in place: no copy
+        grad = g.data_ptr();
+      }
+    } else {
+      TORCH_CHECK(bf16_grads, "FusedAdamW: only bf16 gradient lists may leave one undefined");
+    }
     void* working = nullptr;
     if (!t.working.empty()) {
       const at::Tensor& w = t.working[i];
@@ -94,19 +143,14 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                   "working weights must be contiguous bfloat16 tensors of the params' sizes");
       working = w.data_ptr();
     }
-    table[i] = {t.params[i].data_ptr<float>(),
-                t.grads[i].data_ptr<float>(),
-                t.exp_avg[i].data_ptr<float>(),
-                t.exp_avg_sq[i].data_ptr<float>(),
-                working,
-                t.steps[i].data_ptr<float>(),
-                t.lrs[i].data_ptr<float>(),
-                numel};
+    table[i] = {t.params[i].data_ptr<float>(),     grad,    t.exp_avg[i].data_ptr<float>(),
+                t.exp_avg_sq[i].data_ptr<float>(), working, t.steps[i].data_ptr<float>(),
+                t.lrs[i].data_ptr<float>(),        numel};
   }
   const cuda::AdamWScalars s{h.beta1, h.beta2, h.eps, h.weight_decay, h.max_grad_norm};
   c10::cuda::CUDAGuard guard(device);
   const cudaError_t e =
-      cuda::LaunchAdamW(table.data(), static_cast<int>(n), s,
+      cuda::LaunchAdamW(table.data(), static_cast<int>(n), bf16_grads, s,
                         h.max_grad_norm > 0 ? grad_sq_sum.data_ptr<double>() : nullptr,
                         c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(e == cudaSuccess, "AdamW launch failed: ", cudaGetErrorString(e));

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "engine/cuda/optimizer_kernels.h"
 #include "model/cuda/kernel_util.cuh"
@@ -90,14 +91,17 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = begin + (u * kThreads + threadIdx.x) * 4;
       if (i >= end) continue;
-      Load4(acc + i, a[u]);
+      if (acc != nullptr) Load4(acc + i, a[u]);
       if (grad != nullptr) Load4(grad + i, g[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = begin + (u * kThreads + threadIdx.x) * 4;
       if (i >= end) continue;
-      if (grad != nullptr) {
+      if (acc == nullptr) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) a[u][k] = grad != nullptr ? g[u][k] : 0.f;
+      } else if (grad != nullptr) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) a[u][k] += g[u][k];
         Store4(acc + i, a[u]);
@@ -107,10 +111,10 @@ __global__ void __launch_bounds__(kThreads)
     }
   } else {
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-      float a = acc[i];
+      float a = acc != nullptr ? acc[i] : 0.f;
       if (grad != nullptr) {
         a += ToFloat(grad[i]);
-        acc[i] = a;
+        if (acc != nullptr) acc[i] = a;
       }
       sq += a * a;
     }
@@ -140,8 +144,12 @@ __device__ __forceinline__ void AdamWElement(const AdamWStep& s, float& param, f
   param -= s.step_size * exp_avg / denom;
 }
 
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
     AdamWKernel(const __grid_constant__ AdamWBatch b, const double* grad_sq_sum) {
+  // A float32 gradient is the trainer's accumulator, zeroed for the next step; a bf16 one is
+  // the backward's own, read only.
+  constexpr bool kZeroGrad = std::is_same_v<G, float>;
   const int t = FindTensor(b.tile_end, b.count, blockIdx.x);
   const int64_t begin = (blockIdx.x - (t == 0 ? 0 : b.tile_end[t - 1])) * kTile;
   const AdamWTensor& x = b.t[t];
@@ -165,6 +173,7 @@ __global__ void __launch_bounds__(kThreads)
   const float bias_correction2 = 1 - pow(b.beta2, static_cast<double>(step));
   s.bias_correction2_sqrt = sqrtf(bias_correction2);
   auto* working = static_cast<__nv_bfloat16*>(x.working);
+  G* grad = static_cast<G*>(x.grad);
   if (b.vec[t]) {
     float p[kUnroll][4], g[kUnroll][4], m[kUnroll][4], v[kUnroll][4];
 #pragma unroll
@@ -172,7 +181,12 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = begin + (u * kThreads + threadIdx.x) * 4;
       if (i >= end) continue;
       Load4(x.param + i, p[u]);
-      Load4(x.grad + i, g[u]);
+      if (grad != nullptr) {
+        Load4(grad + i, g[u]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) g[u][k] = 0.f;
+      }
       Load4(x.exp_avg + i, m[u]);
       Load4(x.exp_avg_sq + i, v[u]);
     }
@@ -186,17 +200,17 @@ __global__ void __launch_bounds__(kThreads)
       Store4(x.param + i, p[u]);
       Store4(x.exp_avg + i, m[u]);
       Store4(x.exp_avg_sq + i, v[u]);
-      Store4(x.grad + i, zero);
+      if (kZeroGrad && grad != nullptr) Store4(reinterpret_cast<float*>(grad) + i, zero);
       if (working != nullptr) Store4(working + i, p[u]);
     }
   } else {
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
       float p = x.param[i], m = x.exp_avg[i], v = x.exp_avg_sq[i];
-      AdamWElement(s, p, x.grad[i], m, v);
+      AdamWElement(s, p, grad != nullptr ? ToFloat(grad[i]) : 0.f, m, v);
       x.param[i] = p;
       x.exp_avg[i] = m;
       x.exp_avg_sq[i] = v;
-      x.grad[i] = 0.f;
+      if (kZeroGrad && grad != nullptr) reinterpret_cast<float*>(grad)[i] = 0.f;
       if (working != nullptr) working[i] = __float2bfloat16_rn(p);
     }
   }
@@ -219,7 +233,7 @@ cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count
       b.acc[i] = x.acc;
       b.grad[i] = x.grad;
       b.numel[i] = x.numel;
-      b.vec[i] = x.numel % 4 == 0 && Aligned(x.acc, 16) &&
+      b.vec[i] = x.numel % 4 == 0 && (x.acc == nullptr || Aligned(x.acc, 16)) &&
                  (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16));
       tiles += Tiles(x.numel);
       b.tile_end[i] = tiles;
@@ -235,8 +249,8 @@ cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count
   return cudaSuccess;
 }
 
-cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, const AdamWScalars& s,
-                        const double* grad_sq_sum, cudaStream_t stream) {
+cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, bool grad_bf16,
+                        const AdamWScalars& s, const double* grad_sq_sum, cudaStream_t stream) {
   for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
     AdamWBatch b{};
     b.count = std::min(kMaxTensorsPerLaunch, count - first);
@@ -246,14 +260,19 @@ cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, const AdamWScalar
     for (int i = 0; i < b.count; ++i) {
       const AdamWTensor& x = tensors[first + i];
       b.t[i] = x;
-      b.vec[i] = x.numel % 4 == 0 && Aligned(x.param, 16) && Aligned(x.grad, 16) &&
+      b.vec[i] = x.numel % 4 == 0 && Aligned(x.param, 16) &&
+                 (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16)) &&
                  Aligned(x.exp_avg, 16) && Aligned(x.exp_avg_sq, 16) &&
                  (x.working == nullptr || Aligned(x.working, 8));
       tiles += Tiles(x.numel);
       b.tile_end[i] = tiles;
     }
     if (tiles == 0) continue;
-    AdamWKernel<<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
+    if (grad_bf16) {
+      AdamWKernel<__nv_bfloat16><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
+    } else {
+      AdamWKernel<float><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
+    }
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;

@@ -14,18 +14,19 @@ namespace vlmgraph::cuda {
 constexpr int kMaxTensorsPerLaunch = 256;
 
 struct AccumulateTensor {
-  float* acc;        // float32 accumulator
-  const void* grad;  // bf16 or float32 gradient (AccumulateArgs::grad_bf16), or nullptr
+  float* acc;        // float32 accumulator, or nullptr: only grad's squares are summed
+  const void* grad;  // bf16 or float32 gradient (grad_bf16), or nullptr
   int64_t numel;
 };
 
-// acc += grad for every tensor, and *grad_sq_sum += sum(acc^2) over all of them.
+// acc += grad for every tensor, and *grad_sq_sum += sum(acc^2) over all of them (sum(grad^2)
+// where acc is nullptr).
 cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count, bool grad_bf16,
                                       double* grad_sq_sum, cudaStream_t stream);
 
 struct AdamWTensor {
   float* param;
-  float* grad;  // zeroed after use
+  void* grad;  // float32: zeroed after use; bf16 (grad_bf16): read only; nullptr: zero gradient
   float* exp_avg;
   float* exp_avg_sq;
   void* working;      // bf16 copy of param, or nullptr
@@ -39,7 +40,7 @@ struct AdamWScalars {
   double max_grad_norm;  // > 0: clip with the norm sqrt(*grad_sq_sum)
 };
 
-cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, const AdamWScalars& s,
-                        const double* grad_sq_sum, cudaStream_t stream);
+cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, bool grad_bf16,
+                        const AdamWScalars& s, const double* grad_sq_sum, cudaStream_t stream);
 
 }  // namespace vlmgraph::cuda
