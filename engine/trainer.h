@@ -40,7 +40,8 @@
 //   and zeroes the accumulators. 18 persistent device bytes per trained parameter (bf16 weight 2 +
 //   master 4 + accumulator 4 + exp_avg 4 + exp_avg_sq 4: the 16 of ZeRO, Rajbhandari et al. 2020,
 //   with Megatron-LM's float32 main_grad accumulator in place of a float32 grad, plus the bf16
-//   weight), plus up to 2 transient bytes (its bf16 gradient) during a backward; 2 per frozen one
+//   weight), plus up to 2 transient bytes (its bf16 gradient) during a backward (14 when the fused
+//   optimizer runs inside a one-micro-batch step, without the accumulator); 2 per frozen one
 //   (plus a float32 host copy of it when the source model was not bf16, so checkpoints stay
 //   exact).
 //   SaveCheckpoint's model.safetensors and master_weights() carry the float32 masters;
