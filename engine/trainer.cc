@@ -42,10 +42,11 @@ struct Trainer::Group {
 // missing rows all -100, missing tiles zero (their embeddings are never selected).
 struct Trainer::MicroBuffers {
   BucketKey key;
-  at::Tensor ids;          // (b, s) int64
-  at::Tensor targets;      // (b, s) int64
-  at::Tensor tiles;        // (b * max_tiles_per_example, 3, S, S) compute dtype, or undefined
-  int64_t real_tiles = 0;  // tiles the current micro-batch filled (eager runs encode only these)
+  at::Tensor ids;      // (b, s) int64
+  at::Tensor targets;  // (b, s) int64
+  at::Tensor tiles;    // (b * max_tiles_per_example, 3, S, S) compute dtype, or undefined
+  // Tiles the current micro-batch filled (CPU eager runs encode only these).
+  int64_t real_tiles = 0;
 };
 
 namespace {
@@ -209,17 +210,17 @@ Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
 
 std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   at::AutoGradMode grad_mode(true);
-  // A graph encodes the whole static tile buffer; an eager run only the tiles in use.
+  // A graph encodes the whole static tile buffer. An eager run on CUDA does too, so that both take
+  // the same kernels (cuBLAS picks its algorithms by shape) and compute the same values (float32
+  // parameters equal after 20 steps on an H100); on the CPU it encodes only the tiles in use.
   at::Tensor tiles = buf.tiles;
-  if (tiles.defined() && !runner_->captures())
+  if (tiles.defined() && !runner_->captures() && !options_.device.is_cuda())
     tiles = buf.real_tiles > 0 ? tiles.narrow(0, 0, buf.real_tiles) : at::Tensor();
   at::Tensor rows = tiles.defined() ? model_->EncodeImages(tiles) : at::Tensor();
-  at::Tensor logits =
-      model_->decoder->Logits(model_->decoder->Forward(model_->Embed(buf.ids, rows)));
+  at::Tensor hidden = model_->decoder->Forward(model_->Embed(buf.ids, rows));
   at::Tensor targets = buf.targets.reshape({-1});
   // Cross entropy in float32 whatever the compute dtype.
-  at::Tensor ce = at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                         targets, {}, at::Reduction::Sum, -100);
+  at::Tensor ce = model_->decoder->CrossEntropySum(hidden, targets, -100);
   // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
   at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
   at::Tensor loss = ce / count / static_cast<double>(options_.grad_accum_steps);

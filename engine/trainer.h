@@ -6,9 +6,11 @@
 // captured graph and the optimizer part another; every persistent tensor they touch keeps its
 // address (gradients zeroed in place, optimizer state preallocated, learning rates and step
 // counters are device tensors), so a learning-rate schedule changes the rate without recapture.
-// CPU, graphs off, or a micro-batch larger than every bucket run the same code eagerly. On CUDA
-// each micro-batch (ids, targets, tiles in the compute dtype) is staged in pinned host memory and
-// copied asynchronously.
+// CPU, graphs off, or a micro-batch larger than every bucket run the same code eagerly. On CUDA an
+// eager run encodes the whole padded tile buffer as a graph does, so graphed and eager steps
+// compute the same values; on the CPU it encodes the real tiles only. On CUDA each micro-batch
+// (ids, targets, tiles in the compute dtype) is staged in pinned host memory and copied
+// asynchronously.
 //
 //   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;
 //   Trainer trainer(LoadModel(dir), opt);  // keeps its own copy and float32 master weights

@@ -91,6 +91,27 @@ std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor& q, cons
                                                        const at::Tensor& cos,
                                                        const at::Tensor& sin);
 
+// x + bias (bias (n) broadcast over x's last dimension), differentiable, with exactly the values
+// and gradients of ATen's `x + bias` (each sum rounded to the dtype once; the bias gradient by
+// at::sum_to). On CUDA float32/bfloat16 with n a multiple of 16 bytes' elements, one vectorised
+// kernel: ATen's broadcast add takes its non-vectorised loop (3.2 ms per training step of the
+// 460M preset for the ViT's biases). Elsewhere ATen's add. The output is contiguous.
+at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias);
+
+// Summed cross entropy of the head's logits, differentiable in hidden and weight:
+// sum over rows r with a counted target of lse(l_r) - l_r[target_r], l = hidden @ weight^T
+// rounded to the dtype, lse in float32 (upstream nanoVLM: F.cross_entropy(ignore_index=-100),
+// reduction sum; a target equal to ignore_index or outside [0, vocab) is not counted).
+// hidden (rows, H), weight (vocab, H), one dtype (float32/bfloat16) on one CUDA device; targets
+// (rows) int64 there. Returns a float32 scalar. Against the ATen chain (linear, cast to float32,
+// log_softmax, nll_loss), the logits never exist in float32: one kernel reads them for the loss,
+// one writes their gradient over them, and the head's three GEMMs run on a vocabulary padded to a
+// multiple of 64 (Note [Logits buffer] in fused_ops_cuda.cc). The backward runs once. CPU builds:
+// not supported.
+bool LinearCrossEntropySupported(const at::Tensor& hidden, const at::Tensor& weight);
+at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, int64_t ignore_index);
+
 // One decode token per row through every decoder block in one persistent kernel
 // (model/cuda/decode_stack.cu): blocks meet at grid barriers while each streams its next weights,
 // so a step pays no per-layer launch gaps. Computes what the per-block path (RmsNormLinear,

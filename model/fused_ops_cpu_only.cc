@@ -38,6 +38,11 @@ std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor&, const 
                                                        const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
+at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias) { return x + bias; }
+bool LinearCrossEntropySupported(const at::Tensor&, const at::Tensor&) { return false; }
+at::Tensor LinearCrossEntropy(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
 
 at::Tensor DecodeStack(const at::Tensor&, const DecodeStackWeights&, const at::Tensor&, int64_t,
                        const at::Tensor&, double, double, int64_t, const at::Tensor&,

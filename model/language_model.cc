@@ -309,6 +309,16 @@ bool LanguageModelImpl::UsesFusedPath(const at::Tensor& x) const {
          attn->w_qkv.device() == x.device() && attn->w_qkv.scalar_type() == x.scalar_type();
 }
 
+at::Tensor LanguageModelImpl::CrossEntropySum(const at::Tensor& hidden, const at::Tensor& targets,
+                                              int64_t ignore_index) {
+  at::Tensor rows = hidden.reshape({-1, hidden.size(-1)});
+  at::Tensor head = HeadWeight();
+  if (ops::LinearCrossEntropySupported(rows, head))
+    return ops::LinearCrossEntropy(rows, head, targets.reshape({-1}), ignore_index);
+  return at::cross_entropy_loss(Logits(rows).to(at::kFloat), targets.reshape({-1}), {},
+                                at::Reduction::Sum, ignore_index);
+}
+
 at::Tensor LanguageModelImpl::Logits(const at::Tensor& hidden) {
   if (UsesFusedPath(hidden)) return ops::Linear(hidden.contiguous(), HeadWeight());
   return at::linear(hidden, HeadWeight());

@@ -141,6 +141,14 @@ class LanguageModelImpl : public torch::nn::Module {
   at::Tensor Logits(const at::Tensor& hidden);
   // The head's weight, (V, H): token_embedding.weight when tied, else head.weight.
   at::Tensor HeadWeight() const;
+  // Summed cross entropy of Logits(hidden) against targets, a float32 scalar: sum over positions
+  // with a counted target of logsumexp(logits) - logits[target], computed in float32 from the
+  // logits in the model's dtype (upstream nanoVLM: F.cross_entropy(ignore_index=-100) with
+  // reduction sum). hidden (..., H), targets (...) int64; a target equal to ignore_index counts
+  // 0. On CUDA through ops::LinearCrossEntropy (no float32 logits, one kernel each way; it needs
+  // targets in [0, V) or ignore_index, which the trainer checks), elsewhere ATen's ops.
+  at::Tensor CrossEntropySum(const at::Tensor& hidden, const at::Tensor& targets,
+                             int64_t ignore_index);
 
   // Stacks each block's q/k/v and gate/up weights into one tensor and makes the original
   // parameters views of it, enabling the fused inference path (model/fused_ops.h) on CUDA.

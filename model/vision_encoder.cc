@@ -4,6 +4,7 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/init.h>
 
+#include "model/fused_ops.h"
 #include "model/recompute.h"
 
 namespace vlmgraph {
@@ -18,9 +19,15 @@ ViTPatchEmbeddingsImpl::ViTPatchEmbeddingsImpl(const VlmConfig& cfg) {
 }
 
 at::Tensor ViTPatchEmbeddingsImpl::forward(const at::Tensor& x) {
-  at::Tensor y = conv->forward(x);   // (N, C, S/p, S/p)
-  y = y.flatten(2).transpose(1, 2);  // (N, P, C), patches in row-major order
-  return y + position_embedding;
+  at::Tensor y = conv->forward(x);  // (N, C, S/p, S/p)
+  const int64_t n = y.size(0), c = y.size(1);
+  // (N, P, C), patches in row-major order, made contiguous here: `y + position_embedding` on the
+  // transposed view would keep its layout for the whole residual stream, so every LayerNorm
+  // (forward and backward) and residual add of the encoder would copy or take ATen's
+  // non-vectorised loop (3.6 ms of a 460M training step). The values are the same.
+  y = y.flatten(2).transpose(1, 2).contiguous();
+  const int64_t p = y.size(1);
+  return ops::BiasAdd(y.view({n, p * c}), position_embedding.view({p * c})).view({n, p, c});
 }
 
 ViTAttentionImpl::ViTAttentionImpl(const VlmConfig& cfg)

@@ -444,6 +444,69 @@ TEST(FusedOps, RmsNormDifferentiableMatchesReferenceAndItsGradients_CUDA) {
   }
 }
 
+// Training: BiasAdd has exactly the values and gradients of ATen's `x + bias`, through the kernel
+// (n a multiple of 16 bytes' elements; contiguous and transposed x) and through the fallback.
+TEST(FusedOps, BiasAddEqualsATenAddAndItsGradients_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::manual_seed(7);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t n : {64, 3072, 36}) {
+      for (bool transposed : {false, true}) {
+        auto opt = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+        at::Tensor x0 = transposed ? at::randn({n, 5, 33}, opt).transpose(0, 2)
+                                   : at::randn({5, 33, n}, opt);  // (33 or 5, 5 or 33, n)
+        at::Tensor b0 = at::randn({n}, opt), g = at::randn(x0.sizes(), opt);
+        at::Tensor x1 = x0.detach().clone().requires_grad_(), b1 = b0.clone().requires_grad_();
+        at::Tensor y1 = x1 + b1;
+        (y1 * g).sum().backward();
+        at::Tensor x2 = x0.detach().clone().requires_grad_(), b2 = b0.clone().requires_grad_();
+        at::Tensor y2 = ops::BiasAdd(x2, b2);
+        (y2 * g).sum().backward();
+        EXPECT_TRUE(at::equal(y2, y1)) << dtype << " n=" << n << " t=" << transposed;
+        EXPECT_TRUE(at::equal(x2.grad(), x1.grad())) << dtype << " n=" << n;
+        EXPECT_TRUE(at::equal(b2.grad(), b1.grad()))
+            << dtype << " n=" << n << " " << MaxAbsDiff(b2.grad(), b1.grad());
+      }
+    }
+  }
+}
+
+// Training: LinearCrossEntropy against the ATen chain it replaces (linear, float32 cast,
+// cross_entropy_loss with reduction sum and ignore_index -100): loss and both gradients, with a
+// vocabulary that is not a multiple of 8, ignored targets and a non-unit upstream gradient.
+TEST(FusedOps, LinearCrossEntropyMatchesATenChainAndItsGradients_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::manual_seed(11);
+  const int64_t rows = 300, hidden = 64, vocab = 1066;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto opt = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+    at::Tensor h0 = at::randn({rows, hidden}, opt), w0 = at::randn({vocab, hidden}, opt) * 0.3;
+    at::Tensor targets =
+        at::randint(vocab, {rows}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA));
+    targets.narrow(0, 0, 40).fill_(-100);
+    targets.narrow(0, 100, 1).fill_(vocab - 1);
+    at::Tensor h1 = h0.clone().requires_grad_(), w1 = w0.clone().requires_grad_();
+    at::Tensor l1 = at::cross_entropy_loss(at::linear(h1, w1).to(at::kFloat), targets, {},
+                                           at::Reduction::Sum, -100);
+    (l1 * 0.37).backward();
+    at::Tensor h2 = h0.clone().requires_grad_(), w2 = w0.clone().requires_grad_();
+    ASSERT_TRUE(ops::LinearCrossEntropySupported(h2, w2));
+    at::Tensor l2 = ops::LinearCrossEntropy(h2, w2, targets, -100);
+    (l2 * 0.37).backward();
+    EXPECT_EQ(l2.scalar_type(), at::kFloat);
+    auto rel = [](const at::Tensor& a, const at::Tensor& b) {
+      return MaxAbsDiff(a.to(at::kFloat), b.to(at::kFloat)) /
+             b.to(at::kFloat).abs().max().item<double>();
+    };
+    // float32: summation order. bf16: the logits are rounded to bf16 by differently tiled GEMMs
+    // (a few elements one rounding step apart) and the gradients are bf16.
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    EXPECT_LT(rel(l2, l1), dtype == at::kFloat ? 1e-6 : 1e-3) << dtype;
+    EXPECT_LT(rel(h2.grad(), h1.grad()), tol) << dtype;
+    EXPECT_LT(rel(w2.grad(), w1.grad()), tol) << dtype;
+  }
+}
+
 TEST(FusedOps, CpuTensorsKeepTheReferencePath) {
   VisionLanguageModel m(VlmConfig::Preset("nanovlm-tiny"));
   m->decoder->FuseWeights();

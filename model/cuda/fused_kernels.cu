@@ -185,6 +185,93 @@ int ThreadsFor(int64_t work) {
   return static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, (work + 31) / 32 * 32)));
 }
 
+// out = x + bias over rows of n columns (bias broadcast), each sum rounded to T once, as ATen's
+// add computes it (float(x) + float(bias)). One 16-byte vector per thread and iteration;
+// n % (16 / sizeof(T)) == 0 and 16-byte aligned pointers (the launcher checks).
+template <typename T>
+__global__ void BiasAddKernel(const T* __restrict__ x, const T* __restrict__ bias,
+                              T* __restrict__ out, int64_t vecs, int64_t vecs_per_row) {
+  constexpr int kVec = 16 / sizeof(T);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < vecs;
+       v += stride) {
+    float a[kVec], b[kVec];
+    LoadVec(x + v * kVec, a);
+    LoadVec(bias + (v % vecs_per_row) * kVec, b);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) a[j] += b[j];
+    StoreVec(out + v * kVec, a);
+  }
+}
+
+// Cross entropy over rows of `vocab` logits (row stride ld, a multiple of 16 / sizeof(T), 16-byte
+// aligned rows). One block per row: an online max / sum of exp over the row (Milakov & Gimelshein
+// 2018, "Online normalizer calculation for softmax"), then lse = max + log(sum) and
+// loss = lse - logit[target] (0 for an ignored or out-of-range target).
+constexpr int kCrossEntropyThreads = 512;
+
+template <typename T>
+__global__ void __launch_bounds__(kCrossEntropyThreads)
+    CrossEntropyForwardKernel(const T* __restrict__ logits, int64_t ld, int vocab,
+                              const int64_t* __restrict__ targets, int64_t ignore_index,
+                              float* __restrict__ lse_out, float* __restrict__ loss_out) {
+  constexpr int kVec = 16 / sizeof(T);
+  __shared__ float scratch[32];
+  const T* x = logits + blockIdx.x * ld;
+  float m = -INFINITY, s = 0.f;
+  auto add = [&](float v) {
+    if (v > m) {
+      s *= expf(m - v);  // 0 while m is still -inf
+      m = v;
+    }
+    s += expf(v - m);
+  };
+  const int full = vocab / kVec;
+  for (int v = threadIdx.x; v < full; v += blockDim.x) {
+    float e[kVec];
+    LoadVec(x + v * kVec, e);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) add(e[j]);
+  }
+  for (int j = full * kVec + threadIdx.x; j < vocab; j += blockDim.x) add(ToFloat(x[j]));
+  const float row_max = BlockReduce<true>(m, scratch);
+  const float row_sum = BlockReduce<false>(m == -INFINITY ? 0.f : s * expf(m - row_max), scratch);
+  if (threadIdx.x == 0) {
+    const float lse = row_max + logf(row_sum);
+    const int64_t t = targets[blockIdx.x];
+    const bool counted = t != ignore_index && t >= 0 && t < vocab;
+    lse_out[blockIdx.x] = lse;
+    loss_out[blockIdx.x] = counted ? lse - ToFloat(x[t]) : 0.f;
+  }
+}
+
+// The gradient of CrossEntropyForwardKernel's summed loss, scaled by *grad_scale, written over the
+// logits in place: g = scale * (exp(logit - lse) - [j == target]); 0 on an uncounted row and in
+// the padding columns [vocab, ld), so GEMMs may read whole rows of ld.
+template <typename T>
+__global__ void __launch_bounds__(kCrossEntropyThreads)
+    CrossEntropyBackwardKernel(T* __restrict__ logits, int64_t ld, int vocab,
+                               const int64_t* __restrict__ targets, int64_t ignore_index,
+                               const float* __restrict__ lse,
+                               const float* __restrict__ grad_scale) {
+  constexpr int kVec = 16 / sizeof(T);
+  T* x = logits + blockIdx.x * ld;
+  const int64_t t = targets[blockIdx.x];
+  const bool counted = t != ignore_index && t >= 0 && t < vocab;
+  const float scale = counted ? *grad_scale : 0.f, row_lse = lse[blockIdx.x];
+  const int vecs = static_cast<int>(ld / kVec);
+  for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+    float e[kVec];
+    LoadVec(x + v * kVec, e);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int col = v * kVec + j;
+      e[j] = counted && col < vocab ? scale * (expf(e[j] - row_lse) - (col == t ? 1.f : 0.f)) : 0.f;
+    }
+    StoreVec(x + v * kVec, e);
+  }
+}
+
 }  // namespace
 
 cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t xs, const void* w, void* out,
@@ -294,6 +381,63 @@ cudaError_t LaunchRmsNormBackward(bool bf16, const void* x, const void* w, const
     RmsNormBackwardKernel<T><<<static_cast<unsigned>(blocks), kNormThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(g),
         static_cast<T*>(dx), dw_partial, rows, rpb, static_cast<int>(hidden), eps);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace vlmgraph::cuda
+
+namespace vlmgraph::cuda {
+
+cudaError_t LaunchBiasAdd(bool bf16, const void* x, const void* bias, void* out, int64_t rows,
+                          int64_t n, cudaStream_t stream) {
+  const int vec = bf16 ? 8 : 4;
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (n % vec != 0 || !aligned(x) || !aligned(bias) || !aligned(out)) return cudaErrorInvalidValue;
+  const int64_t vecs = rows * n / vec;
+  if (vecs == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  // Enough blocks to fill the GPU several times over; the grid-stride loop takes the rest.
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<int64_t>((vecs + kThreads - 1) / kThreads, 4096));
+  if (bf16) {
+    using T = __nv_bfloat16;
+    BiasAddKernel<T><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(out), vecs, n / vec);
+  } else {
+    BiasAddKernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x),
+                                                          static_cast<const float*>(bias),
+                                                          static_cast<float*>(out), vecs, n / vec);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCrossEntropy(bool bf16, bool backward, void* logits, int64_t ld, int64_t rows,
+                               int64_t vocab, const int64_t* targets, int64_t ignore_index,
+                               float* lse, float* loss, const float* grad_scale,
+                               cudaStream_t stream) {
+  const int vec = bf16 ? 8 : 4;
+  if (ld % vec != 0 || ld < vocab || reinterpret_cast<uintptr_t>(logits) % 16 != 0 ||
+      vocab > INT32_MAX)
+    return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>(rows);
+  auto launch = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    if (backward) {
+      CrossEntropyBackwardKernel<T><<<blocks, kCrossEntropyThreads, 0, stream>>>(
+          static_cast<T*>(logits), ld, static_cast<int>(vocab), targets, ignore_index, lse,
+          grad_scale);
+    } else {
+      CrossEntropyForwardKernel<T><<<blocks, kCrossEntropyThreads, 0, stream>>>(
+          static_cast<const T*>(logits), ld, static_cast<int>(vocab), targets, ignore_index, lse,
+          loss);
+    }
+  };
+  if (bf16) {
+    launch(static_cast<__nv_bfloat16*>(nullptr));
+  } else {
+    launch(static_cast<float*>(nullptr));
   }
   return cudaGetLastError();
 }

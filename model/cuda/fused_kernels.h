@@ -176,4 +176,20 @@ cudaError_t LaunchRmsNormBackward(bool bf16, const void* x, const void* w, const
 int64_t RmsNormBackwardBlocks(int64_t rows, int64_t hidden);
 int RmsNormBackwardRowsPerBlock(int64_t rows);
 
+// out (rows, n) = x (rows, n) + bias (n), contiguous, each sum rounded to the dtype once as
+// ATen's add rounds it (bit-identical to `x + bias`). cudaErrorInvalidValue unless n is a multiple
+// of 16 / sizeof(element) and the pointers are 16-byte aligned.
+cudaError_t LaunchBiasAdd(bool bf16, const void* x, const void* bias, void* out, int64_t rows,
+                          int64_t n, cudaStream_t stream);
+// Cross entropy over logits (rows, vocab) with row stride ld (a multiple of 16 / sizeof(element),
+// 16-byte aligned), targets (rows) int64; a target equal to ignore_index or outside [0, vocab)
+// counts 0. Forward (grad_scale unused): lse (rows) = log(sum(exp(logits))), loss (rows) =
+// lse - logit[target], float32. Backward (loss unused): overwrites the logits with
+// *grad_scale * (softmax - onehot(target)), rounded to the dtype, and writes 0 on uncounted rows
+// and in the padding columns [vocab, ld).
+cudaError_t LaunchCrossEntropy(bool bf16, bool backward, void* logits, int64_t ld, int64_t rows,
+                               int64_t vocab, const int64_t* targets, int64_t ignore_index,
+                               float* lse, float* loss, const float* grad_scale,
+                               cudaStream_t stream);
+
 }  // namespace vlmgraph::cuda

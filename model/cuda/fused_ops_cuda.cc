@@ -1,5 +1,6 @@
 // model/cuda/fused_ops_cuda.cc: ATen wrappers of the fused kernels (see model/fused_ops.h).
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -350,6 +351,85 @@ struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
   }
 };
 
+struct BiasAddFunction : torch::autograd::Function<BiasAddFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& bias) {
+    ctx->saved_data["bias_size"] = bias.numel();
+    at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    const int64_t n = bias.numel();
+    c10::cuda::CUDAGuard guard(x.device());
+    Check(cuda::LaunchBiasAdd(IsBf16(x), xc.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                              n == 0 ? 0 : xc.numel() / n, n, c10::cuda::getCurrentCUDAStream()),
+          "bias add");
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // As autograd takes `x + bias`: the gradient passes to x; the bias's is summed over the
+    // broadcast dimensions by at::sum_to (the engine's own reduction).
+    const at::Tensor& g = grads[0];
+    at::Tensor db;
+    const int64_t bias_size = ctx->saved_data["bias_size"].toInt();
+    if (ctx->needs_input_grad(1)) db = at::sum_to(g, at::IntArrayRef(&bias_size, 1));
+    return {g, db};
+  }
+};
+
+// Note [Logits buffer]: nanoVLM's vocabulary (49218) is not a multiple of 8, and cuBLAS takes
+// 2-element-aligned SM80 kernels for GEMMs over it (0.76-0.78 ms each for the head's three
+// products at 460M, batch 8 x 256). The forward therefore pads the vocabulary to ld (a multiple of
+// 64) with zero weight rows: the logits are a (rows, ld) buffer whose columns [vocab, ld) are 0 and
+// never enter the softmax. The backward overwrites the buffer with the logits' gradient (0 in the
+// padding columns), so every GEMM runs on aligned, padded shapes; it runs once.
+struct LinearCrossEntropyFunction : torch::autograd::Function<LinearCrossEntropyFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden,
+                            const at::Tensor& weight, const at::Tensor& targets,
+                            int64_t ignore_index) {
+    const int64_t rows = hidden.size(0), vocab = weight.size(0), ld = (vocab + 63) / 64 * 64;
+    c10::cuda::CUDAGuard guard(hidden.device());
+    at::Tensor padded_weight = at::empty({ld, weight.size(1)}, weight.options());
+    padded_weight.narrow(0, 0, vocab).copy_(weight);
+    padded_weight.narrow(0, vocab, ld - vocab).zero_();
+    at::Tensor buffer = at::mm(hidden, padded_weight.t());  // (rows, ld)
+    auto f32 = hidden.options().dtype(at::kFloat);
+    at::Tensor lse = at::empty({rows}, f32), loss = at::empty({rows}, f32);
+    at::Tensor t = targets.contiguous();
+    Check(cuda::LaunchCrossEntropy(IsBf16(hidden), false, buffer.data_ptr(), ld, rows, vocab,
+                                   t.data_ptr<int64_t>(), ignore_index, lse.data_ptr<float>(),
+                                   loss.data_ptr<float>(), nullptr,
+                                   c10::cuda::getCurrentCUDAStream()),
+          "cross entropy");
+    ctx->save_for_backward({hidden, t, lse});
+    ctx->saved_data["logits"] = buffer;
+    ctx->saved_data["padded_weight"] = padded_weight;
+    ctx->saved_data["vocab"] = vocab;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    return loss.sum();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto it = ctx->saved_data.find("logits");
+    TORCH_CHECK(it != ctx->saved_data.end(),
+                "LinearCrossEntropy's backward runs once (Note [Logits buffer])");
+    at::Tensor buffer = it->second.toTensor();
+    at::Tensor padded_weight = ctx->saved_data["padded_weight"].toTensor();
+    ctx->saved_data.erase(it);
+    ctx->saved_data.erase("padded_weight");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &targets = saved[1], &lse = saved[2];
+    const int64_t rows = hidden.size(0), vocab = ctx->saved_data["vocab"].toInt(),
+                  ld = buffer.size(1);
+    at::Tensor scale = grads[0].to(at::kFloat).contiguous();
+    c10::cuda::CUDAGuard guard(hidden.device());
+    Check(cuda::LaunchCrossEntropy(
+              IsBf16(hidden), true, buffer.data_ptr(), ld, rows, vocab, targets.data_ptr<int64_t>(),
+              ctx->saved_data["ignore_index"].toInt(), const_cast<float*>(lse.data_ptr<float>()),
+              nullptr, scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+          "cross entropy backward");
+    at::Tensor dh, dw;  // buffer: (rows, ld), the padding columns 0
+    if (ctx->needs_input_grad(0)) dh = at::mm(buffer, padded_weight);
+    if (ctx->needs_input_grad(1)) dw = at::mm(buffer.t(), hidden).narrow(0, 0, vocab);
+    return {dh, dw, at::Tensor(), at::Tensor()};
+  }
+};
 }  // namespace
 
 bool RmsNormDifferentiableSupported(const at::Tensor& x, const at::Tensor& weight) {
@@ -378,6 +458,36 @@ std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor& q, cons
   at::Tensor s = sin.to(at::kFloat).expand({b, t, d}).contiguous();
   variable_list out = RotaryFunction::apply(q, k, c, s);
   return {out[0], out[1]};
+}
+
+at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias) {
+  const int64_t vec = x.scalar_type() == at::kBFloat16 ? 8 : 4;
+  auto aligned = [](const at::Tensor& t) {
+    return !t.is_contiguous() || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  const bool kernel = FusedKernelsAvailable(x) && bias.defined() && bias.dim() == 1 &&
+                      bias.scalar_type() == x.scalar_type() && bias.device() == x.device() &&
+                      x.dim() >= 1 && x.size(-1) == bias.numel() && bias.numel() % vec == 0 &&
+                      aligned(x) && bias.is_contiguous() && aligned(bias);
+  if (!kernel) return x + bias;
+  return BiasAddFunction::apply(x, bias);
+}
+
+bool LinearCrossEntropySupported(const at::Tensor& hidden, const at::Tensor& weight) {
+  return FusedKernelsAvailable(hidden) && hidden.dim() == 2 && weight.dim() == 2 &&
+         weight.scalar_type() == hidden.scalar_type() && weight.device() == hidden.device() &&
+         weight.size(1) == hidden.size(1) && weight.size(0) <= INT32_MAX;
+}
+
+at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
+                              const at::Tensor& targets, int64_t ignore_index) {
+  TORCH_CHECK(LinearCrossEntropySupported(hidden, weight),
+              "LinearCrossEntropy: hidden (rows, H) and weight (vocab, H) of one dtype "
+              "(float32/bfloat16) on one CUDA device");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.device() == hidden.device() &&
+                  targets.numel() == hidden.size(0),
+              "LinearCrossEntropy: targets must be int64 on the device, one per row");
+  return LinearCrossEntropyFunction::apply(hidden, weight, targets.reshape({-1}), ignore_index);
 }
 
 }  // namespace vlmgraph::ops
