@@ -34,7 +34,7 @@ bool FusedOptimizerAvailable(const at::Device& device);
 // For every i: accumulators[i] += grads[i] where grads[i] is defined (float32 or bf16, same shape;
 // an undefined gradient counts as zero), then grad_sq_sum += sum over every accumulator of its
 // elements squared (after the add). accumulators: contiguous float32 on one CUDA device;
-// grads: empty (no adds: the sum of squares alone) or one per accumulator; grad_sq_sum: float64
+// grads: one per accumulator (one dtype per call); grad_sq_sum: float64
 // scalar on that device, which the caller zeroes before the first micro-batch of a step, so that
 // after the last one it holds the squared norm of the accumulated gradient.
 void AccumulateGradients(const std::vector<at::Tensor>& accumulators,

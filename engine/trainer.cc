@@ -241,38 +241,33 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   // a micro-batch without tiles leaves the vision encoder without gradients.
   for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
   loss.backward();
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;  // one per parameter, undefined where none came (= zero)
+  grads.reserve(params_.size());
+  for (at::Tensor& p : params_) {
+    grads.push_back(p.grad());
+    p.mutable_grad() = at::Tensor();
+  }
   if (direct_) {  // Note [Optimizer inside the micro-step]
-    at::NoGradGuard no_grad;
     AdamWTensors t = adamw_;
-    t.grads.clear();
-    for (const at::Tensor& p : params_) t.grads.push_back(p.grad());  // undefined = zero
-    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+    t.grads = std::move(grads);
     at::Tensor norm = RunFusedAdamW(t);
     return {loss.detach(), norm};
   }
   if (fused_) {
-    // All accumulators, an undefined gradient where none came; the kernel also leaves the
-    // squared norm of the accumulated gradients for the optimizer's clipping.
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> grads;
-    grads.reserve(params_.size());
-    for (const at::Tensor& p : params_) grads.push_back(p.grad());
+    // The kernel also leaves the squared norm of the accumulated gradients for the optimizer's
+    // clipping.
     grad_sq_sum_.zero_();
     AccumulateGradients(master_grads_, grads, grad_sq_sum_);
   } else {
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> accumulators, grads;
-    accumulators.reserve(params_.size());
-    grads.reserve(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& grad = params_[i].grad();
-      if (!grad.defined()) continue;
+    std::vector<at::Tensor> accumulators, defined;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!grads[i].defined()) continue;
       accumulators.push_back(master_grads_[i]);
-      grads.push_back(grad);
+      defined.push_back(grads[i]);
     }
-    if (!grads.empty()) at::_foreach_add_(accumulators, grads);
+    if (!defined.empty()) at::_foreach_add_(accumulators, defined);
   }
-  for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
   return {loss.detach()};
 }
 
@@ -283,7 +278,7 @@ at::Tensor Trainer::RunFusedAdamW(const AdamWTensors& t) {
     AddSquaredNorm(t.grads, grad_sq_sum_);
   } else if (clip && !mixed_precision()) {  // float32: autograd filled the gradients
     grad_sq_sum_.zero_();
-    AccumulateGradients(master_grads_, {}, grad_sq_sum_);
+    AddSquaredNorm(master_grads_, grad_sq_sum_);
   }  // else bf16 accumulation: AccumulateGradients left the norm in grad_sq_sum_
   for (auto& g : groups_) at::_foreach_add_(g.steps, 1);
   FusedAdamW(t, grad_sq_sum_,

@@ -25,6 +25,32 @@ void CheckGradSqSum(const at::Tensor& s, const at::Device& device) {
       "grad_sq_sum must be a float64 scalar on ", device);
 }
 
+// The common dtype of the defined gradients (float32 or bf16, one per call, each on `device`);
+// nullopt when none is defined.
+std::optional<at::ScalarType> GradientDtype(const std::vector<at::Tensor>& grads,
+                                            const at::Device& device, const char* op) {
+  std::optional<at::ScalarType> dtype;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (!g.defined()) continue;
+    TORCH_CHECK(g.device() == device, op, ": gradient ", i, " must be on ", device);
+    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16, op,
+                ": gradients must be float32 or bfloat16");
+    TORCH_CHECK(!dtype || *dtype == g.scalar_type(), op,
+                ": the gradients of one call must share a dtype");
+    dtype = g.scalar_type();
+  }
+  return dtype;
+}
+
+// g's elements for a kernel: g's own when contiguous, else a contiguous copy kept alive in `keep`
+// until the launch is queued.
+void* ReadPointer(const at::Tensor& g, std::vector<at::Tensor>& keep) {
+  if (g.is_contiguous()) return g.data_ptr();
+  keep.push_back(g.contiguous());
+  return keep.back().data_ptr();
+}
+
 }  // namespace
 
 bool FusedOptimizerAvailable(const at::Device& device) { return device.is_cuda(); }
@@ -33,28 +59,18 @@ void AccumulateGradients(const std::vector<at::Tensor>& accumulators,
                          const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum) {
   if (accumulators.empty()) return;
   const at::Device device = accumulators[0].device();
-  TORCH_CHECK(grads.empty() || grads.size() == accumulators.size(),
-              "AccumulateGradients: ", grads.size(), " gradients for ", accumulators.size(),
-              " accumulators");
+  TORCH_CHECK(grads.size() == accumulators.size(), "AccumulateGradients: ", grads.size(),
+              " gradients for ", accumulators.size(), " accumulators");
   CheckGradSqSum(grad_sq_sum, device);
-  std::optional<at::ScalarType> grad_dtype;
-  std::vector<at::Tensor> keep;  // contiguous copies of strided gradients, alive until queued
+  const auto grad_dtype = GradientDtype(grads, device, "AccumulateGradients");
+  std::vector<at::Tensor> keep;
   std::vector<cuda::AccumulateTensor> table(accumulators.size());
   for (size_t i = 0; i < accumulators.size(); ++i) {
-    const at::Tensor& acc = accumulators[i];
+    const at::Tensor &acc = accumulators[i], &g = grads[i];
     CheckFloat32(acc, device, "accumulators");
-    table[i] = {acc.data_ptr<float>(), nullptr, acc.numel()};
-    if (grads.empty() || !grads[i].defined()) continue;
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.device() == device && g.sizes() == acc.sizes(), "gradient ", i,
-                " must match its accumulator's device and shape");
-    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
-                "gradients must be float32 or bfloat16");
-    TORCH_CHECK(!grad_dtype || *grad_dtype == g.scalar_type(),
-                "gradients of one call must share a dtype");
-    grad_dtype = g.scalar_type();
-    keep.push_back(g.contiguous());
-    table[i].grad = keep.back().data_ptr();
+    TORCH_CHECK(!g.defined() || g.sizes() == acc.sizes(), "AccumulateGradients: gradient ", i,
+                " must match its accumulator's shape");
+    table[i] = {acc.data_ptr<float>(), g.defined() ? ReadPointer(g, keep) : nullptr, acc.numel()};
   }
   c10::cuda::CUDAGuard guard(device);
   const cudaError_t e = cuda::LaunchAccumulateGradients(
@@ -64,23 +80,14 @@ void AccumulateGradients(const std::vector<at::Tensor>& accumulators,
 }
 
 void AddSquaredNorm(const std::vector<at::Tensor>& grads, const at::Tensor& grad_sq_sum) {
-  std::optional<at::ScalarType> dtype;
-  std::vector<at::Tensor> keep;  // contiguous copies of strided gradients, alive until queued
-  keep.reserve(grads.size());
+  CheckGradSqSum(grad_sq_sum, grad_sq_sum.device());
+  const auto dtype = GradientDtype(grads, grad_sq_sum.device(), "AddSquaredNorm");
+  if (!dtype) return;
+  std::vector<at::Tensor> keep;
   std::vector<cuda::AccumulateTensor> table;
   for (const at::Tensor& g : grads) {
-    if (!g.defined()) continue;
-    TORCH_CHECK(g.device() == grad_sq_sum.device(),
-                "AddSquaredNorm: gradients must be on grad_sq_sum's device");
-    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
-                "gradients must be float32 or bfloat16");
-    TORCH_CHECK(!dtype || *dtype == g.scalar_type(), "gradients of one call must share a dtype");
-    dtype = g.scalar_type();
-    keep.push_back(g.contiguous());
-    table.push_back({nullptr, keep.back().data_ptr(), g.numel()});
+    if (g.defined()) table.push_back({nullptr, ReadPointer(g, keep), g.numel()});
   }
-  if (table.empty()) return;
-  CheckGradSqSum(grad_sq_sum, grad_sq_sum.device());
   c10::cuda::CUDAGuard guard(grad_sq_sum.device());
   const cudaError_t e = cuda::LaunchAccumulateGradients(
       table.data(), static_cast<int>(table.size()), dtype == at::kBFloat16,
@@ -98,17 +105,9 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
               "FusedAdamW: every list needs one tensor per parameter");
   const at::Device device = t.params[0].device();
   if (h.max_grad_norm > 0) CheckGradSqSum(grad_sq_sum, device);
-  std::optional<at::ScalarType> grad_dtype;
-  for (const at::Tensor& g : t.grads) {
-    if (!g.defined()) continue;
-    TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16,
-                "grads must be float32 or bfloat16");
-    TORCH_CHECK(!grad_dtype || *grad_dtype == g.scalar_type(), "grads must share a dtype");
-    grad_dtype = g.scalar_type();
-  }
-  const bool bf16_grads = grad_dtype.value_or(at::kBFloat16) == at::kBFloat16;
-  std::vector<at::Tensor> keep;  // contiguous copies of strided bf16 gradients
-  keep.reserve(n);
+  const bool bf16_grads =
+      GradientDtype(t.grads, device, "FusedAdamW").value_or(at::kBFloat16) == at::kBFloat16;
+  std::vector<at::Tensor> keep;
   std::vector<cuda::AdamWTensor> table(n);
   for (size_t i = 0; i < n; ++i) {
     CheckFloat32(t.params[i], device, "params");
@@ -123,11 +122,9 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
     void* grad = nullptr;
     if (t.grads[i].defined()) {
       const at::Tensor& g = t.grads[i];
-      TORCH_CHECK(g.device() == device && g.numel() == numel, "FusedAdamW: gradient ", i,
-                  " does not match its parameter");
+      TORCH_CHECK(g.numel() == numel, "FusedAdamW: gradient ", i, " does not match its parameter");
       if (bf16_grads) {
-        keep.push_back(g.contiguous());
-        grad = keep.back().data_ptr();
+        grad = ReadPointer(g, keep);
       } else {
         CheckFloat32(g, device, "float32 grads");  // zeroed in place: no copy
         grad = g.data_ptr();

@@ -220,62 +220,69 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 int64_t Tiles(int64_t numel) { return (numel + kTile - 1) / kTile; }
 
-}  // namespace
-
-cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count, bool grad_bf16,
-                                      double* grad_sq_sum, cudaStream_t stream) {
+// Launches once per kMaxTensorsPerLaunch tensors: for each tensor, `fill(batch, i, tensor)` puts
+// it into the batch's table and returns whether it may take the vectorised path; the running tile
+// ends are set here; then `launch(batch, tiles)` launches the kernel over the batch's tiles.
+template <typename Batch, typename Tensor, typename Fill, typename Launch>
+cudaError_t LaunchInBatches(const Tensor* tensors, int count, const Batch& prototype, Fill fill,
+                            Launch launch) {
   for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
-    AccumulateBatch b{};
+    Batch b = prototype;
     b.count = std::min(kMaxTensorsPerLaunch, count - first);
     int64_t tiles = 0;
     for (int i = 0; i < b.count; ++i) {
-      const AccumulateTensor& x = tensors[first + i];
-      b.acc[i] = x.acc;
-      b.grad[i] = x.grad;
-      b.numel[i] = x.numel;
-      b.vec[i] = x.numel % 4 == 0 && (x.acc == nullptr || Aligned(x.acc, 16)) &&
-                 (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16));
+      const Tensor& x = tensors[first + i];
+      b.vec[i] = fill(b, i, x);
       tiles += Tiles(x.numel);
       b.tile_end[i] = tiles;
     }
     if (tiles == 0) continue;
-    if (grad_bf16) {
-      AccumulateKernel<__nv_bfloat16><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
-    } else {
-      AccumulateKernel<float><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
-    }
+    launch(b, tiles);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
 
+}  // namespace
+
+cudaError_t LaunchAccumulateGradients(const AccumulateTensor* tensors, int count, bool grad_bf16,
+                                      double* grad_sq_sum, cudaStream_t stream) {
+  auto fill = [&](AccumulateBatch& b, int i, const AccumulateTensor& x) {
+    b.acc[i] = x.acc;
+    b.grad[i] = x.grad;
+    b.numel[i] = x.numel;
+    return x.numel % 4 == 0 && (x.acc == nullptr || Aligned(x.acc, 16)) &&
+           (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16));
+  };
+  auto launch = [&](const AccumulateBatch& b, int64_t tiles) {
+    if (grad_bf16) {
+      AccumulateKernel<__nv_bfloat16><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
+    } else {
+      AccumulateKernel<float><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
+    }
+  };
+  return LaunchInBatches(tensors, count, AccumulateBatch{}, fill, launch);
+}
+
 cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, bool grad_bf16,
                         const AdamWScalars& s, const double* grad_sq_sum, cudaStream_t stream) {
-  for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
-    AdamWBatch b{};
-    b.count = std::min(kMaxTensorsPerLaunch, count - first);
-    b.beta1 = s.beta1, b.beta2 = s.beta2, b.eps = s.eps, b.weight_decay = s.weight_decay;
-    b.max_grad_norm = s.max_grad_norm;
-    int64_t tiles = 0;
-    for (int i = 0; i < b.count; ++i) {
-      const AdamWTensor& x = tensors[first + i];
-      b.t[i] = x;
-      b.vec[i] = x.numel % 4 == 0 && Aligned(x.param, 16) &&
-                 (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16)) &&
-                 Aligned(x.exp_avg, 16) && Aligned(x.exp_avg_sq, 16) &&
-                 (x.working == nullptr || Aligned(x.working, 8));
-      tiles += Tiles(x.numel);
-      b.tile_end[i] = tiles;
-    }
-    if (tiles == 0) continue;
+  AdamWBatch prototype{};
+  prototype.beta1 = s.beta1, prototype.beta2 = s.beta2, prototype.eps = s.eps;
+  prototype.weight_decay = s.weight_decay, prototype.max_grad_norm = s.max_grad_norm;
+  auto fill = [&](AdamWBatch& b, int i, const AdamWTensor& x) {
+    b.t[i] = x;
+    return x.numel % 4 == 0 && Aligned(x.param, 16) &&
+           (x.grad == nullptr || Aligned(x.grad, grad_bf16 ? 8 : 16)) && Aligned(x.exp_avg, 16) &&
+           Aligned(x.exp_avg_sq, 16) && (x.working == nullptr || Aligned(x.working, 8));
+  };
+  auto launch = [&](const AdamWBatch& b, int64_t tiles) {
     if (grad_bf16) {
       AdamWKernel<__nv_bfloat16><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
     } else {
       AdamWKernel<float><<<tiles, kThreads, 0, stream>>>(b, grad_sq_sum);
     }
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
+  };
+  return LaunchInBatches(tensors, count, prototype, fill, launch);
 }
 
 }  // namespace vlmgraph::cuda
