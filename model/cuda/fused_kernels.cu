@@ -385,29 +385,26 @@ cudaError_t LaunchRmsNormBackward(bool bf16, const void* x, const void* w, const
   return cudaGetLastError();
 }
 
-}  // namespace vlmgraph::cuda
-
-namespace vlmgraph::cuda {
-
 cudaError_t LaunchBiasAdd(bool bf16, const void* x, const void* bias, void* out, int64_t rows,
                           int64_t n, cudaStream_t stream) {
   const int vec = bf16 ? 8 : 4;
-  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (n % vec != 0 || !aligned(x) || !aligned(bias) || !aligned(out)) return cudaErrorInvalidValue;
+  if (n % vec != 0 || !Aligned16(x) || !Aligned16(bias) || !Aligned16(out))
+    return cudaErrorInvalidValue;
   const int64_t vecs = rows * n / vec;
   if (vecs == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   // Enough blocks to fill the GPU several times over; the grid-stride loop takes the rest.
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((vecs + kThreads - 1) / kThreads, 4096));
-  if (bf16) {
-    using T = __nv_bfloat16;
+  auto launch = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
     BiasAddKernel<T><<<blocks, kThreads, 0, stream>>>(
         static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(out), vecs, n / vec);
+  };
+  if (bf16) {
+    launch(static_cast<__nv_bfloat16*>(nullptr));
   } else {
-    BiasAddKernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(x),
-                                                          static_cast<const float*>(bias),
-                                                          static_cast<float*>(out), vecs, n / vec);
+    launch(static_cast<float*>(nullptr));
   }
   return cudaGetLastError();
 }
@@ -417,8 +414,7 @@ cudaError_t LaunchCrossEntropy(bool bf16, bool backward, void* logits, int64_t l
                                float* lse, float* loss, const float* grad_scale,
                                cudaStream_t stream) {
   const int vec = bf16 ? 8 : 4;
-  if (ld % vec != 0 || ld < vocab || reinterpret_cast<uintptr_t>(logits) % 16 != 0 ||
-      vocab > INT32_MAX)
+  if (ld % vec != 0 || ld < vocab || !Aligned16(logits) || vocab > INT32_MAX)
     return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>(rows);

@@ -290,8 +290,8 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
       auto kernel = GemvMmaKernel<P>;
       cudaError_t e = AllowSharedMemory(kernel, smem);
       if (e != cudaSuccess) return e;
-      return LaunchMaybePdl(kernel, dim3(static_cast<unsigned>((n + 15) / 16)), block, smem, s,
-                            xp, gp, eps, wp, rp, yp, ri, ni, ki);
+      return LaunchMaybePdl(kernel, dim3(static_cast<unsigned>((n + 15) / 16)), block, smem, s, xp,
+                            gp, eps, wp, rp, yp, ri, ni, ki);
     }
   }
   return cudaErrorInvalidValue;
@@ -303,9 +303,7 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream) {
   const int64_t elem = bf16 ? 2 : 4;
-  auto aligned = [](const void* p) {
-    return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0;
-  };
+  auto aligned = [](const void* p) { return p == nullptr || Aligned16(p); };
   if (rows > kMaxGemvRows || (k * elem) % 16 != 0 || !aligned(x) || !aligned(w) ||
       !aligned(residual) || !aligned(y) || !aligned(norm_w) ||
       (input == GemvInput::kRmsNorm && norm_w == nullptr) ||

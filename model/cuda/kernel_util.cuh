@@ -14,6 +14,9 @@
 
 namespace vlmgraph::cuda {
 
+// Whether a pointer allows 16-byte vector loads and stores (host side, for the launchers).
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 template <typename T>
