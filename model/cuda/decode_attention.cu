@@ -23,20 +23,20 @@ namespace {
 // on semaphores[b * n_kv + kh], combines them: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s
 // with M = max_s m_s (the online softmax of Milakov & Gimelshein 2018, split over keys as in
 // flash-decoding, Dao et al. 2023), then resets the semaphore to 0 for the next launch.
+// kAttnThreads: 128 or 256, see DecodeAttentionThreads.
 // Lane mapping: kLanes = D / (16 / sizeof(T)) consecutive lanes share one key row, each holding
 // one 16-byte slice, so shared-memory reads are conflict-free and a warp covers 32 / kLanes keys.
-constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kAttnMaxGroups = 16;
 constexpr int kAttnMaxSplitLen = 64;
 
-template <typename T, int D>
+template <typename T, int D, int kAttnThreads>
 __global__ void __launch_bounds__(kAttnThreads)
     RopeDecodeAttentionKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
                               float scaling, const int64_t* __restrict__ positions, T* cache_k,
                               T* cache_v, T* __restrict__ out, float* partials, int* semaphores,
                               int n_heads, int n_kv, int64_t max_seq, int kv_len, int split_len,
                               float scale) {
+  constexpr int kAttnWarps = kAttnThreads / 32;
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = D / kVec;               // lanes per key row
   constexpr int kSlots = kAttnThreads / kLanes;  // keys in flight per block
@@ -216,6 +216,14 @@ __global__ void __launch_bounds__(kAttnThreads)
   if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
 }
 
+// Threads per block: 256 when the launch has few (row, KV head) pairs, so that the extra warps
+// shorten each block's dependent chain (scores, softmax, weighted sum); 128 otherwise, where more
+// blocks share each SM. Measured on an H200, nanovlm-460m bf16 (5 KV heads), whole decoder of
+// 32 blocks at batch 1 (bench/decode_ops_bench.cc): 718 -> 709 us at 131 keys, 749 -> 732 us at
+// 201 keys, 820 -> 779 us at 701 keys of a 1024 window; at batch 8 (40 pairs) 256 threads were
+// slower (1122 -> 1153 us) and 512 slower still at both batches.
+int DecodeAttentionThreads(int64_t batch, int64_t n_kv) { return batch * n_kv <= 8 ? 256 : 128; }
+
 template <typename T, int D>
 cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float scaling,
                                    const int64_t* positions, void* ck, void* cv, void* out,
@@ -225,21 +233,22 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
   const int g = static_cast<int>(n_heads / n_kv);
   const int split_len = DecodeAttentionSplitLen(kv_len);
   const int splits = static_cast<int>((kv_len + split_len - 1) / split_len);
+  const int threads = DecodeAttentionThreads(batch, n_kv);
   const size_t p_stride = std::max(split_len, splits);
   const size_t smem =
       2 * sizeof(T) * size_t(split_len) * D +
-      sizeof(float) * (size_t(g) * D + 2 * D + size_t(g) * p_stride + size_t(kAttnWarps) * g * D);
-  auto kernel = RopeDecodeAttentionKernel<T, D>;
+      sizeof(float) * (size_t(g) * D + 2 * D + size_t(g) * p_stride + size_t(threads / 32) * g * D);
+  auto kernel =
+      threads == 256 ? RopeDecodeAttentionKernel<T, D, 256> : RopeDecodeAttentionKernel<T, D, 128>;
   cudaError_t e = AllowSharedMemory(kernel, smem);
   if (e != cudaSuccess) return e;
   return LaunchMaybePdl(kernel,
                         dim3(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
                              static_cast<unsigned>(batch)),
-                        dim3(kAttnThreads), smem, stream, static_cast<const T*>(qkv), inv_freq,
-                        scaling, positions, static_cast<T*>(ck), static_cast<T*>(cv),
-                        static_cast<T*>(out), partials, semaphores, static_cast<int>(n_heads),
-                        static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), split_len,
-                        scale);
+                        dim3(threads), smem, stream, static_cast<const T*>(qkv), inv_freq, scaling,
+                        positions, static_cast<T*>(ck), static_cast<T*>(cv), static_cast<T*>(out),
+                        partials, semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv),
+                        max_seq, static_cast<int>(kv_len), split_len, scale);
 }
 
 template <typename T>
