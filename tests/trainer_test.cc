@@ -70,6 +70,21 @@ std::map<std::string, at::Tensor> Params(Trainer& t) {
   return out;
 }
 
+// The largest element-wise difference between two trainers' parameters, and the parameter it is in.
+struct ParamDiff {
+  double max_abs = 0;
+  std::string name;
+};
+ParamDiff MaxParamDiff(Trainer& a, Trainer& b) {
+  const auto pa = Params(a), pb = Params(b);
+  ParamDiff worst;
+  for (const auto& [name, w] : pa) {
+    const double d = testing::MaxAbsDiff(w, pb.at(name));
+    if (d > worst.max_abs) worst = {d, name};
+  }
+  return worst;
+}
+
 std::map<std::string, at::Tensor> Masters(Trainer& t) {
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, w] : t.master_weights()) out[name] = w.detach().to(at::kCPU).clone();
@@ -376,9 +391,7 @@ void ExpectRecomputeChangesNothing(at::Device device, bool graphs) {
     EXPECT_NEAR(a.loss, b.loss, 1e-6) << i;
     EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5) << i;
   }
-  auto pa = Params(plain), pb = Params(recomputed);
-  double worst = 0;
-  for (const auto& [name, w] : pa) worst = std::max(worst, testing::MaxAbsDiff(w, pb.at(name)));
+  const double worst = MaxParamDiff(plain, recomputed).max_abs;
   std::printf("[recompute vs plain] max param diff after 3 steps %.3g\n", worst);
   // Eager against eager: summation order only. Graphed against eager: the graphed-vs-eager
   // tolerance of GraphedMatchesEagerAfterTwentySteps (cuBLAS may pick other kernels in a capture).
@@ -434,16 +447,10 @@ TEST(Trainer, GraphedMatchesEagerAfterTwentySteps_CUDA) {
     EXPECT_NEAR(g.loss, e.loss, 1e-5) << i;
     EXPECT_NEAR(g.grad_norm, e.grad_norm, 1e-4) << i;
   }
-  auto pg = Params(graphed), pe = Params(eager);
-  double worst = 0;
-  std::string worst_name;
-  for (const auto& [name, w] : pe) {
-    const double d = testing::MaxAbsDiff(w, pg.at(name));
-    if (d > worst) worst = d, worst_name = name;
-  }
-  std::printf("[train graphed vs eager] max param diff after 20 steps %.3g (%s)\n", worst,
-              worst_name.c_str());
-  EXPECT_LT(worst, 1e-5);
+  const ParamDiff worst = MaxParamDiff(eager, graphed);
+  std::printf("[train graphed vs eager] max param diff after 20 steps %.3g (%s)\n", worst.max_abs,
+              worst.name.c_str());
+  EXPECT_LT(worst.max_abs, 1e-5);
   EXPECT_EQ(graphed.captures(), 1 + 4);
 }
 
