@@ -105,12 +105,14 @@ TEST(FusedOps, GemvAndItsProloguesMatchTheUnfusedOps_CUDA) {
       const double scale = std::max(1.0, want.abs().max().item<double>());
       return MaxAbsDiff(got, want) < (dtype == at::kFloat ? 1e-4 : scale / 64);
     };
-    // k = 2560 takes two passes of the kernel's in-flight weight loads; n = 7 leaves idle warps;
-    // k = 1000 ends in a partial 32-column chunk of the tensor-core GEMV.
-    for (int64_t k : {64, 960, 1000, 2560}) {
-      for (int64_t n : {7, 960}) {
-        // 1-4: CUDA-core GEMV; 5-8: tensor-core GEMV in bf16 where n * k <= 2M (else and in
-        // float32 cuBLAS); 9: cuBLAS.
+    // k = 2560 takes two passes of the CUDA-core GEMV's in-flight weight loads and four k splits
+    // of the tensor-core GEMV (sm_90), k = 1100 two splits, the second ending in a partial
+    // 32-column chunk, as k = 1000 does unsplit; n = 7 leaves idle warps; n = 2200 has more
+    // 16-column tiles than an H100 or H200 has SMs (the RMSNorm prologue then takes cuBLAS).
+    for (int64_t k : {64, 960, 1000, 1100, 2560}) {
+      for (int64_t n : {7, 960, 2200}) {
+        // 1-4: CUDA-core GEMV; 5-8: tensor-core GEMV in bf16 (k = 2560 split over a cluster on
+        // sm_90; cuBLAS in float32); 9: cuBLAS.
         for (int64_t rows : {1, 2, 3, 4, 5, 6, 8, 9}) {
           SCOPED_TRACE(::testing::Message()
                        << c10::toString(dtype) << " k " << k << " n " << n << " rows " << rows);

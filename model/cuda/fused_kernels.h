@@ -66,7 +66,7 @@ enum class GemvInput {
 };
 // Measured on an H100 at nanovlm-460m shapes (bench/decode_ops_bench.cc): the CUDA-core GEMV
 // beats cuBLAS up to 4 rows and loses at 8, where its per-row multiply-adds no longer hide behind
-// the loads; 5 to 8 rows (bf16, small weights) take the tensor-core GEMV instead.
+// the loads; 5 to 8 rows (bf16) take the tensor-core GEMV instead.
 constexpr int64_t kMaxCudaCoreGemvRows = 4;
 constexpr int64_t kMaxGemvRows = 8;
 constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(element) per block
@@ -74,14 +74,15 @@ constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(
 // y (rows, n) = f(x) W^T (+ residual (rows, n) when given), W: (n, k) row-major, rows <= 8
 // (decode), f per `input`. Up to kMaxCudaCoreGemvRows rows one warp per output column streams its
 // weight row with 16-byte loads (the memory-bound regime where a general GEMM leaves bandwidth
-// unused); 5 to 8 rows in bf16 with n * k <= 2M (the qkv and out projections of nanovlm-460m),
-// one block per 16 output columns multiplies them with mma.sync (other shapes and float32 return
-// cudaErrorInvalidValue there: cuBLAS with the separate prologue kernels is faster or equal). The
-// first weight loads are issued before waiting for the previous kernel (programmatic dependent
-// launch on compute capability >= 9.0; VLMGRAPH_PDL=0 turns it off). k * sizeof(element) must be a
-// multiple of 16, every pointer 16-byte aligned and (rows + 1) * k * sizeof(element) <=
-// kMaxGemvSharedBytes;
-// returns cudaErrorInvalidValue otherwise (callers then use cuBLAS).
+// unused). 5 to 8 rows in bf16 take a tensor-core GEMV (one block per 16 output columns and
+// mma.sync; a long k is split over a thread block cluster on sm_90), except with the RMSNorm
+// prologue when the output has more 16-column tiles than the GPU has SMs (nanovlm-460m's gate/up
+// projection): there, as for float32, it returns cudaErrorInvalidValue and cuBLAS with the
+// separate norm kernel is faster. The first weight loads are issued before waiting for the
+// previous kernel (programmatic dependent launch on compute capability >= 9.0; VLMGRAPH_PDL=0
+// turns it off). k * sizeof(element) must be a multiple of 16, every pointer 16-byte aligned and
+// (rows + 1) * k * sizeof(element) <= kMaxGemvSharedBytes; returns cudaErrorInvalidValue
+// otherwise (callers then use cuBLAS).
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream);

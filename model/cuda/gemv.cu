@@ -1,5 +1,6 @@
 // model/cuda/gemv.cu: the small-batch GEMVs with their fused RMSNorm or SiLU-mul input prologue
 // (LaunchGemv in fused_kernels.h): CUDA cores up to 4 rows, tensor cores for 5 to 8 rows (bf16).
+#include <algorithm>
 #include <type_traits>
 
 #include "model/cuda/fused_kernels.h"
@@ -20,28 +21,32 @@ namespace {
 enum GemvPrologue : int { kGemvPlain = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
 constexpr int kGemvWarps = 8;
 
-// Stages f(x) for all rows in shared memory, in the activations' dtype (see GemvKernel): one pass
-// over x (its only read from global memory), copying, or SiLU-multiplying, or copying while summing
-// squares per row for the norm, which is then applied in shared memory. gs holds the norm weight
-// (kRmsNorm) and row_ss (M) is zero (kRmsNorm). Call after WaitForPrerequisites; returns after a
-// __syncthreads.
-template <typename T, int M, int P>
+// Stages columns [kb, kb + klen) of f(x) for all rows in shared memory, xs (rows, klen), in the
+// activations' dtype (see GemvKernel): one pass over x (its only read from global memory),
+// copying, or SiLU-multiplying, or copying while summing squares per row for the norm (over the
+// whole row, k columns, whatever the slice), which is then applied in shared memory. gs holds the
+// norm weight's slice (kRmsNorm) and row_ss (M) is zero (kRmsNorm). kb and klen are multiples of
+// 16 / sizeof(T). Call after WaitForPrerequisites; returns after a __syncthreads.
+template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float eps, int rows, int k,
-                                               T* xs, const T* gs, float* row_ss) {
+                                               int kb, int klen, T* xs, const T* gs,
+                                               float* row_ss) {
   constexpr int kVec = 16 / sizeof(T);
   const int lane = threadIdx.x & 31;
-  const int vecs = k / kVec;
+  // kRmsNorm reads whole rows (the sums of squares), the others only the slice.
+  const int read_b = P == kGemvRmsNorm ? 0 : kb;
+  const int vecs = (P == kGemvRmsNorm ? k : klen) / kVec;
   float ss[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) ss[m] = 0.f;
-  for (int i = threadIdx.x; i < rows * vecs; i += kGemvWarps * 32) {
-    const int m = i / vecs, c = (i - m * vecs) * kVec;
+  for (int i = threadIdx.x; i < rows * vecs; i += kThreads) {
+    const int m = i / vecs, c = read_b + (i - m * vecs) * kVec;  // column of x
+    T* dst = xs + m * klen + (c - kb);
     if (P == kGemvPlain) {
-      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] =
-          reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x + int64_t(m) * k + c);
     } else if (P == kGemvRmsNorm) {
-      const uint4 raw = reinterpret_cast<const uint4*>(x + int64_t(m) * k)[c / kVec];
-      reinterpret_cast<uint4*>(xs + m * k)[c / kVec] = raw;
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + int64_t(m) * k + c);
+      if (c >= kb && c < kb + klen) *reinterpret_cast<uint4*>(dst) = raw;
       const T* e = reinterpret_cast<const T*>(&raw);
       float part = 0.f;
 #pragma unroll
@@ -56,7 +61,7 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
       LoadVec(x + int64_t(m) * 2 * k + k + c, u);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) e[j] = SiluTimes(e[j], u[j]);
-      StoreVec(xs + m * k + c, e);
+      StoreVec(dst, e);
     }
   }
   if (P == kGemvRmsNorm) {
@@ -66,45 +71,51 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
       if (lane == 0 && m < rows) atomicAdd(&row_ss[m], ss[m]);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rows * vecs; i += kGemvWarps * 32) {
-      const int m = i / vecs, c = (i - m * vecs) * kVec;
+    const int slice_vecs = klen / kVec;
+    for (int i = threadIdx.x; i < rows * slice_vecs; i += kThreads) {
+      const int m = i / slice_vecs, c = (i - m * slice_vecs) * kVec;
       const float r = rsqrtf(row_ss[m] / k + eps);
       float e[kVec], g[kVec];
-      LoadVec(xs + m * k + c, e);
+      LoadVec(xs + m * klen + c, e);
       LoadVec(gs + c, g);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) e[j] = RmsNormScale<T>(e[j], r, g[j]);
-      StoreVec(xs + m * k + c, e);
+      StoreVec(xs + m * klen + c, e);
     }
   }
   __syncthreads();
 }
 
 // What both GEMV kernels do between issuing their first weight loads and the product: copy the
-// norm weight into gs and zero row_ss (kRmsNorm; neither depends on the previous kernel), wait for
-// the previous kernel, stage f(x) (StageGemvInput), and let the next kernel launch.
-template <typename T, int M, int P>
+// norm weight's slice [kb, kb + klen) into gs and zero row_ss (kRmsNorm; neither depends on the
+// previous kernel), wait for the previous kernel, stage f(x) (StageGemvInput), and let the next
+// kernel launch. (Copying gs with cp.async instead, waited for only before the normalisation
+// pass, was slower: H200, batch 1, qkv 3.05 -> 3.70 us, gate/up 5.58 -> 6.49 us.)
+template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
                                                       const T* __restrict__ norm_w, float eps,
-                                                      int rows, int k, T* xs, T* gs,
-                                                      float* row_ss) {
+                                                      int rows, int k, int kb, int klen, T* xs,
+                                                      T* gs, float* row_ss) {
   if (P == kGemvRmsNorm) {
-    for (int v = threadIdx.x; v < k / (16 / int(sizeof(T))); v += blockDim.x) {
-      reinterpret_cast<uint4*>(gs)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
+    const uint4* src = reinterpret_cast<const uint4*>(norm_w + kb);
+    for (int v = threadIdx.x; v < klen / (16 / int(sizeof(T))); v += kThreads) {
+      reinterpret_cast<uint4*>(gs)[v] = LoadBeforeWait(src + v);
     }
     if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
     __syncthreads();
   }
   WaitForPrerequisites();
-  StageGemvInput<T, M, P>(x, eps, rows, k, xs, gs, row_ss);
+  StageGemvInput<T, M, P, kThreads>(x, eps, rows, k, kb, klen, xs, gs, row_ss);
   AllowDependentsToLaunch();
 }
 
 // kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
-// pass; few registers, so about 4 blocks fit on an SM and a 5120-column GEMV runs in one wave) or
-// 12 (longer rows, fewer passes).
+// pass) or 12 (longer rows, fewer passes). The 4-chunk kernel is held to 48 registers so that 5
+// blocks fit on an SM and a 5120-column GEMV (640 blocks) runs in one wave on 132 SMs: H200,
+// nanovlm-460m's gate/up projection at batch 1 5.84 -> 5.58 us, whole decoder 698 -> 678 us
+// (bench/decode_ops_bench.cc).
 template <typename T, int M, int P, int kGemvChunks>
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
+__global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 5 : 2)
     GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
                const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
                int n, int k) {
@@ -123,9 +134,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
 #pragma unroll
   for (int c = 0; c < kGemvChunks; ++c) {
     const int v = c * 32 + lane;
-    if (active && v < vecs) wreg[c] = __ldg(wr + v);
+    if (active && v < vecs) wreg[c] = LoadBeforeWait(wr + v);
   }
-  WaitAndStageGemvInput<T, M, P>(x, norm_w, eps, rows, k, xs, gs, row_ss);
+  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, 0, k, xs, gs, row_ss);
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -172,19 +183,21 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 4 : 2)
 // y (rows, n) = f(x) W^T (+ residual) with mma.sync m16n8k16: a block's 16 output columns are the
 // MMA's M dimension and the (up to 8) input rows its N dimension, so each weight element meets all
 // rows in one tensor-core instruction where the CUDA-core GEMV spends a multiply-add per row per
-// element (which no longer hid behind the weight loads beyond 4 rows). Block = 8 warps = 16 output
-// columns; the warps split k into chunks of 32 columns, kMmaChunks chunks in flight per lane (two
-// 16-byte weight loads each, issued before the PDL wait); f(x) is staged in shared memory as in
-// GemvKernel; partial sums are reduced over the warps in shared memory.
+// element (which no longer hid behind the weight loads beyond 4 rows).
+// Grid (n / 16 column tiles, splits). Block (tile, s) = 8 warps owns 16 output columns and the s-th
+// of `splits` equal runs of 32-column chunks of k; its warps take the chunks in turn, kMmaChunks
+// in flight per lane (two 16-byte weight loads each, the first issued before the PDL wait). f(x)
+// is staged in shared memory for the block's columns only (StageGemvInput), partial sums are
+// reduced over the warps in shared memory, and with splits > 1 the blocks of a column tile form
+// one thread block cluster: rank 0 adds the other ranks' partial sums through distributed shared
+// memory (sm_90) and writes y. Splitting k lets a long row (the down projection's k = 2560) stream
+// in one round of loads instead of several dependent ones (see GemvMmaSplits).
 // Column permutation: a dot product does not depend on the order of k, so in each 32-column chunk
 // lane (g = lane / 4, t = lane % 4) loads columns [8t, 8t + 8) of weight rows g and g + 8 and of
 // input row g, and feeds columns 8t..8t+3 to one MMA and 8t+4..8t+7 to the next, as the fragments'
 // logical columns {2t, 2t+1, 2t+8, 2t+9} (PTX ISA, "Matrix Fragments for mma.m16n8k16").
 constexpr int kMmaChunks = 4;
-// Measured on an H100 (bench/decode_ops_bench.cc, 8 rows): every block stages all rows of f(x), so
-// for large weights (nanovlm-460m's gate/up and down projections) cuBLAS plus a separate norm or
-// SiLU-mul kernel is faster; the qkv and out projections (n * k <= 1.6M) gain.
-constexpr int64_t kMaxMmaGemvWeights = 2 << 20;
+constexpr int kMaxMmaSplits = 4;
 
 __device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
                                         uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -197,6 +210,14 @@ __device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint
 #endif
 }
 
+// The chunks [c0, c1) of 32 columns of k that split s of `splits` covers.
+__host__ __device__ inline void MmaSplitChunks(int k, int splits, int s, int* c0, int* c1) {
+  const int chunks = (k + 31) / 32, per = (chunks + splits - 1) / splits;
+  *c0 = min(chunks, s * per);
+  *c1 = min(chunks, *c0 + per);
+  // (callers clip the columns to k: kb = min(k, 32 * c0), klen = min(k, 32 * c1) - kb)
+}
+
 template <int P>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     GemvMmaKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ norm_w,
@@ -206,12 +227,17 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   using T = __nv_bfloat16;
   constexpr int M = 8, kVec = 8;
   extern __shared__ __align__(16) unsigned char gemv_smem[];
-  T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, k) f(x)
-  T* gs = xs + rows * k;                    // (k) norm weight (kGemvRmsNorm)
+  const int splits = gridDim.y, s = blockIdx.y;
+  int c0, c1;
+  MmaSplitChunks(k, splits, s, &c0, &c1);
+  const int kb = min(k, c0 * 32), klen = min(k, c1 * 32) - kb;
+  T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, klen) f(x)[:, kb : kb + klen]
+  T* gs = xs + rows * klen;                 // (klen) norm weight (kGemvRmsNorm)
   __shared__ float row_ss[M];
   __shared__ float red[kGemvWarps][16][M + 1];
+  __shared__ float tile[16][M];  // this block's sums over its chunks
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int col0 = blockIdx.x * 16, chunks = (k + 31) / 32;
+  const int col0 = blockIdx.x * 16;
   const bool lo_ok = col0 + g < n, hi_ok = col0 + g + 8 < n;
   const T* w_lo = w + int64_t(lo_ok ? col0 + g : 0) * k;
   const T* w_hi = w + int64_t(hi_ok ? col0 + g + 8 : 0) * k;
@@ -219,25 +245,28 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   auto load = [&](int first) {
 #pragma unroll
     for (int i = 0; i < kMmaChunks; ++i) {
-      const int kk = (first + warp + kGemvWarps * i) * 32 + kVec * t;
+      const int chunk = c0 + first + warp + kGemvWarps * i;
+      const int kk = chunk * 32 + kVec * t;
+      const bool in = chunk < c1 && kk < k;
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      wl[i] = lo_ok && kk < k ? __ldg(reinterpret_cast<const uint4*>(w_lo + kk)) : zero;
-      wh[i] = hi_ok && kk < k ? __ldg(reinterpret_cast<const uint4*>(w_hi + kk)) : zero;
+      wl[i] = lo_ok && in ? LoadBeforeWait(reinterpret_cast<const uint4*>(w_lo + kk)) : zero;
+      wh[i] = hi_ok && in ? LoadBeforeWait(reinterpret_cast<const uint4*>(w_hi + kk)) : zero;
     }
   };
   // Parameters are never written by a kernel: load them before waiting for the previous one.
   load(0);
-  WaitAndStageGemvInput<T, M, P>(x, norm_w, eps, rows, k, xs, gs, row_ss);
+  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, kb, klen, xs, gs,
+                                                  row_ss);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int first = 0; first < chunks; first += kGemvWarps * kMmaChunks) {
+  for (int first = 0; first < c1 - c0; first += kGemvWarps * kMmaChunks) {
     if (first > 0) load(first);
 #pragma unroll
     for (int i = 0; i < kMmaChunks; ++i) {
-      const int chunk = first + warp + kGemvWarps * i;
-      if (chunk >= chunks) break;  // uniform over the warp
+      const int chunk = c0 + first + warp + kGemvWarps * i;
+      if (chunk >= c1) break;  // uniform over the warp
       const int kk = chunk * 32 + kVec * t;
       uint4 xv = make_uint4(0, 0, 0, 0);
-      if (g < rows && kk < k) xv = *reinterpret_cast<const uint4*>(xs + g * k + kk);
+      if (g < rows && kk < k) xv = *reinterpret_cast<const uint4*>(xs + g * klen + (kk - kb));
       MmaBf16(c, wl[i].x, wh[i].x, wl[i].y, wh[i].y, xv.x, xv.y);
       MmaBf16(c, wl[i].z, wh[i].z, wl[i].w, wh[i].w, xv.z, xv.w);
     }
@@ -248,16 +277,73 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   red[warp][g + 8][2 * t] = c[2];
   red[warp][g + 8][2 * t + 1] = c[3];
   __syncthreads();
+  const int j = threadIdx.x / M, m = threadIdx.x % M;
   if (threadIdx.x < 16 * M) {
-    const int j = threadIdx.x / M, m = threadIdx.x % M, col = col0 + j;
-    if (col < n && m < rows) {
-      float sum = 0.f;
+    float sum = 0.f;
 #pragma unroll
-      for (int v = 0; v < kGemvWarps; ++v) sum += red[v][j][m];
+    for (int v = 0; v < kGemvWarps; ++v) sum += red[v][j][m];
+    tile[j][m] = sum;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (splits > 1) {
+    // The other ranks' tiles are read through distributed shared memory; the second barrier
+    // keeps them resident until rank 0 has read them.
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+            : "memory");
+    if (s == 0 && threadIdx.x < 16 * M) {
+      float sum = tile[j][m];
+      const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(&tile[j][m]));
+      for (int r = 1; r < splits; ++r) {
+        uint32_t remote;
+        float v;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+        sum += v;
+      }
+      tile[j][m] = sum;
+    }
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+            : "memory");
+  } else {
+    __syncthreads();
+  }
+#else
+  __syncthreads();
+#endif
+  if (s == 0 && threadIdx.x < 16 * M) {
+    const int col = col0 + j;
+    if (col < n && m < rows) {
       const float r = residual ? ToFloat(residual[int64_t(m) * n + col]) : 0.f;
-      y[int64_t(m) * n + col] = FromFloat<T>(sum + r);
+      y[int64_t(m) * n + col] = FromFloat<T>(tile[j][m] + r);
     }
   }
+}
+
+// Splits of k per column tile for the tensor-core GEMV: the fewest (a power of two, at most
+// kMaxMmaSplits) with which every block's chunks fit in one round of its warps' in-flight loads
+// (kGemvWarps * kMmaChunks chunks), so no block streams its weights in several dependent passes;
+// 1 before sm_90 (the splits meet in a thread block cluster). Measured on an H200, 8 rows
+// (bench/decode_ops_bench.cc): nanovlm-460m's down projection (k = 2560, 80 chunks, 60 tiles)
+// 11.98 us unsplit, 8.39 us in 2, 6.61 us in 4; splitting the one-pass out projection (k = 960)
+// in 2 made it slower (2.66 -> 3.37 us).
+int GemvMmaSplits(int64_t k) {
+  if (ComputeCapabilityMajor() < 9) return 1;
+  const int64_t chunks = (k + 31) / 32;
+  int splits = 1;
+  while (splits < kMaxMmaSplits && chunks > int64_t(splits) * kGemvWarps * kMmaChunks) splits *= 2;
+  return splits;
+}
+
+// Whether 5 to 8 rows take the tensor-core GEMV (else cuBLAS with the separate prologue kernel).
+// Every block stages and normalises all rows of its input, so with the RMSNorm prologue it pays
+// only while the column tiles fit one block per SM: H200, 8 rows, nanovlm-460m: qkv (100 tiles)
+// 5.76 us against 6.5 us for cuBLAS + RMSNorm kernel, gate/up (320 tiles) 8.99 against 7.42 us.
+// Without a norm it wins at every size measured: out 2.66 against 5.6 us, down 6.61 against
+// 9.17 us, the LM head (3072 tiles) 29.4 against 44.4 us.
+bool UseMmaGemv(int P, int64_t n) {
+  return P != kGemvRmsNorm || (n + 15) / 16 <= MultiprocessorCount();
 }
 
 template <typename T, int P>
@@ -286,12 +372,19 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
   VLMGRAPH_GEMV_CASE(4)
 #undef VLMGRAPH_GEMV_CASE
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    if (rows <= 8 && n * k <= kMaxMmaGemvWeights) {
+    if (rows <= 8 && UseMmaGemv(P, n)) {
+      const int splits = GemvMmaSplits(k);
+      int c0, c1;
+      MmaSplitChunks(ki, splits, 0, &c0, &c1);  // split 0 is the longest
+      const int64_t klen = std::min<int64_t>(k, int64_t(c1) * 32);
+      const size_t mma_smem = size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * klen * sizeof(T);
       auto kernel = GemvMmaKernel<P>;
-      cudaError_t e = AllowSharedMemory(kernel, smem);
+      cudaError_t e = AllowSharedMemory(kernel, mma_smem);
       if (e != cudaSuccess) return e;
-      return LaunchMaybePdl(kernel, dim3(static_cast<unsigned>((n + 15) / 16)), block, smem, s, xp,
-                            gp, eps, wp, rp, yp, ri, ni, ki);
+      return LaunchMaybePdlCluster(
+          kernel, dim3(static_cast<unsigned>((n + 15) / 16), static_cast<unsigned>(splits)), block,
+          dim3(1, static_cast<unsigned>(splits), 1), mma_smem, s, xp, gp, eps, wp, rp, yp, ri, ni,
+          ki);
     }
   }
   return cudaErrorInvalidValue;

@@ -80,6 +80,19 @@ __device__ __forceinline__ void WaitForPrerequisites() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// A 16-byte load meant to be in flight while the kernel waits in WaitForPrerequisites (parameters,
+// which no kernel writes). It must be a coherent ld.global: ptxas schedules griddepcontrol.wait
+// above non-coherent loads (ld.global.nc, __ldg) even where the source issues them first, so those
+// would only start after the wait (seen in the SASS of sm_90 builds, CUDA 13.0), but it keeps
+// the wait below coherent ones.
+__device__ __forceinline__ uint4 LoadBeforeWait(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p)
+               : "memory");
+  return r;
+}
 // Lets the next kernel of the stream launch (its blocks then wait in WaitForPrerequisites).
 __device__ __forceinline__ void AllowDependentsToLaunch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -111,6 +124,27 @@ __device__ __forceinline__ void Rotate(float x1, float x2, int64_t pos, float in
   *y2 = x2 * c + x1 * s;
 }
 
+// An attribute of the current device, asked once per device and attribute kind (kernel
+// launchers call this on every launch); `fallback` when it cannot be read.
+template <cudaDeviceAttr kAttr>
+inline int CachedDeviceAttribute(int fallback) {
+  static std::atomic<int> value[64];  // 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return fallback;
+  int v = value[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, kAttr, dev) != cudaSuccess || v <= 0) v = -1;
+    value[dev].store(v, std::memory_order_relaxed);
+  }
+  return v > 0 ? v : fallback;
+}
+inline int ComputeCapabilityMajor() {
+  return CachedDeviceAttribute<cudaDevAttrComputeCapabilityMajor>(0);
+}
+inline int MultiprocessorCount() {
+  return CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(1);
+}
+
 // Whether launches use programmatic stream serialization: compute capability >= 9.0 and
 // VLMGRAPH_PDL is not "0".
 inline bool PdlEnabled() {
@@ -118,34 +152,43 @@ inline bool PdlEnabled() {
     const char* e = std::getenv("VLMGRAPH_PDL");
     return e != nullptr && std::strcmp(e, "0") == 0;
   }();
-  if (disabled) return false;
-  static std::atomic<int> major[64];  // 0 = not asked yet, -1 = unknown
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  int m = major[dev].load(std::memory_order_relaxed);
-  if (m == 0) {
-    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) m = -1;
-    major[dev].store(m, std::memory_order_relaxed);
-  }
-  return m >= 9;
+  return !disabled && ComputeCapabilityMajor() >= 9;
 }
 
-// Launches `kernel` with programmatic stream serialization when PdlEnabled(); a plain launch
-// otherwise.
+// Launches `kernel` with programmatic stream serialization when PdlEnabled(), a plain launch
+// otherwise; with thread block clusters of `cluster` blocks when that is not 1 x 1 x 1 (compute
+// capability >= 9.0; the grid must be a multiple of it).
 template <typename... KernelArgs, typename... Args>
-cudaError_t LaunchMaybePdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
-                           cudaStream_t stream, Args... args) {
+cudaError_t LaunchMaybePdlCluster(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                                  dim3 cluster, size_t smem, cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned n = 0;
+  if (PdlEnabled()) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster.x * cluster.y * cluster.z != 1) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = cluster.x;
+    attribute[n].val.clusterDim.y = cluster.y;
+    attribute[n].val.clusterDim.z = cluster.z;
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = PdlEnabled() ? 1 : 0;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
+}
+
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchMaybePdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args... args) {
+  return LaunchMaybePdlCluster(kernel, grid, block, dim3(1, 1, 1), smem, stream, args...);
 }
 
 template <typename Kernel>
