@@ -25,97 +25,134 @@ constexpr int kGemvWarps = 8;
 // activations' dtype (see GemvKernel): one pass over x (its only read from global memory),
 // copying, or SiLU-multiplying, or copying while summing squares per row for the norm (over the
 // whole row, k columns, whatever the slice), which is then applied in shared memory. gs holds the
-// norm weight's slice (kRmsNorm) and row_ss (M) is zero (kRmsNorm). kb and klen are multiples of
-// 16 / sizeof(T). Call after WaitForPrerequisites; returns after a __syncthreads.
+// norm weight's slice (kRmsNorm; written before the call, made visible by the barrier below).
+// ss_warp (kThreads / 32, M) is scratch for the per-warp sums of squares. kb and klen are
+// multiples of 16 / sizeof(T). For the norm each thread takes one 16-byte column vector of every
+// row per round, issuing all those loads before using any, and keeps one sum of squares per row
+// in registers; per-warp sums then meet in ss_warp. Against one shared-memory atomic per row and
+// warp and a dynamically indexed row sum: H200, qkv 3.05 -> 2.72 us at batch 1, 5.75 -> 4.96 us
+// at batch 8 (the same layout for the copy and the SiLU-multiply was slower at 8 rows: it leaves
+// most threads idle when k / 8 < the block's threads). Call after WaitForPrerequisites; returns
+// after a __syncthreads.
 template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float eps, int rows, int k,
                                                int kb, int klen, T* xs, const T* gs,
-                                               float* row_ss) {
+                                               float* ss_warp) {
   constexpr int kVec = 16 / sizeof(T);
-  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // kRmsNorm reads whole rows (the sums of squares), the others only the slice.
   const int read_b = P == kGemvRmsNorm ? 0 : kb;
   const int vecs = (P == kGemvRmsNorm ? k : klen) / kVec;
+  const int64_t stride = P == kGemvSiluMul ? 2 * int64_t(k) : k;  // between rows of x
   float ss[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) ss[m] = 0.f;
-  for (int i = threadIdx.x; i < rows * vecs; i += kThreads) {
-    const int m = i / vecs, c = read_b + (i - m * vecs) * kVec;  // column of x
-    T* dst = xs + m * klen + (c - kb);
-    if (P == kGemvPlain) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x + int64_t(m) * k + c);
-    } else if (P == kGemvRmsNorm) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(x + int64_t(m) * k + c);
-      if (c >= kb && c < kb + klen) *reinterpret_cast<uint4*>(dst) = raw;
-      const T* e = reinterpret_cast<const T*>(&raw);
-      float part = 0.f;
+  if (P == kGemvRmsNorm) {
+    // One column vector of every row per thread and round, so that each row's sum of squares
+    // stays in its own register.
+    for (int v = threadIdx.x; v - int(threadIdx.x) < vecs; v += kThreads) {
+      const int c = v * kVec;  // column of x
+      const bool in = v < vecs;
+      uint4 raw[M];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) part += ToFloat(e[j]) * ToFloat(e[j]);
-#pragma unroll
-      for (int mm = 0; mm < M; ++mm) {
-        if (mm == m) ss[mm] += part;
+      for (int m = 0; m < M; ++m) {
+        if (in && m < rows) raw[m] = *reinterpret_cast<const uint4*>(x + m * stride + c);
       }
-    } else {
-      float e[kVec], u[kVec];
-      LoadVec(x + int64_t(m) * 2 * k + c, e);
-      LoadVec(x + int64_t(m) * 2 * k + k + c, u);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) e[j] = SiluTimes(e[j], u[j]);
-      StoreVec(dst, e);
+      for (int m = 0; m < M; ++m) {
+        if (!in || m >= rows) continue;
+        if (c >= kb && c < kb + klen) {
+          *reinterpret_cast<uint4*>(xs + m * klen + (c - kb)) = raw[m];
+        }
+        const T* e = reinterpret_cast<const T*>(&raw[m]);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) ss[m] += ToFloat(e[j]) * ToFloat(e[j]);
+      }
+    }
+  } else {
+    // Copying and SiLU-multiplying spread (row, vector) pairs over all threads, several
+    // iterations' loads in flight per thread (the compiler unrolls this loop).
+    for (int i = threadIdx.x; i < rows * vecs; i += kThreads) {
+      const int m = i / vecs, c = read_b + (i - m * vecs) * kVec;  // column of x
+      T* dst = xs + m * klen + (c - kb);
+      if (P == kGemvPlain) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x + m * stride + c);
+      } else {
+        float e[kVec], u[kVec];
+        LoadVec(x + m * stride + c, e);
+        LoadVec(x + m * stride + k + c, u);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) e[j] = SiluTimes(e[j], u[j]);
+        StoreVec(dst, e);
+      }
     }
   }
   if (P == kGemvRmsNorm) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-      if (lane == 0 && m < rows) atomicAdd(&row_ss[m], ss[m]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) ss_warp[warp * M + m] = ss[m];
     }
     __syncthreads();
-    const int slice_vecs = klen / kVec;
-    for (int i = threadIdx.x; i < rows * slice_vecs; i += kThreads) {
-      const int m = i / slice_vecs, c = (i - m * slice_vecs) * kVec;
-      const float r = rsqrtf(row_ss[m] / k + eps);
-      float e[kVec], g[kVec];
-      LoadVec(xs + m * klen + c, e);
-      LoadVec(gs + c, g);
+    float r[M];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) e[j] = RmsNormScale<T>(e[j], r, g[j]);
-      StoreVec(xs + m * klen + c, e);
+    for (int m = 0; m < M; ++m) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) total += ss_warp[w * M + m];
+      r[m] = rsqrtf(total / k + eps);
+    }
+    for (int v = threadIdx.x; v < klen / kVec; v += kThreads) {
+      float g[kVec];
+      LoadVec(gs + v * kVec, g);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (m >= rows) continue;
+        float e[kVec];
+        LoadVec(xs + m * klen + v * kVec, e);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) e[j] = RmsNormScale<T>(e[j], r[m], g[j]);
+        StoreVec(xs + m * klen + v * kVec, e);
+      }
     }
   }
   __syncthreads();
 }
 
 // What both GEMV kernels do between issuing their first weight loads and the product: copy the
-// norm weight's slice [kb, kb + klen) into gs and zero row_ss (kRmsNorm; neither depends on the
-// previous kernel), wait for the previous kernel, stage f(x) (StageGemvInput), and let the next
-// kernel launch. (Copying gs with cp.async instead, waited for only before the normalisation
-// pass, was slower: H200, batch 1, qkv 3.05 -> 3.70 us, gate/up 5.58 -> 6.49 us.)
+// norm weight's slice [kb, kb + klen) into gs (kRmsNorm; it does not depend on the previous
+// kernel), wait for the previous kernel, stage f(x) (StageGemvInput), and let the next kernel
+// launch. (Copying gs with cp.async instead, waited for only before the normalisation pass, was
+// slower: H200, batch 1, qkv 3.05 -> 3.70 us, gate/up 5.58 -> 6.49 us.)
 template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
                                                       const T* __restrict__ norm_w, float eps,
                                                       int rows, int k, int kb, int klen, T* xs,
-                                                      T* gs, float* row_ss) {
+                                                      T* gs, float* ss_warp) {
   if (P == kGemvRmsNorm) {
     const uint4* src = reinterpret_cast<const uint4*>(norm_w + kb);
     for (int v = threadIdx.x; v < klen / (16 / int(sizeof(T))); v += kThreads) {
       reinterpret_cast<uint4*>(gs)[v] = LoadBeforeWait(src + v);
     }
-    if (threadIdx.x < M) row_ss[threadIdx.x] = 0.f;
-    __syncthreads();
   }
   WaitForPrerequisites();
-  StageGemvInput<T, M, P, kThreads>(x, eps, rows, k, kb, klen, xs, gs, row_ss);
+  StageGemvInput<T, M, P, kThreads>(x, eps, rows, k, kb, klen, xs, gs, ss_warp);
   AllowDependentsToLaunch();
 }
 
 // kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
-// pass) or 12 (longer rows, fewer passes). The 4-chunk kernel is held to 48 registers so that 5
-// blocks fit on an SM and a 5120-column GEMV (640 blocks) runs in one wave on 132 SMs: H200,
-// nanovlm-460m's gate/up projection at batch 1 5.84 -> 5.58 us, whole decoder 698 -> 678 us
-// (bench/decode_ops_bench.cc).
+// pass) or 12 (longer rows, fewer passes). For one row the 4-chunk kernel is held to 48 registers
+// so that 5 blocks fit on an SM and a 5120-column GEMV (640 blocks) runs in one wave on 132 SMs:
+// H200, nanovlm-460m's gate/up projection at batch 1 5.84 -> 5.58 us, whole decoder 698 -> 678 us
+// (bench/decode_ops_bench.cc); with more rows, or the SiLU-multiply, 48 registers would spill.
+constexpr int GemvMinBlocks(int rows, int prologue, int chunks) {
+  return chunks > 4 ? 2 : rows == 1 && prologue != kGemvSiluMul ? 5 : 4;
+}
 template <typename T, int M, int P, int kGemvChunks>
-__global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 5 : 2)
+__global__ void __launch_bounds__(kGemvWarps * 32, GemvMinBlocks(M, P, kGemvChunks))
     GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
                const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
                int n, int k) {
@@ -123,7 +160,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 5 : 2)
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, k) f(x)
   T* gs = xs + rows * k;                    // (k) norm weight (kGemvRmsNorm)
-  __shared__ float row_ss[M];
+  __shared__ float ss_warp[kGemvWarps * M];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int col = blockIdx.x * kGemvWarps + warp;
   const bool active = col < n;
@@ -136,7 +173,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, kGemvChunks <= 4 ? 5 : 2)
     const int v = c * 32 + lane;
     if (active && v < vecs) wreg[c] = LoadBeforeWait(wr + v);
   }
-  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, 0, k, xs, gs, row_ss);
+  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, 0, k, xs, gs, ss_warp);
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -233,7 +270,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const int kb = min(k, c0 * 32), klen = min(k, c1 * 32) - kb;
   T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, klen) f(x)[:, kb : kb + klen]
   T* gs = xs + rows * klen;                 // (klen) norm weight (kGemvRmsNorm)
-  __shared__ float row_ss[M];
+  __shared__ float ss_warp[kGemvWarps * M];
   __shared__ float red[kGemvWarps][16][M + 1];
   __shared__ float tile[16][M];  // this block's sums over its chunks
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -256,7 +293,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   // Parameters are never written by a kernel: load them before waiting for the previous one.
   load(0);
   WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, kb, klen, xs, gs,
-                                                  row_ss);
+                                                  ss_warp);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int first = 0; first < c1 - c0; first += kGemvWarps * kMmaChunks) {
     if (first > 0) load(first);
