@@ -753,16 +753,11 @@ size_t AlignUp(size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 DecodeStackPlan PlanDecodeStack(int64_t batch, int64_t hidden, int64_t n_heads, int64_t n_kv,
                                 int64_t head_dim, int64_t inter, int64_t layers, int64_t kv_len) {
   DecodeStackPlan p{};
-  int dev = 0, major = 0, sms = 0, max_smem = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-          cudaSuccess) {
-    (void)cudaGetLastError();
-    return p;
-  }
-  if (major < 9 || batch < 1 || batch > kDecodeStackMaxBatch || layers < 1 ||
+  // 0 where a device attribute cannot be read: no plan then.
+  const int sms = CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(0);
+  const int max_smem = CachedDeviceAttribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(0);
+  if (ComputeCapabilityMajor() < 9 || sms == 0 || max_smem == 0 || batch < 1 ||
+      batch > kDecodeStackMaxBatch || layers < 1 ||
       layers > kDecodeStackMaxLayers || n_kv < 1 || n_heads % n_kv != 0 ||
       n_heads / n_kv > kMaxGroups || (head_dim != 64 && head_dim != 128) || hidden % kVec != 0 ||
       inter % kVec != 0 || kv_len < 1) {

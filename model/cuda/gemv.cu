@@ -41,7 +41,6 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
   constexpr int kVec = 16 / sizeof(T);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // kRmsNorm reads whole rows (the sums of squares), the others only the slice.
-  const int read_b = P == kGemvRmsNorm ? 0 : kb;
   const int vecs = (P == kGemvRmsNorm ? k : klen) / kVec;
   const int64_t stride = P == kGemvSiluMul ? 2 * int64_t(k) : k;  // between rows of x
   float ss[M];
@@ -73,7 +72,7 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
     // Copying and SiLU-multiplying spread (row, vector) pairs over all threads, several
     // iterations' loads in flight per thread (the compiler unrolls this loop).
     for (int i = threadIdx.x; i < rows * vecs; i += kThreads) {
-      const int m = i / vecs, c = read_b + (i - m * vecs) * kVec;  // column of x
+      const int m = i / vecs, c = kb + (i - m * vecs) * kVec;  // column of x
       T* dst = xs + m * klen + (c - kb);
       if (P == kGemvPlain) {
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(x + m * stride + c);
@@ -146,7 +145,7 @@ __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
 // kChunks 16-byte weight loads in flight per lane: 4 (k <= 1024 in bf16, 512 in float32, in one
 // pass) or 12 (longer rows, fewer passes). For one row the 4-chunk kernel is held to 48 registers
 // so that 5 blocks fit on an SM and a 5120-column GEMV (640 blocks) runs in one wave on 132 SMs:
-// H200, nanovlm-460m's gate/up projection at batch 1 5.84 -> 5.58 us, whole decoder 698 -> 678 us
+// H200, nanovlm-460m's gate/up projection at batch 1 6.16 -> 5.58 us, whole decoder 698 -> 678 us
 // (bench/decode_ops_bench.cc); with more rows, or the SiLU-multiply, 48 registers would spill.
 constexpr int GemvMinBlocks(int rows, int prologue, int chunks) {
   return chunks > 4 ? 2 : rows == 1 && prologue != kGemvSiluMul ? 5 : 4;
@@ -247,12 +246,16 @@ __device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint
 #endif
 }
 
-// The chunks [c0, c1) of 32 columns of k that split s of `splits` covers.
-__host__ __device__ inline void MmaSplitChunks(int k, int splits, int s, int* c0, int* c1) {
+// What split s of `splits` covers of k: the 32-column chunks [c0, c1), i.e. the columns
+// [kb, kb + klen) clipped to k. Split 0 is the longest.
+struct MmaSplit {
+  int c0, c1, kb, klen;
+};
+__host__ __device__ inline MmaSplit MmaSplitOf(int k, int splits, int s) {
   const int chunks = (k + 31) / 32, per = (chunks + splits - 1) / splits;
-  *c0 = min(chunks, s * per);
-  *c1 = min(chunks, *c0 + per);
-  // (callers clip the columns to k: kb = min(k, 32 * c0), klen = min(k, 32 * c1) - kb)
+  const int c0 = min(chunks, s * per), c1 = min(chunks, c0 + per);
+  const int kb = min(k, c0 * 32);
+  return {c0, c1, kb, min(k, c1 * 32) - kb};
 }
 
 template <int P>
@@ -265,9 +268,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   constexpr int M = 8, kVec = 8;
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   const int splits = gridDim.y, s = blockIdx.y;
-  int c0, c1;
-  MmaSplitChunks(k, splits, s, &c0, &c1);
-  const int kb = min(k, c0 * 32), klen = min(k, c1 * 32) - kb;
+  const MmaSplit split = MmaSplitOf(k, splits, s);
+  const int c0 = split.c0, c1 = split.c1, kb = split.kb, klen = split.klen;
   T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, klen) f(x)[:, kb : kb + klen]
   T* gs = xs + rows * klen;                 // (klen) norm weight (kGemvRmsNorm)
   __shared__ float ss_warp[kGemvWarps * M];
@@ -411,10 +413,8 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (rows <= 8 && UseMmaGemv(P, n)) {
       const int splits = GemvMmaSplits(k);
-      int c0, c1;
-      MmaSplitChunks(ki, splits, 0, &c0, &c1);  // split 0 is the longest
-      const int64_t klen = std::min<int64_t>(k, int64_t(c1) * 32);
-      const size_t mma_smem = size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * klen * sizeof(T);
+      const size_t mma_smem =  // for the longest split's columns
+          size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * MmaSplitOf(ki, splits, 0).klen * sizeof(T);
       auto kernel = GemvMmaKernel<P>;
       cudaError_t e = AllowSharedMemory(kernel, mma_smem);
       if (e != cudaSuccess) return e;

@@ -124,16 +124,23 @@ __device__ __forceinline__ void Rotate(float x1, float x2, int64_t pos, float in
   *y2 = x2 * c + x1 * s;
 }
 
-// An attribute of the current device, asked once per device and attribute kind (kernel
-// launchers call this on every launch); `fallback` when it cannot be read.
+// A positive attribute of the current device, asked once per device and attribute kind (kernel
+// launchers call this on every launch); `fallback` when it cannot be read (the CUDA error that
+// caused it is cleared).
 template <cudaDeviceAttr kAttr>
 inline int CachedDeviceAttribute(int fallback) {
-  static std::atomic<int> value[64];  // 0 = not asked yet
+  static std::atomic<int> value[64];  // 0 = not asked yet, -1 = unreadable
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return fallback;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    (void)cudaGetLastError();
+    return fallback;
+  }
   int v = value[dev].load(std::memory_order_relaxed);
   if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, kAttr, dev) != cudaSuccess || v <= 0) v = -1;
+    if (cudaDeviceGetAttribute(&v, kAttr, dev) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = -1;
+    }
     value[dev].store(v, std::memory_order_relaxed);
   }
   return v > 0 ? v : fallback;
