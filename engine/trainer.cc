@@ -68,14 +68,21 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
   if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
     throw Invalid("compute_dtype must be float32 or bfloat16");
-  model_->to(options_.device, at::kFloat);
   model_->vision_encoder->recompute_blocks = options_.recompute_vision;
   model_->decoder->recompute_blocks = options_.recompute_language;
   {
     // Deep float32 copy on the device: the trainer's master weights never alias the inference
-    // engine's. copy_ moves the source (wherever it lives) once and converts a bf16 source on the
-    // device.
+    // engine's. Each parameter and buffer first gets fresh storage on the device (float32 where
+    // floating, as Module::to(device, kFloat) would give, but without copying the uninitialised
+    // CPU values there); copy_ then moves the source (wherever it lives) once and converts a bf16
+    // source on the device.
     torch::NoGradGuard no_grad;
+    auto on_device = [&](const at::Tensor& t) {
+      const at::ScalarType dtype = t.is_floating_point() ? at::kFloat : t.scalar_type();
+      return at::empty(t.sizes(), t.options().device(options_.device).dtype(dtype));
+    };
+    for (auto& p : model_->parameters()) p.set_data(on_device(p));
+    for (auto& b : model_->buffers()) b.set_data(on_device(b));
     auto src = source->named_parameters();
     for (auto& p : model_->named_parameters()) p.value().copy_(src[p.key()].to(options_.device));
     auto src_buf = source->named_buffers();
