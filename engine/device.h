@@ -6,12 +6,33 @@
 #include <ATen/core/TensorBody.h>
 #include <c10/core/Device.h>
 
+#include <memory>
+
 #include "engine/engine_types.h"
 
 namespace vlmgraph {
 
 // Waits for all work queued on `device` (no-op on CPU).
 void SynchronizeDevice(const at::Device& device);
+
+// A point in the current stream of a device, for waiting on part of the queued work only (the
+// engine waits for decode step N while step N + 1 is already queued behind it). Record() marks
+// the work queued so far; Synchronize() blocks the calling thread until that work is done. On a
+// CPU device both do nothing: CPU work has finished when the call that queued it returns.
+// Thread rules: the engine's GPU thread; not copyable.
+class DeviceEvent {
+ public:
+  explicit DeviceEvent(const at::Device& device);
+  ~DeviceEvent();
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  void Record();
+  void Synchronize();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Allocated and reserved bytes of the CUDA caching allocator on `device` (zeros on CPU).
 MemoryStats DeviceMemory(const at::Device& device);

@@ -8,6 +8,13 @@
 namespace vlmgraph {
 
 void SynchronizeDevice(const at::Device&) {}
+
+struct DeviceEvent::Impl {};
+DeviceEvent::DeviceEvent(const at::Device&) {}
+DeviceEvent::~DeviceEvent() = default;
+void DeviceEvent::Record() {}
+void DeviceEvent::Synchronize() {}
+
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 bool BuiltWithCudaGraphs() { return false; }

@@ -29,6 +29,23 @@ std::string CounterKey(const BucketKey& k) {
   return std::string(RegionName(k.region)) + "/" + k.Label();
 }
 
+// dec_in's layout: tokens (int64), positions (int64), carry flags (bool), max_batch of each,
+// padded to whole int64s so that every row of the host staging (2, bytes) starts aligned.
+int64_t DecodeInputBytes(int64_t max_batch) {
+  return (max_batch * (2 * sizeof(int64_t) + 1) + 7) / 8 * 8;
+}
+
+struct DecodeInputs {
+  at::Tensor tokens, positions, carry;
+};
+
+// Views of one dec_in-shaped byte vector (device or host).
+DecodeInputs DecodeInputViews(const at::Tensor& bytes, int64_t max_batch) {
+  const int64_t n = max_batch * static_cast<int64_t>(sizeof(int64_t));
+  return {bytes.narrow(0, 0, n).view(at::kLong), bytes.narrow(0, n, n).view(at::kLong),
+          bytes.narrow(0, 2 * n, max_batch).view(at::kBool)};
+}
+
 }  // namespace
 
 struct Engine::Sequence {
@@ -37,6 +54,9 @@ struct Engine::Sequence {
   int64_t length = 0;  // tokens in the KV cache; the next token's position
   int64_t generated = 0;
   int64_t last_token = -1;  // fed to the next decode step
+  // Decode steps queued with this sequence whose tokens it has not been given yet (0 or 1
+  // between Step() calls): its next step feeds position length + queued.
+  int64_t queued = 0;
   SamplingParams sampling;
   at::Generator generator;
 };
@@ -49,15 +69,20 @@ struct Engine::Buffers {
   at::Tensor last;        // (max_batch) int64, index of each prefill row's last real token
   at::Tensor tiles;       // (max_tiles, 3, S, S) model dtype, vision input
   at::Tensor image_rows;  // (max_batch * max_seq, H) model dtype, image embeddings for prefill
-  at::Tensor dec_in;      // (2, max_batch) int64: row 0 dec_tokens, row 1 dec_pos (one H2D copy)
-  at::Tensor dec_tokens;  // (max_batch) int64, token fed to each decode row
-  at::Tensor dec_pos;     // (max_batch) int64, position of that token
-  // Host staging of a decode step (pinned when the device is CUDA, so the copies are truly
-  // asynchronous): dec_in's contents, and each row's greedy token read back. Reused every step;
-  // each step synchronises before the next one writes them.
-  at::Tensor host_dec_in;      // (2, max_batch) int64
-  at::Tensor host_dec_greedy;  // (max_batch) int64
-  KVCache cache;          // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
+  // Decode inputs, one host-to-device copy per step: dec_in (DecodeInputBytes(max_batch)) uint8
+  // holds the three views below (see DecodeInputs).
+  at::Tensor dec_in;
+  at::Tensor dec_tokens;      // (max_batch) int64, token fed to each decode row ...
+  at::Tensor dec_carry_flag;  // (max_batch) bool, ... unless set: then dec_carry's is fed
+  at::Tensor dec_pos;         // (max_batch) int64, position of that token
+  at::Tensor dec_carry;       // (max_batch) int64, the previous queued step's tokens (device)
+  // Host staging of decode steps (pinned when the device is CUDA, so the copies are truly
+  // asynchronous), two halves used by alternate steps, since a step is staged while the one
+  // before it is still queued: dec_in's contents, and each row's token read back.
+  at::Tensor host_dec_in;                    // (2, DecodeInputBytes(max_batch)) uint8
+  at::Tensor host_dec_tokens;                // (2, max_batch) int64
+  std::unique_ptr<DeviceEvent> dec_done[2];  // recorded after each half's token copy
+  KVCache cache;  // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
   int64_t scratch_row = 0;
 };
 
@@ -107,17 +132,29 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   buf.last = at::zeros({b.max_batch()}, i64);
   buf.tiles = at::zeros({b.max_tiles(), 3, cfg.vit_img_size, cfg.vit_img_size}, act);
   buf.image_rows = at::zeros({b.max_batch() * b.max_seq(), cfg.lm_hidden_dim}, act);
-  buf.dec_in = at::zeros({2, b.max_batch()}, i64);
-  buf.dec_tokens = buf.dec_in[0];
-  buf.dec_pos = buf.dec_in[1];
-  auto host_i64 = at::TensorOptions().dtype(at::kLong).pinned_memory(cuda);
-  buf.host_dec_in = at::zeros({2, b.max_batch()}, host_i64);
-  buf.host_dec_greedy = at::zeros({b.max_batch()}, host_i64);
+  buf.dec_in = at::zeros({DecodeInputBytes(b.max_batch())}, i64.dtype(at::kByte));
+  const DecodeInputs dec = DecodeInputViews(buf.dec_in, b.max_batch());
+  buf.dec_tokens = dec.tokens;
+  buf.dec_pos = dec.positions;
+  buf.dec_carry_flag = dec.carry;
+  buf.dec_carry = at::zeros({b.max_batch()}, i64);
+  auto pinned = at::TensorOptions().pinned_memory(cuda);
+  buf.host_dec_in = at::zeros({2, DecodeInputBytes(b.max_batch())}, pinned.dtype(at::kByte));
+  buf.host_dec_tokens = at::zeros({2, b.max_batch()}, pinned.dtype(at::kLong));
+  for (auto& e : buf.dec_done) e = std::make_unique<DeviceEvent>(options_.device);
+  overlap_decode_ = options_.overlap_decode_steps.value_or(cuda);
   buf.cache = KVCache::Allocate(cfg, b.max_batch() + 1, b.max_context(), act);
   slots_.resize(static_cast<size_t>(b.max_batch()));
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  // A queued decode step may still run on the device; let it finish before its buffers and
+  // graphs go.
+  try {
+    SynchronizeDevice(options_.device);
+  } catch (...) {
+  }
+}
 
 bool Engine::graphs_enabled() const { return runner_->captures(); }
 
@@ -150,8 +187,11 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
     case Region::kDecode: {
       const int64_t b = key.batch, c = key.seq;
       return [m, bf, b, c] {
-        at::Tensor x =
-            m->decoder->token_embedding->forward(bf->dec_tokens.narrow(0, 0, b).view({b, 1}));
+        // A carried row's token is the previous step's output, already on the device.
+        at::Tensor tokens =
+            at::where(bf->dec_carry_flag.narrow(0, 0, b), bf->dec_carry.narrow(0, 0, b),
+                      bf->dec_tokens.narrow(0, 0, b));
+        at::Tensor x = m->decoder->token_embedding->forward(tokens.view({b, 1}));
         at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
         at::Tensor logits = m->decoder->Logits(h.select(1, 0));  // (b, V)
         // Greedy tokens (b) int64 inside the region, so a step launches nothing after it.
@@ -165,21 +205,11 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
 }
 
 std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens,
-                                          int64_t padded_tokens,
-                                          const Clock::time_point* dispatch_start,
-                                          const std::function<void(const std::vector<at::Tensor>&)>&
-                                              before_sync) {
+                                          int64_t padded_tokens) {
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs;
   RunKind kind =
       runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
-  if (dispatch_start != nullptr && kind == RunKind::kReplay) {
-    // Replays return once launched: everything so far was host-side dispatch.
-    std::lock_guard<std::mutex> lock(counters_mu_);
-    counters_.decode_dispatch_seconds_total += SecondsSince(*dispatch_start);
-    counters_.decode_steps++;
-  }
-  if (before_sync) before_sync(outputs);
   SynchronizeDevice(options_.device);
   if (kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
   Count(key, kind, SecondsSince(t0), real_tokens, padded_tokens);
@@ -203,6 +233,11 @@ std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact,
 
 void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real,
                    int64_t padded) {
+  CountRun(key, kind, real, padded);
+  ObserveTime(key, kind, seconds);
+}
+
+void Engine::CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded) {
   const std::string k = CounterKey(key);
   {
     std::lock_guard<std::mutex> lock(counters_mu_);
@@ -215,11 +250,13 @@ void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t r
     counters_.real_tokens += real;
     counters_.padded_tokens += padded;
   }
-  if (observer_) {
-    if (kind == RunKind::kCaptureAndReplay) observer_->OnCapture(key, seconds);
-    observer_->OnStep(key, kind != RunKind::kEager, seconds);
-    observer_->OnTokens(key.region, real, padded);
-  }
+  if (observer_) observer_->OnTokens(key.region, real, padded);
+}
+
+void Engine::ObserveTime(const BucketKey& key, RunKind kind, double seconds) {
+  if (!observer_) return;
+  if (kind == RunKind::kCaptureAndReplay) observer_->OnCapture(key, seconds);
+  observer_->OnStep(key, kind != RunKind::kEager, seconds);
 }
 
 void Engine::Warmup() {
@@ -389,9 +426,8 @@ at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot)
   Buffers* bf = buffers_.get();
   auto dev_long = at::TensorOptions().dtype(at::kLong).device(options_.device);
   at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
-  at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
-                         ? ToDevice(request.tiles)
-                         : at::Tensor();
+  at::Tensor tiles =
+      request.tiles.defined() && request.tiles.numel() > 0 ? ToDevice(request.tiles) : at::Tensor();
   at::Tensor slots = at::full({1}, slot, dev_long);
   return RunEagerFallback(
       exact,
@@ -487,61 +523,159 @@ std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
   return ids;
 }
 
-void Engine::Step(std::vector<TokenEvent>* events) {
-  std::vector<Sequence*> active;
+// A decode step queued on the device whose tokens the host has not read yet.
+struct Engine::QueuedStep {
+  std::vector<std::pair<SequenceId, int64_t>> rows;  // (sequence, KV cache row) of each fed row
+  BucketKey key;  // its bucket, or the exact shape of an eager fallback
+  RunKind kind = RunKind::kEager;
+  at::Tensor tokens;  // (key.batch) int64 on the device: each row's next token
+  int half = 0;       // host staging half (Buffers::host_dec_in, host_dec_tokens, dec_done)
+  Clock::time_point queued_at;
+};
+
+std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
+  const auto dispatch_start = Clock::now();
+  Buffers& buf = *buffers_;
+  std::vector<Sequence*> fed;
   int64_t rows = 0, context = 0;
   for (auto& s : slots_) {
     if (!s) continue;
-    active.push_back(s.get());
+    // With `carry`, s->queued steps come before this one; without, none does.
+    const int64_t ahead = carry ? s->queued : 0;
+    // Ends on its token from the step ahead: max_new_tokens reached or context full (Emit's
+    // rules). A stop token cannot be foreseen; that row runs once more and is dropped.
+    if (ahead > 0 && (s->generated + ahead >= s->sampling.max_new_tokens ||
+                      s->length + ahead + 1 > max_context())) {
+      continue;
+    }
+    fed.push_back(s.get());
     rows = std::max(rows, s->slot + 1);
-    context = std::max(context, s->length + 1);
+    context = std::max(context, s->length + ahead + 1);
   }
-  if (active.empty()) return;
-  const auto dispatch_start = Clock::now();
-  at::NoGradGuard no_grad;
-  Buffers& buf = *buffers_;
-  // Every row in [0, rows) runs; free rows get a pad token at position 0 of their own (unused) row.
+  if (fed.empty()) return nullptr;
+  // Every row in [0, batch) runs; rows with no sequence get a pad token at position 0 of their
+  // own (unused) row.
   std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
   const int64_t batch = key ? key->batch : rows;
-  int64_t* tokens_p = buf.host_dec_in[0].data_ptr<int64_t>();
-  int64_t* positions_p = buf.host_dec_in[1].data_ptr<int64_t>();
+  const int half = static_cast<int>(decode_launches_ % 2);
+  buf.dec_done[half]->Synchronize();  // the step that last used this half has copied its inputs
+  const DecodeInputs host = DecodeInputViews(buf.host_dec_in[half], options_.buckets.max_batch());
+  int64_t* tokens_p = host.tokens.data_ptr<int64_t>();
+  int64_t* positions_p = host.positions.data_ptr<int64_t>();
+  bool* carry_p = host.carry.data_ptr<bool>();
   std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
   std::fill(positions_p, positions_p + batch, 0);
-  bool all_greedy = true;
-  for (Sequence* s : active) {
-    tokens_p[s->slot] = s->last_token;
-    positions_p[s->slot] = s->length;
+  std::fill(carry_p, carry_p + batch, false);
+  bool any_carried = false, all_greedy = true;
+  for (Sequence* s : fed) {
+    const int64_t ahead = carry ? s->queued : 0;
+    tokens_p[s->slot] = s->last_token;  // unused when carried
+    positions_p[s->slot] = s->length + ahead;
+    carry_p[s->slot] = ahead > 0;
+    any_carried = any_carried || ahead > 0;
     all_greedy = all_greedy && s->sampling.greedy;
   }
-  // One copy for tokens and positions (rows past `batch` are not read by this step).
-  buf.dec_in.copy_(buf.host_dec_in, /*non_blocking=*/true);
-  if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(active.size()));
-  // Outputs: logits (batch, V) and greedy tokens (batch). The greedy tokens are copied to the
-  // host before the step's one synchronisation.
-  std::vector<at::Tensor> out;
-  at::Tensor host_greedy = buf.host_dec_greedy.narrow(0, 0, batch);
+  if (any_carried) {
+    // The step ahead is queued_, the last one queued: its tokens, in stream order.
+    buf.dec_carry.narrow(0, 0, queued_->key.batch).copy_(queued_->tokens, /*non_blocking=*/true);
+  }
+  buf.dec_in.copy_(buf.host_dec_in[half], /*non_blocking=*/true);
+  if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(fed.size()));
+
+  auto step = std::make_unique<QueuedStep>();
+  step->half = half;
+  step->queued_at = dispatch_start;
+  std::vector<at::Tensor> out;  // logits (batch, V), greedy tokens (batch)
   if (key) {
-    out = RunRegion(*key, static_cast<int64_t>(active.size()), key->batch, &dispatch_start,
-                    [&](const std::vector<at::Tensor>& o) { host_greedy.copy_(o[1], true); });
+    step->key = *key;
+    step->kind = runner_->Run(*key, MakeRegionFn(*key), runner_->captures(), &out);
+    if (step->kind == RunKind::kReplay) {
+      // Replays return once launched: everything so far was host-side dispatch.
+      std::lock_guard<std::mutex> lock(counters_mu_);
+      counters_.decode_dispatch_seconds_total += SecondsSince(dispatch_start);
+      counters_.decode_steps++;
+    }
+    if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
   } else {
-    const BucketKey exact{Region::kDecode, rows, context, 0};
-    RegionFn fn = MakeRegionFn(exact);
-    out = RunEagerFallback(exact, fn, static_cast<int64_t>(active.size()));
-    host_greedy.copy_(out[1]);
+    step->key = BucketKey{Region::kDecode, rows, context, 0};
+    step->kind = RunKind::kEager;
+    out = MakeRegionFn(step->key)();
+    {
+      std::lock_guard<std::mutex> lock(counters_mu_);
+      counters_.eager_fallbacks++;
+    }
+    if (observer_)
+      observer_->OnEagerFallback(Region::kDecode, "no bucket fits " + step->key.Label());
   }
-  std::vector<int64_t> next(active.size());
-  const int64_t* greedy = host_greedy.data_ptr<int64_t>();
-  for (size_t k = 0; k < active.size(); ++k) next[k] = greedy[active[k]->slot];
+  step->tokens = out[1];
   if (!all_greedy) {
-    std::vector<int64_t> rows_index;
-    for (Sequence* s : active) rows_index.push_back(s->slot);
-    at::Tensor active_logits =
-        out[0].index_select(0, at::tensor(rows_index, at::kLong).to(options_.device));
-    next = SampleRows(active_logits, active);
+    step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
+    for (Sequence* s : fed) {
+      if (!s->sampling.greedy)
+        step->tokens[s->slot] = SampleToken(out[0][s->slot], s->sampling, s->generator);
+    }
   }
-  for (size_t k = 0; k < active.size(); ++k) {
-    active[k]->length += 1;  // the fed token is now in the cache
-    Emit(*active[k], next[k], events);
+  buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);
+  buf.dec_done[half]->Record();
+  // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
+  const int64_t real = static_cast<int64_t>(fed.size());
+  CountRun(step->key, step->kind, real, key ? key->batch : real);
+  ++decode_launches_;
+  for (Sequence* s : fed) {
+    s->queued += 1;
+    step->rows.emplace_back(s->id, s->slot);
+  }
+  return step;
+}
+
+void Engine::FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events) {
+  Buffers& buf = *buffers_;
+  buf.dec_done[step.half]->Synchronize();
+  const auto now = Clock::now();
+  // The step's own time: from when it was queued, or, when it was queued behind another step,
+  // from when that one's tokens arrived.
+  const double seconds =
+      std::chrono::duration<double>(now - std::max(step.queued_at, last_decode_done_)).count();
+  last_decode_done_ = now;
+  ObserveTime(step.key, step.kind, seconds);
+  const int64_t* tokens = buf.host_dec_tokens[step.half].data_ptr<int64_t>();
+  for (const auto& [id, slot] : step.rows) {
+    Sequence* s = slots_[static_cast<size_t>(slot)].get();
+    if (s == nullptr || s->id != id) continue;  // cancelled or ended since the step was queued
+    s->queued -= 1;
+    s->length += 1;  // the fed token is now in the cache
+    Emit(*s, tokens[slot], events);
+  }
+}
+
+void Engine::Step(std::vector<TokenEvent>* events) {
+  if (ActiveSequences() == 0) return;
+  at::NoGradGuard no_grad;
+  auto drop_queued = [this] {
+    queued_.reset();
+    for (auto& s : slots_) {
+      if (s) s->queued = 0;
+    }
+  };
+  try {
+    // A queued step that feeds no active sequence (all cancelled or ended since) returns nothing.
+    if (queued_) {
+      bool live = false;
+      for (const auto& [id, slot] : queued_->rows) {
+        const Sequence* s = slots_[static_cast<size_t>(slot)].get();
+        live = live || (s != nullptr && s->id == id);
+      }
+      if (!live) drop_queued();
+    }
+    if (!queued_) queued_ = QueueDecode(/*carry=*/false);
+    if (!queued_) return;  // not reached: an active sequence always has a token left
+    std::unique_ptr<QueuedStep> next = overlap_decode_ ? QueueDecode(/*carry=*/true) : nullptr;
+    std::unique_ptr<QueuedStep> current = std::move(queued_);
+    queued_ = std::move(next);
+    FinishDecode(*current, events);
+  } catch (...) {
+    drop_queued();
+    throw;
   }
 }
 

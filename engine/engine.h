@@ -48,6 +48,11 @@ struct EngineOptions {
   int64_t max_tiles_per_request =
       0;                     // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
   bool log_captures = true;  // one log line per capture and a summary (stderr)
+  // Overlapped decode steps (see Step()): queue decode step N + 1, fed with step N's tokens on the
+  // device, before waiting for step N's tokens on the host, so the GPU never idles through the
+  // engine's host work between steps. Unset: on for CUDA devices, off on CPU (where work runs as
+  // it is queued, so overlapping would only delay each token by one step).
+  std::optional<bool> overlap_decode_steps;
 };
 
 class Engine {
@@ -77,7 +82,19 @@ class Engine {
   // TokenEvent per request to `events` (finished when max_new_tokens == 1 or a stop token came).
   std::vector<SequenceId> Admit(std::vector<GenerateRequest> requests,
                                 std::vector<TokenEvent>* events);
-  // One decode step for every active sequence; appends one TokenEvent per sequence.
+  // One decode step for every active sequence; appends one TokenEvent per sequence that was
+  // active when the step was queued and still is (none for a sequence cancelled since).
+  //
+  // Overlapped steps (EngineOptions::overlap_decode_steps): a call queues the next step before it
+  // waits for the tokens it returns, so on return one step stays queued on the device. That step
+  // feeds each row the token of the step before it straight from device memory (greedy or
+  // sampled) and skips rows whose sequence is sure to end (max_new_tokens, context full); a row
+  // whose sequence ends on a stop token, or is cancelled, is computed once more and its token
+  // dropped (its KV cache write lands past the sequence's end, where no later read looks before
+  // a later write). Sequences admitted in between join the next queued step with their first
+  // token from the host. Tokens, their order, per-sequence sampling streams and finish reasons
+  // are those of non-overlapped steps. If a call throws, the queued step is dropped: no sequence
+  // has advanced past what was returned, and the next call starts again from the host tokens.
   void Step(std::vector<TokenEvent>* events);
   // Ends a sequence now and frees its slot; unknown or finished ids are ignored.
   void Cancel(SequenceId id);
@@ -109,21 +126,22 @@ class Engine {
  private:
   struct Sequence;
   struct Buffers;
+  struct QueuedStep;
 
   // The region function of a bucket, over the static buffers.
   RegionFn MakeRegionFn(const BucketKey& key);
-  // Runs a bucketed region (replay, capture on first use, or eager) and records it.
-  // `dispatch_start`: when set, the host time from it until the replay is launched is recorded as
-  // decode dispatch time. `before_sync`: queues work on the region's outputs (a copy to the host)
-  // after the launch and before the one synchronisation.
-  std::vector<at::Tensor> RunRegion(
-      const BucketKey& key, int64_t real_tokens, int64_t padded_tokens,
-      const Clock::time_point* dispatch_start = nullptr,
-      const std::function<void(const std::vector<at::Tensor>&)>& before_sync = {});
+  // Runs a bucketed vision or prefill region (replay, capture on first use, or eager), waits for
+  // it and records it. (Decode steps: QueueDecode / FinishDecode.)
+  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens,
+                                    int64_t padded_tokens);
   // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
   std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn,
                                            int64_t real_tokens);
+  // Records one run of a region: CountRun its counters (runs, captures, real and padded tokens),
+  // ObserveTime its latency for the observer; Count both.
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
+  void CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded);
+  void ObserveTime(const BucketKey& key, RunKind kind, double seconds);
   // Request tiles (N, 3, S, S), any dtype, on the engine's device in its dtype.
   at::Tensor ToDevice(const at::Tensor& tiles) const;
   // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
@@ -137,6 +155,14 @@ class Engine {
   // Next token for each sequence from its logits row (n, V); one host copy.
   std::vector<int64_t> SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
   void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
+  // Queues one decode step (inputs copied in, region launched, tokens sampled and copied towards
+  // the host) for every active sequence that has a token left to generate; with `carry`, a
+  // sequence already in the queued step is fed that step's token from the device. Returns
+  // nullptr when no sequence qualifies. Does not wait for the device.
+  std::unique_ptr<QueuedStep> QueueDecode(bool carry);
+  // Waits for `step`'s tokens, advances its sequences that are still active and emits a
+  // TokenEvent for each.
+  void FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events);
   void Free(int64_t slot);
   void ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const;
 
@@ -145,6 +171,10 @@ class Engine {
   std::unique_ptr<StepRunner> runner_;
   std::unique_ptr<Buffers> buffers_;
   std::vector<std::unique_ptr<Sequence>> slots_;  // one per KV cache row; nullptr = free
+  bool overlap_decode_ = false;                   // options_.overlap_decode_steps resolved
+  std::unique_ptr<QueuedStep> queued_;            // the decode step queued and not yet returned
+  int64_t decode_launches_ = 0;                   // picks the host staging half of each step
+  Clock::time_point last_decode_done_{};          // when the host saw the last step's tokens
   SequenceId next_id_ = 0;
   bool warmed_up_ = false;
   EngineObserver* observer_ = nullptr;

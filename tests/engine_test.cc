@@ -5,7 +5,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <map>
+#include <optional>
+#include <ostream>
 #include <random>
+#include <set>
 
 #include "engine/sampler.h"
 #include "model/checkpoint.h"
@@ -29,13 +33,15 @@ BucketSpec SmallBuckets() {
 
 std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs,
                                    BucketSpec buckets = SmallBuckets(),
-                                   at::ScalarType dtype = at::kFloat) {
+                                   at::ScalarType dtype = at::kFloat,
+                                   std::optional<bool> overlap_decode_steps = std::nullopt) {
   EngineOptions o;
   o.device = device;
   o.dtype = dtype;
   o.buckets = std::move(buckets);
   o.cuda_graphs = graphs;
   o.log_captures = false;
+  o.overlap_decode_steps = overlap_decode_steps;
   return std::make_unique<Engine>(LoadModel(testing::TinyCheckpointDir()), o);
 }
 
@@ -72,6 +78,88 @@ std::vector<int64_t> ReferenceGreedy(VisionLanguageModel& m, const GenerateReque
                        .to(m->decoder->token_embedding->weight.device());
   at::Tensor tiles = r.tiles.defined() ? r.tiles.to(ids.device()) : at::Tensor();
   return Row(m->GenerateGreedy(ids, tiles, r.sampling.max_new_tokens).cpu(), 0);
+}
+
+// What one request got: its tokens in order and how it ended.
+struct Outcome {
+  std::vector<int64_t> tokens;
+  FinishReason reason = FinishReason::kNone;
+  bool operator==(const Outcome& o) const { return tokens == o.tokens && reason == o.reason; }
+};
+
+std::ostream& operator<<(std::ostream& os, const Outcome& o) {
+  os << FinishReasonName(o.reason) << " [";
+  for (int64_t t : o.tokens) os << t << " ";
+  return os << "]";
+}
+
+// Continuous batching as the server's scheduler drives it: admit up to two requests whenever a
+// slot is free, else step. Request `cancel` (if any) is cancelled once it has `cancel_after`
+// tokens, between two calls, as a client that goes away.
+std::vector<Outcome> Drive(Engine& engine, const std::vector<GenerateRequest>& reqs,
+                           int64_t cancel = -1, size_t cancel_after = 0) {
+  std::vector<Outcome> out(reqs.size());
+  std::map<SequenceId, size_t> owner;
+  std::vector<TokenEvent> events;
+  size_t next = 0;
+  while (next < reqs.size() || engine.ActiveSequences() > 0) {
+    if (next < reqs.size() && engine.FreeSlots() > 0) {
+      const size_t n =
+          std::min<size_t>({2, static_cast<size_t>(engine.FreeSlots()), reqs.size() - next});
+      const auto ids = engine.Admit({reqs.begin() + next, reqs.begin() + next + n}, &events);
+      for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
+      next += n;
+    } else {
+      engine.Step(&events);
+    }
+    for (const auto& ev : events) {
+      Outcome& o = out[owner.at(ev.id)];
+      EXPECT_EQ(o.reason, FinishReason::kNone)
+          << "a token after the end, request " << owner.at(ev.id);
+      o.tokens.push_back(ev.token);
+      o.reason = ev.reason;
+      if (static_cast<int64_t>(owner.at(ev.id)) == cancel && !ev.finished &&
+          o.tokens.size() == cancel_after) {
+        engine.Cancel(ev.id);
+        o.reason = FinishReason::kCancelled;
+      }
+    }
+    events.clear();
+  }
+  return out;
+}
+
+// More requests than SmallBuckets' 4 slots, greedy and seeded sampling (every third), endings by
+// max_new_tokens (request 4 exactly at the longest context, 30 + 34 = 64), and with
+// AddStopTokens by stop token (requests 2 and 6); Drive(..., 5, 2) cancels request 5. Overlapped
+// decode steps must give each request the same tokens and ending as plain ones.
+std::vector<GenerateRequest> MixedRequests() {
+  std::mt19937 rng(21);
+  std::vector<GenerateRequest> reqs;
+  for (int64_t i = 0; i < 9; ++i) {
+    GenerateRequest q;
+    q.input_ids = RandomPrompt(rng, 2 + (i * 7) % 29, 1000);
+    q.sampling.max_new_tokens = 3 + (i * 5) % 11;
+    if (i % 3 == 1) {
+      q.sampling.greedy = false;
+      q.sampling.temperature = 0.8;
+      q.sampling.top_k = 50;
+      q.sampling.seed = 100 + static_cast<uint64_t>(i);
+    }
+    reqs.push_back(q);
+  }
+  reqs[4].input_ids = RandomPrompt(rng, 30, 1000);
+  reqs[4].sampling.max_new_tokens = 34;
+  return reqs;
+}
+
+// Request 2 stops at its 3rd token and request 6 at its 2nd, taken from a run without stops (or
+// earlier, where that token came before).
+void AddStopTokens(std::vector<GenerateRequest>* reqs, const std::vector<Outcome>& run) {
+  for (auto [r, at] : {std::pair<size_t, size_t>{2, 2}, {6, 1}}) {
+    ASSERT_GT(run[r].tokens.size(), at + 1);
+    (*reqs)[r].sampling.stop_token_ids = {run[r].tokens[at]};
+  }
 }
 
 TEST(Buckets, PicksSmallestFittingBucketForManyShapes) {
@@ -115,6 +203,61 @@ TEST(Buckets, ValidateNamesTheBadList) {
   c.seq_lens = {2048};
   c.context_lens = {1024};
   EXPECT_THROW(c.Validate(), std::invalid_argument);
+}
+
+TEST(Engine, OverlappedDecodeStepsEqualPlainSteps) {
+  std::vector<GenerateRequest> reqs = MixedRequests();
+  AddStopTokens(&reqs,
+                Drive(*MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false), reqs));
+  const std::vector<Outcome> want =
+      Drive(*MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false), reqs, 5, 2);
+  // The scenario covers what it claims.
+  EXPECT_EQ(want[0].reason, FinishReason::kLength);
+  EXPECT_EQ(want[2].reason, FinishReason::kStopToken);
+  EXPECT_LE(want[2].tokens.size(), 3u);
+  EXPECT_EQ(want[4].reason, FinishReason::kLength);
+  EXPECT_EQ(want[4].tokens.size(), 34u);
+  EXPECT_EQ(want[5].reason, FinishReason::kCancelled);
+  EXPECT_EQ(want[5].tokens.size(), 2u);
+  auto engine = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, true);
+  const std::vector<Outcome> got = Drive(*engine, reqs, 5, 2);
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
+  EXPECT_EQ(engine->ActiveSequences(), 0);
+  EXPECT_EQ(engine->FreeSlots(), 4);
+}
+
+TEST(Engine, OverlappedStepsSurviveTimeRegionAndRunEachStepOnce) {
+  // A seeded sampled request (the tiny model's greedy output repeats one token, which would hide
+  // a token fed to the wrong step): TimeRegion between two steps of an overlapped engine (it
+  // replays the queued step's inputs) leaves its tokens those of a plain engine, and each decode
+  // token costs one region run: the step that would follow the last one is never queued.
+  GenerateRequest q = FixtureRequests(9)[1];
+  q.sampling.greedy = false;
+  q.sampling.seed = 7;
+  auto run = [&](bool overlap, bool time_region, int64_t* decode_runs) {
+    auto engine = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, overlap);
+    std::vector<TokenEvent> events;
+    engine->Admit({q}, &events);
+    for (int i = 0; engine->ActiveSequences() > 0; ++i) {
+      if (i == 3 && time_region)
+        engine->TimeRegion(*engine->options().buckets.PickDecode(1, 16), 3);
+      engine->Step(&events);
+    }
+    std::vector<int64_t> tokens;
+    for (const auto& ev : events) tokens.push_back(ev.token);
+    *decode_runs = 0;
+    for (const auto& [k, n] : engine->Counters().eager_runs)
+      if (k.rfind("decode/", 0) == 0) *decode_runs += n;
+    return tokens;
+  };
+  int64_t plain_runs = 0, overlap_runs = 0;
+  const std::vector<int64_t> want = run(false, false, &plain_runs);
+  const std::vector<int64_t> got = run(true, true, &overlap_runs);
+  ASSERT_EQ(want.size(), 9u);
+  ASSERT_GE(std::set<int64_t>(want.begin(), want.end()).size(), 3u) << "tokens too uniform";
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(plain_runs, 8);
+  EXPECT_EQ(overlap_runs, 8);
 }
 
 TEST(Engine, EagerGenerationEqualsUpstreamFixture) {
@@ -299,8 +442,9 @@ TEST(Sampler, SeededSamplingIsReproducibleAndFollowsTheDistribution) {
 TEST(EngineGraphs, ReplayEqualsEagerForEveryRegion_CUDA) {
   VLMGRAPH_REQUIRE_CUDA();
   at::globalContext().setAllowTF32CuBLAS(false);
+  // Graphs with overlapped decode steps (on by default on CUDA) against eager plain steps.
   auto graphed = MakeEngine(at::kCUDA, true);
-  auto eager = MakeEngine(at::kCUDA, false);
+  auto eager = MakeEngine(at::kCUDA, false, SmallBuckets(), at::kFloat, false);
   graphed->Warmup();
   ASSERT_TRUE(graphed->graphs_enabled());
   const int64_t captured = graphed->Counters().TotalCaptures();
@@ -338,6 +482,25 @@ TEST(EngineGraphs, DecodeGraphReproducesUpstreamGreedyTokens_CUDA) {
   const at::Tensor want = TinyReference().tensors.at("generated_ids");
   for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(out[r], Row(want, r));
   EXPECT_GT(engine->Counters().replays.count("decode/b2xc32"), 0u);
+}
+
+TEST(EngineGraphs, OverlappedDecodeStepsEqualPlainSteps_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  auto plain = MakeEngine(at::kCUDA, true, SmallBuckets(), at::kFloat, false);
+  auto overlapped = MakeEngine(at::kCUDA, true, SmallBuckets(), at::kFloat, true);
+  plain->Warmup();
+  overlapped->Warmup();
+  const int64_t captured = overlapped->Counters().TotalCaptures();
+  std::vector<GenerateRequest> reqs = MixedRequests();
+  AddStopTokens(&reqs, Drive(*plain, reqs));
+  const std::vector<Outcome> want = Drive(*plain, reqs, 5, 2);
+  EXPECT_EQ(want[2].reason, FinishReason::kStopToken);
+  EXPECT_EQ(want[5].reason, FinishReason::kCancelled);
+  const std::vector<Outcome> got = Drive(*overlapped, reqs, 5, 2);
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
+  EXPECT_EQ(overlapped->Counters().TotalCaptures(), captured);
+  EXPECT_EQ(overlapped->Counters().eager_fallbacks, 0);
 }
 
 TEST(EngineGraphs, ManyShapesCauseNoNewCapturesAfterWarmup_CUDA) {

@@ -1,7 +1,10 @@
 // engine/cuda/cuda_device.cc: CUDA implementations of engine/device.h.
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+
+#include <optional>
 
 #include "engine/device.h"
 
@@ -11,6 +14,28 @@ void SynchronizeDevice(const at::Device& device) {
   if (!device.is_cuda()) return;
   c10::cuda::CUDAGuard guard(device);
   c10::cuda::device_synchronize();
+}
+
+// CUDA: an event without timing, recorded on the device's current stream. CPU: nothing.
+struct DeviceEvent::Impl {
+  at::Device device;
+  std::optional<at::cuda::CUDAEvent> event;  // CUDA devices only
+};
+
+DeviceEvent::DeviceEvent(const at::Device& device) : impl_(new Impl{device, std::nullopt}) {
+  if (device.is_cuda()) impl_->event.emplace(cudaEventDisableTiming);
+}
+
+DeviceEvent::~DeviceEvent() = default;
+
+void DeviceEvent::Record() {
+  if (!impl_->event) return;
+  c10::cuda::CUDAGuard guard(impl_->device);
+  impl_->event->record();  // the current stream of the guarded device
+}
+
+void DeviceEvent::Synchronize() {
+  if (impl_->event) impl_->event->synchronize();
 }
 
 MemoryStats DeviceMemory(const at::Device& device) {
