@@ -11,6 +11,7 @@
 
 #include "engine/device.h"
 #include "engine/sampler.h"
+#include "model/fused_ops.h"
 #include "model/prompt_check.h"
 
 namespace vlmgraph {
@@ -195,7 +196,7 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
         at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
         at::Tensor logits = m->decoder->Logits(h.select(1, 0));  // (b, V)
         // Greedy tokens (b) int64 inside the region, so a step launches nothing after it.
-        return std::vector<at::Tensor>{logits, logits.argmax(-1)};
+        return std::vector<at::Tensor>{logits, ops::ArgmaxRows(logits)};
       };
     }
     case Region::kTrain:
@@ -441,7 +442,7 @@ at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot)
 
 std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits,
                                         const std::vector<Sequence*>& seqs) {
-  at::Tensor tokens = logits.argmax(-1);  // greedy for every row, overwritten for sampled rows
+  at::Tensor tokens = ops::ArgmaxRows(logits);  // greedy for every row; sampled rows overwritten
   for (size_t i = 0; i < seqs.size(); ++i) {
     if (!seqs[i]->sampling.greedy) {
       tokens[static_cast<int64_t>(i)] =

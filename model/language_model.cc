@@ -269,8 +269,10 @@ at::Tensor LanguageModelImpl::Decode(const at::Tensor& x, KVCache* cache,
   ctx.cache = cache;
   ctx.positions = positions;
   ctx.kv_len = kv_len;
-  at::Tensor key_index = at::arange(kv_len, positions.options());
-  ctx.key_mask = key_index.unsqueeze(0).le(positions.unsqueeze(1)).view({b, 1, 1, kv_len});
+  if (!UsesFusedPath(x)) {  // the fused attention kernel masks by position itself
+    at::Tensor key_index = at::arange(kv_len, positions.options());
+    ctx.key_mask = key_index.unsqueeze(0).le(positions.unsqueeze(1)).view({b, 1, 1, kv_len});
+  }
   return Run(x, positions.view({b, 1}), ctx);
 }
 

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "model/vision_language_model.h"
 #include "tests/test_util.h"
 
@@ -506,6 +508,34 @@ TEST(FusedOps, LinearCrossEntropyMatchesATenChainAndItsGradients_CUDA) {
     EXPECT_LT(rel(l2, l1), dtype == at::kFloat ? 1e-6 : 1e-3) << dtype;
     EXPECT_LT(rel(h2.grad(), h1.grad()), tol) << dtype;
     EXPECT_LT(rel(w2.grad(), w1.grad()), tol) << dtype;
+  }
+}
+
+TEST(FusedOps, ArgmaxRowsEqualsATenArgmax_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::manual_seed(5);
+  // Widths: the 460m vocabulary (49218: rows after the first start unaligned), 49152, one past
+  // the kernel's single round of loads per thread (70000 bf16: 8750 vectors > 1024 threads x 8),
+  // the tiny model's 1066, odd widths and widths under one vector.
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (int64_t n : {49218, 49152, 70000, 1066, 1001, 8, 3}) {
+      at::Tensor x = at::randn({8, n}, at::TensorOptions().device(at::kCUDA)).to(dtype);
+      x[1].fill_(0.5);    // all tied: index 0
+      x[2][n / 3] = 100;  // the maximum twice: lower index
+      x[2][n - 1] = 100;
+      x[3][n / 2] = std::numeric_limits<float>::quiet_NaN();  // NaN above every number
+      x[4].fill_(-std::numeric_limits<float>::infinity());    // all -inf: index 0
+      x[5][n - 1] = 1000;                                     // the last element (tail)
+      const at::Tensor got = ops::ArgmaxRows(x);
+      EXPECT_TRUE(at::equal(got, x.argmax(-1))) << at::toString(dtype) << " n=" << n << " got "
+                                                << got.cpu() << " want " << x.argmax(-1).cpu();
+      // One row, and a view of columns [1, n): row stride n, every row starting unaligned.
+      EXPECT_TRUE(at::equal(ops::ArgmaxRows(x.narrow(0, 2, 1)), x.narrow(0, 2, 1).argmax(-1)));
+      if (n > 1) {
+        const at::Tensor v = x.narrow(1, 1, n - 1);
+        EXPECT_TRUE(at::equal(ops::ArgmaxRows(v), v.argmax(-1))) << "n=" << n << " view";
+      }
+    }
   }
 }
 

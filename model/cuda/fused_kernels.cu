@@ -2,6 +2,7 @@
 // used by prefill and as the fused GEMV's fallbacks. Decode attention is in decode_attention.cu,
 // the GEMV in gemv.cu; see model/fused_ops.h for the reference formulas.
 #include <algorithm>
+#include <climits>
 #include <type_traits>
 
 #include "model/cuda/fused_kernels.h"
@@ -272,6 +273,92 @@ __global__ void __launch_bounds__(kCrossEntropyThreads)
   }
 }
 
+// ---- Argmax over each row (greedy decoding) --------------------------------------------------
+// One block per row. Every thread issues up to kArgmaxBatch 16-byte loads of the row before it
+// compares any (a decode step's ~49k bf16 logits: 6 loads per thread, one round trip), keeps its
+// best (value, index), then the warps and the block reduce. A row need not start 16-byte aligned
+// (49218 bf16 logits per row): the elements before its first aligned address and after its last
+// whole vector are read one by one. ArgmaxBetter is torch.argmax's order:
+// the larger value wins, NaN above every number, ties to the lower index.
+constexpr int kArgmaxThreads = 1024;
+constexpr int kArgmaxBatch = 8;
+
+__device__ __forceinline__ bool ArgmaxBetter(float v, int i, float best, int best_i) {
+  const bool v_nan = v != v, best_nan = best != best;
+  if (v_nan || best_nan) return v_nan && (!best_nan || i < best_i);
+  return v > best || (v == best && i < best_i);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    ArgmaxKernel(const T* __restrict__ x, int64_t ld, int n, int64_t* __restrict__ out) {
+  constexpr int kVec = 16 / sizeof(T);
+  WaitForPrerequisites();  // the logits come from the previous kernel
+  const T* row = x + blockIdx.x * ld;
+  float best = -INFINITY;
+  int best_i = INT_MAX;
+  const int head =
+      min(n, static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T)));
+  const T* body = row + head;  // 16-byte aligned
+  const int vecs = (n - head) / kVec;
+  for (int c0 = threadIdx.x; c0 < vecs; c0 += kArgmaxThreads * kArgmaxBatch) {
+    uint4 raw[kArgmaxBatch];
+#pragma unroll
+    for (int u = 0; u < kArgmaxBatch; ++u) {
+      const int c = c0 + u * kArgmaxThreads;
+      if (c < vecs) raw[u] = *reinterpret_cast<const uint4*>(body + int64_t(c) * kVec);
+    }
+#pragma unroll
+    for (int u = 0; u < kArgmaxBatch; ++u) {
+      const int c = c0 + u * kArgmaxThreads;
+      if (c >= vecs) break;
+      const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float v = ToFloat(e[k]);
+        const int i = head + c * kVec + k;
+        if (ArgmaxBetter(v, i, best, best_i)) {
+          best = v;
+          best_i = i;
+        }
+      }
+    }
+  }
+  // The unaligned head [0, head) and the tail after the last whole vector.
+  const int tail = head + vecs * kVec;
+  for (int t = threadIdx.x; t < head + (n - tail); t += kArgmaxThreads) {
+    const int i = t < head ? t : tail + (t - head);
+    const float v = ToFloat(row[i]);
+    if (ArgmaxBetter(v, i, best, best_i)) {
+      best = v;
+      best_i = i;
+    }
+  }
+  __shared__ float warp_best[32];
+  __shared__ int warp_best_i[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int round = 0; round < 2; ++round) {
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, best, o);
+      const int i = __shfl_xor_sync(0xffffffffu, best_i, o);
+      if (ArgmaxBetter(v, i, best, best_i)) {
+        best = v;
+        best_i = i;
+      }
+    }
+    if (round == 1) break;
+    if (lane == 0) {
+      warp_best[warp] = best;
+      warp_best_i[warp] = best_i;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    best = lane < kArgmaxThreads / 32 ? warp_best[lane] : -INFINITY;
+    best_i = lane < kArgmaxThreads / 32 ? warp_best_i[lane] : INT_MAX;
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = best_i;
+}
+
 }  // namespace
 
 cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t xs, const void* w, void* out,
@@ -436,6 +523,22 @@ cudaError_t LaunchCrossEntropy(bool bf16, bool backward, void* logits, int64_t l
     launch(static_cast<float*>(nullptr));
   }
   return cudaGetLastError();
+}
+
+cudaError_t LaunchArgmax(bool bf16, const void* x, int64_t ld, int64_t rows, int64_t n,
+                         int64_t* out, cudaStream_t stream) {
+  const size_t elem = bf16 ? 2 : 4;
+  if (n <= 0 || n > INT32_MAX || ld < n || reinterpret_cast<uintptr_t>(x) % elem != 0 ||
+      rows > INT32_MAX)
+    return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(rows));
+  cudaError_t e =
+      bf16 ? LaunchMaybePdl(ArgmaxKernel<__nv_bfloat16>, grid, dim3(kArgmaxThreads), 0, stream,
+                            static_cast<const __nv_bfloat16*>(x), ld, static_cast<int>(n), out)
+           : LaunchMaybePdl(ArgmaxKernel<float>, grid, dim3(kArgmaxThreads), 0, stream,
+                            static_cast<const float*>(x), ld, static_cast<int>(n), out);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 }  // namespace vlmgraph::cuda

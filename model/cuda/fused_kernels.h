@@ -159,6 +159,12 @@ int64_t DecodeStackPartialFloats(const DecodeStackPlan& plan, int64_t batch, int
 cudaError_t LaunchDecodeStack(const DecodeStackArgs& args, const DecodeStackPlan& plan,
                               cudaStream_t stream);
 
+// out[r] = argmax over x[r, 0..n) (torch.argmax's order: NaN above every number, ties to the lower
+// index), x: (rows, ld) with ld >= n; out (rows) int64. One block per row; launched with
+// programmatic dependent launch where supported.
+cudaError_t LaunchArgmax(bool bf16, const void* x, int64_t ld, int64_t rows, int64_t n,
+                         int64_t* out, cudaStream_t stream);
+
 // Training (autograd) kernels, wrapped by ops::RotaryDifferentiable / RmsNormDifferentiable.
 // RoPE of ApplyRotary (language_model.cc), rounding as its ATen ops do: q (tokens, n_q, D),
 // k (tokens, n_k, D) contiguous, cos/sin (tokens, D) float32 (scaled, the cat(freqs, freqs)

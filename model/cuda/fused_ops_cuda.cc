@@ -473,6 +473,19 @@ at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias) {
   return BiasAddFunction::apply(x, bias);
 }
 
+at::Tensor ArgmaxRows(const at::Tensor& x) {
+  if (!FusedKernelsAvailable(x) || x.dim() != 2 || x.stride(1) != 1 || x.size(1) == 0 ||
+      x.stride(0) < x.size(1) || x.size(1) > INT32_MAX) {
+    return x.argmax(-1);
+  }
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  c10::cuda::CUDAGuard guard(x.device());
+  Check(cuda::LaunchArgmax(IsBf16(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1),
+                           out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
+        "argmax");
+  return out;
+}
+
 bool LinearCrossEntropySupported(const at::Tensor& hidden, const at::Tensor& weight) {
   return FusedKernelsAvailable(hidden) && hidden.dim() == 2 && weight.dim() == 2 &&
          weight.scalar_type() == hidden.scalar_type() && weight.device() == hidden.device() &&
