@@ -5,9 +5,8 @@
 // stream from device memory rather than sit in L2. Top rows: the fused path a decode step runs
 // (model/fused_ops.h); bottom rows: the unfused reference (separate kernels, cuBLAS).
 // VLMGRAPH_PDL=0 turns programmatic dependent launch off for comparison.
-// The last table runs the whole decoder (all blocks, distinct weights per block) both ways: the
-// per-block kernels above, and the one-kernel stack (ops::DecodeStack), with the stack's per-stage
-// timeline (median over blocks and layers of the globaltimer marks it records).
+// The last table runs the whole decoder (all blocks, distinct weights per block) with the per-block
+// kernels above.
 //
 //   vlmgraph-decode-ops-bench [--batch 1] [--context 512] [--length 130]
 #include <ATen/ATen.h>
@@ -16,7 +15,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/cuda.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -54,98 +52,41 @@ std::vector<at::Tensor> Copies(const std::vector<int64_t>& shape, const at::Tens
   return v;
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-  return v[v.size() / 2];
-}
-
-// All blocks of the decoder for one token per row: per-block kernels vs the one-kernel stack.
+// All blocks of the decoder for one token per row, with distinct weights per block.
 void WholeDecoder(const vlmgraph::VlmConfig& cfg, int64_t batch, int64_t context, int64_t length) {
   using namespace vlmgraph;
   const int64_t h = cfg.lm_hidden_dim, nh = cfg.lm_n_heads, nkv = cfg.lm_n_kv_heads,
                 d = cfg.lm_head_dim(), inter = cfg.lm_inter_dim, layers = cfg.lm_n_blocks;
   auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
-  ops::DecodeStackWeights w;
+  struct Block {
+    at::Tensor norm1, norm2, w_qkv, w_out, w_gate_up, w_down, cache_k, cache_v;
+  };
+  std::vector<Block> blocks;
   for (int64_t l = 0; l < layers; ++l) {
-    w.norm1.push_back(at::ones({h}, opt));
-    w.norm2.push_back(at::ones({h}, opt));
-    w.w_qkv.push_back(at::randn({(nh + 2 * nkv) * d, h}, opt) * 0.02);
-    w.w_out.push_back(at::randn({h, nh * d}, opt) * 0.02);
-    w.w_gate_up.push_back(at::randn({2 * inter, h}, opt) * 0.02);
-    w.w_down.push_back(at::randn({h, inter}, opt) * 0.02);
-    w.cache_k.push_back(at::randn({batch + 1, nkv, context, d}, opt));
-    w.cache_v.push_back(at::randn({batch + 1, nkv, context, d}, opt));
+    blocks.push_back(
+        {at::ones({h}, opt), at::ones({h}, opt), at::randn({(nh + 2 * nkv) * d, h}, opt) * 0.02,
+         at::randn({h, nh * d}, opt) * 0.02, at::randn({2 * inter, h}, opt) * 0.02,
+         at::randn({h, inter}, opt) * 0.02, at::randn({batch + 1, nkv, context, d}, opt),
+         at::randn({batch + 1, nkv, context, d}, opt)});
   }
   at::Tensor x = at::randn({batch, h}, opt);
   at::Tensor inv_freq = at::rand({d / 2}, at::dtype(at::kFloat).device(at::kCUDA));
-  auto ints = at::dtype(at::kInt).device(at::kCUDA);
-  at::Tensor semaphores = at::zeros({batch + 1, nkv}, ints), barrier = at::zeros({1}, ints);
+  at::Tensor semaphores = at::zeros({batch + 1, nkv}, at::dtype(at::kInt).device(at::kCUDA));
   at::Tensor pos = at::full({batch}, length, at::dtype(at::kLong).device(at::kCUDA));
   auto per_block = [&](int) {
     at::Tensor y = x;
-    for (int64_t l = 0; l < layers; ++l) {
-      at::Tensor qkv = ops::RmsNormLinear(y, w.norm1[l], 1e-5, w.w_qkv[l]);
-      at::Tensor a = ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, w.cache_k[l],
-                                              w.cache_v[l], semaphores, context, nh);
-      at::Tensor r = ops::Linear(a, w.w_out[l], y);
-      at::Tensor gu = ops::RmsNormLinear(r, w.norm2[l], 1e-5, w.w_gate_up[l]);
-      y = ops::SiluMulLinear(gu, w.w_down[l], r);
+    for (const Block& b : blocks) {
+      at::Tensor qkv = ops::RmsNormLinear(y, b.norm1, 1e-5, b.w_qkv);
+      at::Tensor a = ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
+                                              semaphores, context, nh);
+      at::Tensor r = ops::Linear(a, b.w_out, y);
+      at::Tensor gu = ops::RmsNormLinear(r, b.norm2, 1e-5, b.w_gate_up);
+      y = ops::SiluMulLinear(gu, b.w_down, r);
     }
-  };
-  auto stack = [&](int) {
-    at::Tensor y =
-        ops::DecodeStack(x, w, pos, context, inv_freq, 1.0, 1e-5, nh, semaphores, barrier);
-    TORCH_CHECK(y.defined(), "the one-kernel stack does not apply here");
   };
   std::printf("\nwhole decoder, %lld blocks, batch %lld\n| path | us per step |\n|---|---|\n",
               (long long)layers, (long long)batch);
   std::printf("| per-block kernels | %.1f |\n", TimeOp(per_block));
-  ops::SetDecodeStackEnabled(true);  // experimental, off by default
-  std::printf("| one-kernel stack | %.1f |\n", TimeOp(stack));
-  // Timeline of one eager launch.
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  constexpr int kPoints = 30;
-  at::Tensor trace = at::zeros({sms, layers, kPoints}, at::dtype(at::kLong).device(at::kCUDA));
-  ops::DecodeStack(x, w, pos, context, inv_freq, 1.0, 1e-5, nh, semaphores, barrier, trace);
-  at::Tensor t = trace.cpu();
-  const int64_t* v = t.data_ptr<int64_t>();
-  auto at_ = [&](int b, int64_t l, int k) { return double(v[(b * layers + l) * kPoints + k]); };
-  const char* names[] = {"A qkv", "B attention", "C out", "D gate_up", "E down"};
-  std::printf("\nstack timeline (us, median over blocks x layers; d1..d4 between the stage's marks,"
-              " see kDecodeStackTracePoints)\n"
-              "| stage | d1 | d2 | d3 | d4 | arrive | arrived to next pass | pass to arrive "
-              "max |\n|---|---|---|---|---|---|---|---|\n");
-  for (int st = 0; st < 5; ++st) {
-    std::vector<double> d[6], span;
-    for (int b = 0; b < sms; ++b) {
-      for (int64_t l = 0; l < layers; ++l) {
-        for (int k = 0; k < 4; ++k) {
-          const double x0 = at_(b, l, 5 * st + k), x1 = at_(b, l, 5 * st + k + 1);
-          if (x0 > 0 && x1 > 0) d[k].push_back((x1 - x0) / 1e3);
-        }
-        const double arrived = at_(b, l, 25 + st);
-        if (arrived > 0) d[4].push_back((arrived - at_(b, l, 5 * st + 4)) / 1e3);
-        const bool last = st == 4 && l + 1 == layers;
-        if (!last && arrived > 0) {
-          const double next = st == 4 ? at_(b, l + 1, 0) : at_(b, l, 5 * (st + 1));
-          d[5].push_back((next - arrived) / 1e3);
-        }
-        span.push_back((at_(b, l, 5 * st + 4) - at_(b, l, 5 * st)) / 1e3);
-      }
-    }
-    std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", names[st],
-                Median(d[0]), Median(d[1]), Median(d[2]), Median(d[3]), Median(d[4]),
-                Median(d[5]), *std::max_element(span.begin(), span.end()));
-  }
-  double first = 1e300, last = 0;
-  for (int b = 0; b < sms; ++b) {
-    first = std::min(first, at_(b, 0, 0));
-    last = std::max(last, at_(b, layers - 1, 24));
-  }
-  std::printf("| total (first pass to last arrive) | %.1f us | %.2f us per layer | |\n",
-              (last - first) / 1e3, (last - first) / 1e3 / layers);
 }
 
 }  // namespace
@@ -209,8 +150,7 @@ int main(int argc, char** argv) {
       {"weights in L2: out", false, [&](int) { Linear(a, w_out[0], x2); }},
       {"weights in L2: gate_up", false,
        [&](int) { vlmgraph::ops::RmsNormLinear(x2, w_norm, 1e-5, w_gu[0]); }},
-      {"weights in L2: down", false,
-       [&](int) { vlmgraph::ops::SiluMulLinear(gu, w_down[0], x2); }},
+      {"weights in L2: down", false, [&](int) { vlmgraph::ops::SiluMulLinear(gu, w_down[0], x2); }},
       {"unfused: rms_norm", false, [&](int) { vlmgraph::ops::RmsNorm(x2, w_norm, 1e-5); }},
       {"unfused: qkv cuBLAS", false, [&](int i) { at::linear(x2, w_qkv[i % kCopies]); }},
       {"unfused: rope + kv write", false,

@@ -118,32 +118,4 @@ bool LinearCrossEntropySupported(const at::Tensor& hidden, const at::Tensor& wei
 at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& targets, int64_t ignore_index);
 
-// One decode token per row through every decoder block in one persistent kernel
-// (model/cuda/decode_stack.cu): blocks meet at grid barriers while each streams its next weights,
-// so a step pays no per-layer launch gaps. Computes what the per-block path (RmsNormLinear,
-// RopeDecodeAttention, Linear, SiluMulLinear) computes, with the same roundings.
-// x (B, H) bf16, the hidden states entering block 0; per block l: norm1[l], norm2[l] (H), w_qkv[l]
-// ((n_heads + 2 n_kv) D, H), w_out[l] (H, n_heads D), w_gate_up[l] (2I, H), w_down[l] (H, I),
-// cache_k[l], cache_v[l] (rows >= B, n_kv, S, D), all bf16 and contiguous; positions (B) int64;
-// semaphores (>= B n_kv) and barrier (>= 1) int32, zero (KVCache::attention_semaphores and
-// KVCache::decode_barrier). Returns the hidden states after the last
-// block (B, H), before the final norm, or an undefined tensor when the kernel does not apply here
-// (dtype, shapes, a GPU before Hopper, too little shared memory, or DecodeStackEnabled() false).
-// trace: optional int64 (>= SMs * layers * 15) that receives the kernel's per-stage timeline
-// (cuda::DecodeStackArgs::trace; bench/decode_ops_bench.cc prints it).
-struct DecodeStackWeights {
-  std::vector<at::Tensor> norm1, w_qkv, w_out, norm2, w_gate_up, w_down, cache_k, cache_v;
-};
-at::Tensor DecodeStack(const at::Tensor& x, const DecodeStackWeights& w,
-                       const at::Tensor& positions, int64_t kv_len, const at::Tensor& inv_freq,
-                       double rope_scaling, double eps, int64_t n_heads,
-                       const at::Tensor& semaphores, const at::Tensor& barrier,
-                       const at::Tensor& trace = {});
-
-// Whether Decode may use DecodeStack: off unless VLMGRAPH_DECODE_STACK=1 or set here. Experimental:
-// on an H100 at nanovlm-460m shapes it is still slower than the per-block kernels (1.29 against
-// 0.77 ms for 32 blocks at batch 1; docs/benchmarks.md has its per-stage timeline). Thread-safe.
-bool DecodeStackEnabled();
-void SetDecodeStackEnabled(bool enabled);
-
 }  // namespace vlmgraph::ops

@@ -45,12 +45,4 @@ at::Tensor LinearCrossEntropy(const at::Tensor&, const at::Tensor&, const at::Te
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 
-at::Tensor DecodeStack(const at::Tensor&, const DecodeStackWeights&, const at::Tensor&, int64_t,
-                       const at::Tensor&, double, double, int64_t, const at::Tensor&,
-                       const at::Tensor&, const at::Tensor&) {
-  return {};
-}
-bool DecodeStackEnabled() { return false; }
-void SetDecodeStackEnabled(bool) {}
-
 }  // namespace vlmgraph::ops

@@ -13,7 +13,6 @@ KVCache KVCache::Allocate(const VlmConfig& cfg, int64_t rows, int64_t max_seq_le
         at::zeros({rows, cfg.lm_n_kv_heads, max_seq_len, cfg.lm_head_dim()}, options));
   }
   c.attention_semaphores = at::zeros({rows, cfg.lm_n_kv_heads}, options.dtype(at::kInt));
-  c.decode_barrier = at::zeros({1}, options.dtype(at::kInt));
   return c;
 }
 

@@ -25,9 +25,6 @@ struct KVCache {
   // (rows, n_kv_heads) int32, zero between kernels: the fused decode attention's split counters
   // (ops::RopeDecodeAttention), shared by every block since blocks run one after another.
   at::Tensor attention_semaphores;
-  // (1) int32, zero between kernels: the grid barrier of the one-kernel decoder stack
-  // (ops::DecodeStack).
-  at::Tensor decode_barrier;
 
   static KVCache Allocate(const VlmConfig& cfg, int64_t rows, int64_t max_seq_len,
                           const at::TensorOptions& options);

@@ -189,10 +189,6 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
                                   const AttentionContext& ctx) {
   if (UsesFusedPath(x)) {
     at::Tensor h = x.contiguous();
-    if (ctx.mode == AttentionContext::Mode::kDecode) {
-      at::Tensor out = DecodeStack(h, ctx);
-      if (out.defined()) return ops::RmsNorm(out.view_as(h), norm->weight, norm->eps);
-    }
     for (size_t i = 0; i < blocks->size(); ++i) {
       h = blocks[i]->as<DecoderBlock>()->ForwardFused(
           h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx, static_cast<int64_t>(i));
@@ -213,26 +209,6 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
     }
   }
   return norm->forward(h);
-}
-
-at::Tensor LanguageModelImpl::DecodeStack(const at::Tensor& x, const AttentionContext& ctx) {
-  if (!ops::DecodeStackEnabled()) return {};  // before gathering 8 tensors per block
-  ops::DecodeStackWeights w;
-  for (const auto& m : *blocks) {
-    auto* block = m->as<DecoderBlock>();
-    w.norm1.push_back(block->norm1->weight);
-    w.w_qkv.push_back(block->attn->w_qkv);
-    w.w_out.push_back(block->attn->out_proj->weight);
-    w.norm2.push_back(block->norm2->weight);
-    w.w_gate_up.push_back(block->mlp->w_gate_up);
-    w.w_down.push_back(block->mlp->down_proj->weight);
-  }
-  w.cache_k = ctx.cache->key;
-  w.cache_v = ctx.cache->value;
-  const int64_t b = x.size(0), h = x.size(2);
-  return ops::DecodeStack(x.view({b, h}), w, ctx.positions, ctx.kv_len, rotary_embd->inv_freq,
-                          rotary_embd->attention_scaling, cfg.lm_rms_eps, cfg.lm_n_heads,
-                          ctx.cache->attention_semaphores, ctx.cache->decode_barrier);
 }
 
 at::Tensor LanguageModelImpl::Forward(const at::Tensor& x) {

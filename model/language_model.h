@@ -132,11 +132,6 @@ class LanguageModelImpl : public torch::nn::Module {
   at::Tensor Decode(const at::Tensor& x, KVCache* cache, const at::Tensor& positions,
                     int64_t kv_len);
 
-  // The one-kernel decoder stack (ops::DecodeStack) for a decode step (ctx.mode kDecode, x (B, 1,
-  // H)): hidden states after the last block (B, H) before the final norm, or undefined when it
-  // does not apply (Decode then runs the blocks one by one).
-  at::Tensor DecodeStack(const at::Tensor& x, const AttentionContext& ctx);
-
   // The LM head: hidden (..., H) -> logits (..., V). Uses token_embedding.weight when tied.
   at::Tensor Logits(const at::Tensor& hidden);
   // The head's weight, (V, H): token_embedding.weight when tied, else head.weight.

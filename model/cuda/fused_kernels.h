@@ -1,5 +1,5 @@
 // model/cuda/fused_kernels.h: launchers for vlmgraph's fused CUDA kernels (fused_kernels.cu,
-// decode_attention.cu, gemv.cu, decode_stack.cu).
+// decode_attention.cu, gemv.cu).
 // Plain pointers and sizes, no ATen, so the .cu compiles with nvcc alone. Every launcher queues
 // work on `stream` and returns cudaGetLastError(); shapes are documented at each launcher and
 // checked by the ATen wrappers in fused_ops_cuda.cc. `bf16` selects __nv_bfloat16 elements,
@@ -86,78 +86,6 @@ constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream);
-
-// ---- The decoder stack of one decode step as one persistent kernel (decode_stack.cu) ---------
-constexpr int kDecodeStackMaxLayers = 48;
-constexpr int kDecodeStackMaxBatch = 8;
-// DecodeStackArgs::trace points per (block, layer), globaltimer ns. Stage s in A..E has points
-// 5s + 0 (passed its grid barrier) to 5s + 4 (about to arrive at the next one) and 25 + s
-// (arrived). In between: A and D: + 1 weights in, + 2 norm done, + 3 GEMV done; C and E: + 1 inputs
-// and weights in, + 2 GEMV done, + 3 outputs written; B (blocks with an attention item, its first
-// one):
-// + 1 query loaded, + 2 keys and values in, + 3 partial softmax state written.
-constexpr int kDecodeStackTracePoints = 30;
-
-// One decoder block's tensors, bf16, contiguous: norm weights (hidden); w_qkv ((n_heads + 2 n_kv)
-// head_dim, hidden) = q, k, v projections stacked; w_out (hidden, n_heads head_dim); w_gate_up
-// (2 inter, hidden) = gate then up; w_down (hidden, inter); cache_k, cache_v (rows >= batch, n_kv,
-// max_seq, head_dim).
-struct DecodeStackLayer {
-  const void* norm1;
-  const void* w_qkv;
-  const void* w_out;
-  const void* norm2;
-  const void* w_gate_up;
-  const void* w_down;
-  void* cache_k;
-  void* cache_v;
-};
-
-struct DecodeStackArgs {
-  DecodeStackLayer layer[kDecodeStackMaxLayers];
-  int layers = 0;
-  const void* x = nullptr;  // (batch, hidden) hidden states entering block 0
-  void* out = nullptr;      // (batch, hidden) hidden states leaving the last block (no final norm)
-  const int64_t* positions = nullptr;  // (batch) position of each row's new token
-  const float* inv_freq = nullptr;     // (head_dim / 2) RoPE inverse frequencies
-  float rope_scaling = 1.f;
-  float eps = 1e-5f;  // RMSNorm epsilon
-  int batch = 0, hidden = 0, n_heads = 0, n_kv = 0, head_dim = 0, inter = 0;
-  int64_t max_seq = 0;          // the cache's positions per row
-  int kv_len = 0;               // attend over cache positions [0, min(position + 1, kv_len))
-  void* qkv = nullptr;          // scratch (batch, (n_heads + 2 n_kv) head_dim) bf16
-  void* act = nullptr;          // scratch (batch, inter) bf16
-  void* attn = nullptr;         // scratch (batch, n_heads head_dim) bf16
-  float* partials = nullptr;    // scratch, DecodeStackPartialFloats(...) floats
-  int* semaphores = nullptr;    // (rows >= batch, n_kv) int32, zero before and after the launch
-  unsigned* barrier = nullptr;  // one uint32, zero before the launch and zero again after it
-  uint64_t* trace = nullptr;    // optional (grid, layers, kDecodeStackTracePoints) timeline
-};
-
-// Launch shape and shared-memory layout for one (shape, device); ok == false when the kernel
-// cannot run here (see decode_stack.cu's requirements), and the caller uses the per-layer kernels.
-struct DecodeStackPlan {
-  bool ok = false;
-  int grid = 0;       // one block per SM
-  int split_len = 0;  // keys per attention item
-  int splits = 0;     // attention items per (row, KV head)
-  int acc_floats = 0;
-  float scale = 0.f;  // 1 / sqrt(head_dim)
-  uint32_t off_slot_a = 0, off_slot_c = 0, off_slot_d = 0, off_slot_e = 0, off_act = 0,
-           off_attn = 0, off_acc = 0, smem_bytes = 0;
-};
-// For the current device.
-DecodeStackPlan PlanDecodeStack(int64_t batch, int64_t hidden, int64_t n_heads, int64_t n_kv,
-                                int64_t head_dim, int64_t inter, int64_t layers, int64_t kv_len);
-int64_t DecodeStackPartialFloats(const DecodeStackPlan& plan, int64_t batch, int64_t n_heads,
-                                 int64_t head_dim);
-
-// Runs every decoder block for one new token per row (RMSNorm, qkv, RoPE, KV-cache write,
-// grouped-query attention, out projection, residual, RMSNorm, SwiGLU MLP, residual), computing what
-// the per-layer kernels compute (LaunchGemv, LaunchRopeDecodeAttention) with the same roundings.
-// Launched with programmatic dependent launch where supported.
-cudaError_t LaunchDecodeStack(const DecodeStackArgs& args, const DecodeStackPlan& plan,
-                              cudaStream_t stream);
 
 // out[r] = argmax over x[r, 0..n) (torch.argmax's order: NaN above every number, ties to the lower
 // index), x: (rows, ld) with ld >= n; out (rows) int64. One block per row; launched with

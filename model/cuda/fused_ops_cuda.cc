@@ -5,10 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "model/cuda/fused_kernels.h"
 #include "model/fused_ops.h"
@@ -183,102 +180,6 @@ at::Tensor SiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
                          const at::Tensor& residual) {
   at::Tensor y = TryGemv(cuda::GemvInput::kSiluMul, gate_up, {}, 0.0, weight, residual);
   return y.defined() ? y : CublasLinear(SiluMul(gate_up), weight, residual);
-}
-
-namespace {
-std::atomic<bool>& DecodeStackSwitch() {
-  static std::atomic<bool> enabled{[] {
-    const char* e = std::getenv("VLMGRAPH_DECODE_STACK");
-    return e != nullptr && std::strcmp(e, "1") == 0;
-  }()};
-  return enabled;
-}
-}  // namespace
-
-bool DecodeStackEnabled() { return DecodeStackSwitch().load(std::memory_order_relaxed); }
-void SetDecodeStackEnabled(bool enabled) {
-  DecodeStackSwitch().store(enabled, std::memory_order_relaxed);
-}
-
-at::Tensor DecodeStack(const at::Tensor& x, const DecodeStackWeights& w,
-                       const at::Tensor& positions, int64_t kv_len, const at::Tensor& inv_freq,
-                       double rope_scaling, double eps, int64_t n_heads,
-                       const at::Tensor& semaphores, const at::Tensor& barrier,
-                       const at::Tensor& trace) {
-  const int64_t layers = static_cast<int64_t>(w.w_qkv.size());
-  if (!DecodeStackEnabled() || layers == 0 || layers > cuda::kDecodeStackMaxLayers ||
-      !x.is_cuda() || x.scalar_type() != at::kBFloat16 || x.dim() != 2 || !x.is_contiguous() ||
-      !barrier.defined() || barrier.scalar_type() != at::kInt || !semaphores.defined() ||
-      semaphores.scalar_type() != at::kInt || !semaphores.is_contiguous() ||
-      !positions.is_contiguous() || positions.scalar_type() != at::kLong ||
-      inv_freq.scalar_type() != at::kFloat) {
-    return {};
-  }
-  const int64_t b = x.size(0), hidden = x.size(1);
-  const at::Tensor& k0 = w.cache_k[0];
-  const int64_t n_kv = k0.size(1), max_seq = k0.size(2), d = k0.size(3);
-  const int64_t inter = w.w_down[0].size(1);
-  if (positions.numel() != b || k0.size(0) < b || kv_len > max_seq || inv_freq.numel() != d / 2 ||
-      semaphores.numel() < b * n_kv) {
-    return {};
-  }
-  auto ok = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes) {
-    return t.defined() && t.is_contiguous() && t.scalar_type() == at::kBFloat16 &&
-           t.device() == x.device() && t.sizes().equals(sizes);
-  };
-  cuda::DecodeStackArgs args;
-  for (int64_t l = 0; l < layers; ++l) {
-    if (!ok(w.norm1[l], {hidden}) || !ok(w.norm2[l], {hidden}) ||
-        !ok(w.w_qkv[l], {(n_heads + 2 * n_kv) * d, hidden}) ||
-        !ok(w.w_out[l], {hidden, n_heads * d}) || !ok(w.w_gate_up[l], {2 * inter, hidden}) ||
-        !ok(w.w_down[l], {hidden, inter}) || !ok(w.cache_k[l], {k0.size(0), n_kv, max_seq, d}) ||
-        !ok(w.cache_v[l], {k0.size(0), n_kv, max_seq, d})) {
-      return {};
-    }
-    args.layer[l] = {w.norm1[l].data_ptr(),   w.w_qkv[l].data_ptr(),     w.w_out[l].data_ptr(),
-                     w.norm2[l].data_ptr(),   w.w_gate_up[l].data_ptr(), w.w_down[l].data_ptr(),
-                     w.cache_k[l].data_ptr(), w.cache_v[l].data_ptr()};
-  }
-  c10::cuda::CUDAGuard guard(x.device());
-  const cuda::DecodeStackPlan plan =
-      cuda::PlanDecodeStack(b, hidden, n_heads, n_kv, d, inter, layers, kv_len);
-  if (!plan.ok) return {};
-  at::Tensor out = at::empty_like(x);
-  at::Tensor qkv = at::empty({b, (n_heads + 2 * n_kv) * d}, x.options());
-  at::Tensor act = at::empty({b, inter}, x.options());
-  at::Tensor attn = at::empty({b, n_heads * d}, x.options());
-  at::Tensor partials = at::empty({cuda::DecodeStackPartialFloats(plan, b, n_heads, d)},
-                                  x.options().dtype(at::kFloat));
-  at::Tensor freq = inv_freq.contiguous();
-  args.layers = static_cast<int>(layers);
-  args.x = x.data_ptr();
-  args.out = out.data_ptr();
-  args.positions = positions.data_ptr<int64_t>();
-  args.inv_freq = freq.data_ptr<float>();
-  args.rope_scaling = static_cast<float>(rope_scaling);
-  args.eps = static_cast<float>(eps);
-  args.batch = static_cast<int>(b);
-  args.hidden = static_cast<int>(hidden);
-  args.n_heads = static_cast<int>(n_heads);
-  args.n_kv = static_cast<int>(n_kv);
-  args.head_dim = static_cast<int>(d);
-  args.inter = static_cast<int>(inter);
-  args.max_seq = max_seq;
-  args.kv_len = static_cast<int>(kv_len);
-  args.qkv = qkv.data_ptr();
-  args.act = act.data_ptr();
-  args.attn = attn.data_ptr();
-  args.partials = partials.data_ptr<float>();
-  args.semaphores = semaphores.data_ptr<int>();
-  if (trace.defined()) {
-    TORCH_CHECK(trace.scalar_type() == at::kLong && trace.is_cuda() &&
-                    trace.numel() >= int64_t(plan.grid) * layers * cuda::kDecodeStackTracePoints,
-                "decode stack trace must be int64 with SMs * layers * 15 elements");
-    args.trace = reinterpret_cast<uint64_t*>(trace.data_ptr<int64_t>());
-  }
-  args.barrier = reinterpret_cast<unsigned*>(barrier.data_ptr<int>());
-  Check(cuda::LaunchDecodeStack(args, plan, c10::cuda::getCurrentCUDAStream()), "decode_stack");
-  return out;
 }
 
 // ---- Training: autograd functions -------------------------------------------------------------
