@@ -28,6 +28,8 @@ namespace {
 // one 16-byte slice, so shared-memory reads are conflict-free and a warp covers 32 / kLanes keys.
 constexpr int kAttnMaxGroups = 16;
 constexpr int kAttnMaxSplitLen = 64;
+// Splits whose partial outputs the one-round combine (256 threads) loads at once.
+constexpr int kCombineChunk = 8;
 
 template <typename T, int D, int kAttnThreads>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -56,8 +58,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   T* v_s = k_s + split_len * D;                                // (split_len, D)
   float* q_s = reinterpret_cast<float*>(v_s + split_len * D);  // (g, D)
   float* kv_new = q_s + g * D;                                 // (2, D)
-  const int p_stride = max(split_len, static_cast<int>(gridDim.x));
-  float* p_s = kv_new + 2 * D;               // (g, p_stride)
+  const int p_stride = max(split_len, 2 * static_cast<int>(gridDim.x));
+  float* p_s = kv_new + 2 * D;               // (g, p_stride); the combine's (m, l) after the scores
   float* red = p_s + g * p_stride;           // (warps, g, D)
   __shared__ float w_s[2 * kAttnMaxGroups];  // per head: m, l; then 1 / L
   __shared__ bool is_last;
@@ -192,34 +194,86 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
   __syncthreads();
   if (!is_last) return;
-  // Combine: weights e^(m_s - M) / L per (split, head) in shared memory, then one pass over o.
+  // Combine: weights w_(s,h) = e^(m_s - M) / L per (split, head) in shared memory (M = max_s m_s,
+  // L = sum_s e^(m_s - M) l_s), then out = sum_s w_(s,h) o_s.
   const float* base = partials + (int64_t(b) * n_kv + kh) * splits * g * (D + 2);
-  float* wgt = p_s;  // (active, g), reuses the scores' space (active * g <= splits * g)
-  for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
-    wgt[i] = __ldcg(base + (i / g) * g * (D + 2) + (i % g));  // m
-  }
-  __syncthreads();
-  if (threadIdx.x < g) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
-    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
-    float l = 0.f;
-    for (int t = 0; t < active; ++t) {
-      const float e = __expf(wgt[t * g + h] - mx);
-      wgt[t * g + h] = e;
-      l += e * __ldcg(base + t * g * (D + 2) + g + h);
-    }
-    w_s[h] = 1.f / l;
-  }
-  __syncthreads();
+  const int64_t split_stride = int64_t(g) * (D + 2);
+  float* wgt = p_s;                // (active, g): m, then e^(m_s - M)
+  float* lsum = p_s + active * g;  // (active, g): l (p_stride >= 2 * splits)
   T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
-    const int h = i / D;
-    float o = 0.f;
+  if constexpr (kAttnThreads == 256) {
+    // Few (row, KV head) pairs (see DecodeAttentionThreads): the last block's combine is on the
+    // step's critical path, so it issues its global loads in one round: each thread's first
+    // output element's o for up to kCombineChunk splits together with the (m, l) pairs. The loop
+    // below loads m, then l, then o: about five dependent L2 round trips, which cost 1.8 us per
+    // block at batch 1 (whole decoder without the combine: 651 against 708 us). H100, whole
+    // decoder against that loop: 713-715 -> 701-706 us at batch 1, 793 -> 769-771 us at 701
+    // keys; at batch 8 (128 threads) the loop stayed faster (1047 against 1056 us).
+    const int i0 = threadIdx.x;
+    float o_first[kCombineChunk];
+#pragma unroll
+    for (int u = 0; u < kCombineChunk; ++u) {
+      o_first[u] = i0 < g * D && u < active ? __ldcg(base + u * split_stride + 2 * g + i0) : 0.f;
+    }
+    for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
+      wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
+      lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
+    }
+    __syncthreads();
+    if (threadIdx.x < g) {
+      const int h = threadIdx.x;
+      float mx = -INFINITY;
+      for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
+      float l = 0.f;
+      for (int t = 0; t < active; ++t) {
+        const float e = __expf(wgt[t * g + h] - mx);
+        wgt[t * g + h] = e;
+        l += e * lsum[t * g + h];
+      }
+      w_s[h] = 1.f / l;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
+      const int h = i / D;
+      float o = 0.f;
+      int t = 0;
+      if (i == i0) {
+#pragma unroll
+        for (int u = 0; u < kCombineChunk; ++u) {
+          if (u < active) o += wgt[u * g + h] * o_first[u];
+        }
+        t = kCombineChunk;
+      }
 #pragma unroll 4
-    for (int t = 0; t < active; ++t)
-      o += wgt[t * g + h] * __ldcg(base + t * g * (D + 2) + 2 * g + i);
-    ob[i] = FromFloat<T>(o * w_s[h]);
+      for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
+      ob[i] = FromFloat<T>(o * w_s[h]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
+      wgt[i] = __ldcg(base + (i / g) * split_stride + (i % g));  // m
+    }
+    __syncthreads();
+    if (threadIdx.x < g) {
+      const int h = threadIdx.x;
+      float mx = -INFINITY;
+      for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
+      float l = 0.f;
+      for (int t = 0; t < active; ++t) {
+        const float e = __expf(wgt[t * g + h] - mx);
+        wgt[t * g + h] = e;
+        l += e * __ldcg(base + t * split_stride + g + h);
+      }
+      w_s[h] = 1.f / l;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
+      const int h = i / D;
+      float o = 0.f;
+#pragma unroll 4
+      for (int t = 0; t < active; ++t)
+        o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
+      ob[i] = FromFloat<T>(o * w_s[h]);
+    }
   }
   if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
 }
@@ -242,7 +296,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
   const int split_len = DecodeAttentionSplitLen(kv_len);
   const int splits = static_cast<int>((kv_len + split_len - 1) / split_len);
   const int threads = DecodeAttentionThreads(batch, n_kv);
-  const size_t p_stride = std::max(split_len, splits);
+  const size_t p_stride = std::max(split_len, 2 * splits);  // as in the kernel
   const size_t smem =
       2 * sizeof(T) * size_t(split_len) * D +
       sizeof(float) * (size_t(g) * D + 2 * D + size_t(g) * p_stride + size_t(threads / 32) * g * D);
