@@ -201,42 +201,45 @@ __global__ void __launch_bounds__(kAttnThreads)
   float* wgt = p_s;                // (active, g): m, then e^(m_s - M)
   float* lsum = p_s + active * g;  // (active, g): l (p_stride >= 2 * splits)
   T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  if constexpr (kAttnThreads == 256) {
-    // Few (row, KV head) pairs (see DecodeAttentionThreads): the last block's combine is on the
-    // step's critical path, so it issues its global loads in one round: each thread's first
-    // output element's o for up to kCombineChunk splits together with the (m, l) pairs. The loop
-    // below loads m, then l, then o: about five dependent L2 round trips, which cost 1.8 us per
-    // block at batch 1 (whole decoder without the combine: 651 against 708 us). H100, whole
-    // decoder against that loop: 713-715 -> 701-706 us at batch 1, 793 -> 769-771 us at 701
-    // keys; at batch 8 (128 threads) the loop stayed faster (1047 against 1056 us).
-    const int i0 = threadIdx.x;
-    float o_first[kCombineChunk];
+  // With 256 threads (few (row, KV head) pairs, see DecodeAttentionThreads) the last block's
+  // combine is on the step's critical path, so it issues its global loads in one round: each
+  // thread's first output element's o for up to kCombineChunk splits together with the (m, l)
+  // pairs. Otherwise it loads m, then l, then o: about five dependent L2 round trips, which cost
+  // 1.8 us per block at batch 1 (whole decoder without the combine: 651 against 708 us). H100,
+  // whole decoder, one round against that: 713-715 -> 701-706 us at batch 1, 793 -> 769-771 us at
+  // 701 keys; at batch 8 (128 threads) the three rounds stayed faster (1047 against 1056 us).
+  constexpr bool kOneRound = kAttnThreads == 256;
+  const int i0 = threadIdx.x;
+  float o_first[kOneRound ? kCombineChunk : 1];
+  if constexpr (kOneRound) {
 #pragma unroll
     for (int u = 0; u < kCombineChunk; ++u) {
       o_first[u] = i0 < g * D && u < active ? __ldcg(base + u * split_stride + 2 * g + i0) : 0.f;
     }
-    for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
-      wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
-      lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
+  }
+  for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
+    wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
+    if constexpr (kOneRound) lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
+  }
+  __syncthreads();
+  if (threadIdx.x < g) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
+    float l = 0.f;
+    for (int t = 0; t < active; ++t) {
+      const float e = __expf(wgt[t * g + h] - mx);
+      wgt[t * g + h] = e;
+      l += e * (kOneRound ? lsum[t * g + h] : __ldcg(base + t * split_stride + g + h));
     }
-    __syncthreads();
-    if (threadIdx.x < g) {
-      const int h = threadIdx.x;
-      float mx = -INFINITY;
-      for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
-      float l = 0.f;
-      for (int t = 0; t < active; ++t) {
-        const float e = __expf(wgt[t * g + h] - mx);
-        wgt[t * g + h] = e;
-        l += e * lsum[t * g + h];
-      }
-      w_s[h] = 1.f / l;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
-      const int h = i / D;
-      float o = 0.f;
-      int t = 0;
+    w_s[h] = 1.f / l;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
+    const int h = i / D;
+    float o = 0.f;
+    int t = 0;
+    if constexpr (kOneRound) {
       if (i == i0) {
 #pragma unroll
         for (int u = 0; u < kCombineChunk; ++u) {
@@ -244,36 +247,10 @@ __global__ void __launch_bounds__(kAttnThreads)
         }
         t = kCombineChunk;
       }
+    }
 #pragma unroll 4
-      for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
-      ob[i] = FromFloat<T>(o * w_s[h]);
-    }
-  } else {
-    for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
-      wgt[i] = __ldcg(base + (i / g) * split_stride + (i % g));  // m
-    }
-    __syncthreads();
-    if (threadIdx.x < g) {
-      const int h = threadIdx.x;
-      float mx = -INFINITY;
-      for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
-      float l = 0.f;
-      for (int t = 0; t < active; ++t) {
-        const float e = __expf(wgt[t * g + h] - mx);
-        wgt[t * g + h] = e;
-        l += e * __ldcg(base + t * split_stride + g + h);
-      }
-      w_s[h] = 1.f / l;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
-      const int h = i / D;
-      float o = 0.f;
-#pragma unroll 4
-      for (int t = 0; t < active; ++t)
-        o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
-      ob[i] = FromFloat<T>(o * w_s[h]);
-    }
+    for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
+    ob[i] = FromFloat<T>(o * w_s[h]);
   }
   if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
 }
