@@ -223,13 +223,17 @@ std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact,
   const auto t0 = Clock::now();
   std::vector<at::Tensor> outputs = fn();
   SynchronizeDevice(options_.device);
+  CountEagerFallback(exact);
+  Count(exact, RunKind::kEager, SecondsSince(t0), real_tokens, real_tokens);
+  return outputs;
+}
+
+void Engine::CountEagerFallback(const BucketKey& exact) {
   {
     std::lock_guard<std::mutex> lock(counters_mu_);
     counters_.eager_fallbacks++;
   }
   if (observer_) observer_->OnEagerFallback(exact.region, "no bucket fits " + exact.Label());
-  Count(exact, RunKind::kEager, SecondsSince(t0), real_tokens, real_tokens);
-  return outputs;
 }
 
 void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real,
@@ -458,16 +462,17 @@ void Engine::Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events)
   seq.last_token = token;
   TokenEvent ev{seq.id, token, false, FinishReason::kNone};
   const auto& stops = seq.sampling.stop_token_ids;
-  if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
-    ev.reason = FinishReason::kStopToken;
-  } else if (seq.generated >= seq.sampling.max_new_tokens) {
-    ev.reason = FinishReason::kLength;
-  } else if (seq.length + 1 > max_context()) {
-    ev.reason = FinishReason::kContextFull;
-  }
+  ev.reason = std::find(stops.begin(), stops.end(), token) != stops.end() ? FinishReason::kStopToken
+                                                                          : EndByCount(seq, 0);
   ev.finished = ev.reason != FinishReason::kNone;
   events->push_back(ev);
   if (ev.finished) Free(seq.slot);
+}
+
+FinishReason Engine::EndByCount(const Sequence& seq, int64_t ahead) const {
+  if (seq.generated + ahead >= seq.sampling.max_new_tokens) return FinishReason::kLength;
+  if (seq.length + ahead + 1 > max_context()) return FinishReason::kContextFull;
+  return FinishReason::kNone;
 }
 
 void Engine::Free(int64_t slot) { slots_[static_cast<size_t>(slot)].reset(); }
@@ -543,12 +548,9 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
     if (!s) continue;
     // With `carry`, s->queued steps come before this one; without, none does.
     const int64_t ahead = carry ? s->queued : 0;
-    // Ends on its token from the step ahead: max_new_tokens reached or context full (Emit's
-    // rules). A stop token cannot be foreseen; that row runs once more and is dropped.
-    if (ahead > 0 && (s->generated + ahead >= s->sampling.max_new_tokens ||
-                      s->length + ahead + 1 > max_context())) {
-      continue;
-    }
+    // Ends on its token from the step ahead (max_new_tokens reached or context full). A stop
+    // token cannot be foreseen; that row runs once more and is dropped.
+    if (ahead > 0 && EndByCount(*s, ahead) != FinishReason::kNone) continue;
     fed.push_back(s.get());
     rows = std::max(rows, s->slot + 1);
     context = std::max(context, s->length + ahead + 1);
@@ -601,12 +603,7 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
     step->key = BucketKey{Region::kDecode, rows, context, 0};
     step->kind = RunKind::kEager;
     out = MakeRegionFn(step->key)();
-    {
-      std::lock_guard<std::mutex> lock(counters_mu_);
-      counters_.eager_fallbacks++;
-    }
-    if (observer_)
-      observer_->OnEagerFallback(Region::kDecode, "no bucket fits " + step->key.Label());
+    CountEagerFallback(step->key);
   }
   step->tokens = out[1];
   if (!all_greedy) {

@@ -142,6 +142,8 @@ class Engine {
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
   void CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded);
   void ObserveTime(const BucketKey& key, RunKind kind, double seconds);
+  // Counts a shape with no bucket that runs eagerly and tells the observer.
+  void CountEagerFallback(const BucketKey& exact);
   // Request tiles (N, 3, S, S), any dtype, on the engine's device in its dtype.
   at::Tensor ToDevice(const at::Tensor& tiles) const;
   // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
@@ -155,6 +157,10 @@ class Engine {
   // Next token for each sequence from its logits row (n, V); one host copy.
   std::vector<int64_t> SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
   void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
+  // How `seq` ends, other than by a stop token, once it has the tokens of `ahead` more steps:
+  // kLength (max_new_tokens reached), kContextFull (its next position is past the longest
+  // context), or kNone. Emit applies it with ahead = 0 after each token.
+  FinishReason EndByCount(const Sequence& seq, int64_t ahead) const;
   // Queues one decode step (inputs copied in, region launched, tokens sampled and copied towards
   // the host) for every active sequence that has a token left to generate; with `carry`, a
   // sequence already in the queued step is fed that step's token from the device. Returns
