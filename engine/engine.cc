@@ -10,17 +10,17 @@
 #include <sstream>
 
 #include "engine/device.h"
+#include "engine/engine_internal.h"
 #include "engine/sampler.h"
 #include "model/fused_ops.h"
 #include "model/prompt_check.h"
 
 namespace vlmgraph {
 namespace {
-using Clock = Engine::Clock;
-
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using engine_internal::DecodeInputBytes;
+using engine_internal::DecodeInputs;
+using engine_internal::DecodeInputViews;
+using engine_internal::SecondsSince;
 
 EngineError Invalid(const std::string& msg) {
   return EngineError(EngineError::Code::kInvalidArgument, msg);
@@ -30,62 +30,7 @@ std::string CounterKey(const BucketKey& k) {
   return std::string(RegionName(k.region)) + "/" + k.Label();
 }
 
-// dec_in's layout: tokens (int64), positions (int64), carry flags (bool), max_batch of each,
-// padded to whole int64s so that every row of the host staging (2, bytes) starts aligned.
-int64_t DecodeInputBytes(int64_t max_batch) {
-  return (max_batch * (2 * sizeof(int64_t) + 1) + 7) / 8 * 8;
-}
-
-struct DecodeInputs {
-  at::Tensor tokens, positions, carry;
-};
-
-// Views of one dec_in-shaped byte vector (device or host).
-DecodeInputs DecodeInputViews(const at::Tensor& bytes, int64_t max_batch) {
-  const int64_t n = max_batch * static_cast<int64_t>(sizeof(int64_t));
-  return {bytes.narrow(0, 0, n).view(at::kLong), bytes.narrow(0, n, n).view(at::kLong),
-          bytes.narrow(0, 2 * n, max_batch).view(at::kBool)};
-}
-
 }  // namespace
-
-struct Engine::Sequence {
-  SequenceId id = -1;
-  int64_t slot = -1;
-  int64_t length = 0;  // tokens in the KV cache; the next token's position
-  int64_t generated = 0;
-  int64_t last_token = -1;  // fed to the next decode step
-  // Decode steps queued with this sequence whose tokens it has not been given yet (0 or 1
-  // between Step() calls): its next step feeds position length + queued.
-  int64_t queued = 0;
-  SamplingParams sampling;
-  at::Generator generator;
-};
-
-// Static device buffers shared by every bucket's region function. Each bucket reads a prefix
-// view of them, so addresses stay fixed across replays (what a CUDA graph needs).
-struct Engine::Buffers {
-  at::Tensor ids;         // (max_batch * max_seq) int64, prefill prompts, row-major (b, s) prefix
-  at::Tensor slots;       // (max_batch) int64, KV cache row written by each prefill row
-  at::Tensor last;        // (max_batch) int64, index of each prefill row's last real token
-  at::Tensor tiles;       // (max_tiles, 3, S, S) model dtype, vision input
-  at::Tensor image_rows;  // (max_batch * max_seq, H) model dtype, image embeddings for prefill
-  // Decode inputs, one host-to-device copy per step: dec_in (DecodeInputBytes(max_batch)) uint8
-  // holds the three views below (see DecodeInputs).
-  at::Tensor dec_in;
-  at::Tensor dec_tokens;      // (max_batch) int64, token fed to each decode row ...
-  at::Tensor dec_carry_flag;  // (max_batch) bool, ... unless set: then dec_carry's is fed
-  at::Tensor dec_pos;         // (max_batch) int64, position of that token
-  at::Tensor dec_carry;       // (max_batch) int64, the previous queued step's tokens (device)
-  // Host staging of decode steps (pinned when the device is CUDA, so the copies are truly
-  // asynchronous), two halves used by alternate steps, since a step is staged while the one
-  // before it is still queued: dec_in's contents, and each row's token read back.
-  at::Tensor host_dec_in;                    // (2, DecodeInputBytes(max_batch)) uint8
-  at::Tensor host_dec_tokens;                // (2, max_batch) int64
-  std::unique_ptr<DeviceEvent> dec_done[2];  // recorded after each half's token copy
-  KVCache cache;  // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
-  int64_t scratch_row = 0;
-};
 
 Engine::Engine(VisionLanguageModel model, EngineOptions options)
     : model_(std::move(model)), options_(std::move(options)) {
@@ -527,154 +472,6 @@ std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
     for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
   }
   return ids;
-}
-
-// A decode step queued on the device whose tokens the host has not read yet.
-struct Engine::QueuedStep {
-  std::vector<std::pair<SequenceId, int64_t>> rows;  // (sequence, KV cache row) of each fed row
-  BucketKey key;  // its bucket, or the exact shape of an eager fallback
-  RunKind kind = RunKind::kEager;
-  at::Tensor tokens;  // (key.batch) int64 on the device: each row's next token
-  int half = 0;       // host staging half (Buffers::host_dec_in, host_dec_tokens, dec_done)
-  Clock::time_point queued_at;
-};
-
-std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
-  const auto dispatch_start = Clock::now();
-  Buffers& buf = *buffers_;
-  std::vector<Sequence*> fed;
-  int64_t rows = 0, context = 0;
-  for (auto& s : slots_) {
-    if (!s) continue;
-    // With `carry`, s->queued steps come before this one; without, none does.
-    const int64_t ahead = carry ? s->queued : 0;
-    // Ends on its token from the step ahead (max_new_tokens reached or context full). A stop
-    // token cannot be foreseen; that row runs once more and is dropped.
-    if (ahead > 0 && EndByCount(*s, ahead) != FinishReason::kNone) continue;
-    fed.push_back(s.get());
-    rows = std::max(rows, s->slot + 1);
-    context = std::max(context, s->length + ahead + 1);
-  }
-  if (fed.empty()) return nullptr;
-  // Every row in [0, batch) runs; rows with no sequence get a pad token at position 0 of their
-  // own (unused) row.
-  std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
-  const int64_t batch = key ? key->batch : rows;
-  const int half = static_cast<int>(decode_launches_ % 2);
-  buf.dec_done[half]->Synchronize();  // the step that last used this half has copied its inputs
-  const DecodeInputs host = DecodeInputViews(buf.host_dec_in[half], options_.buckets.max_batch());
-  int64_t* tokens_p = host.tokens.data_ptr<int64_t>();
-  int64_t* positions_p = host.positions.data_ptr<int64_t>();
-  bool* carry_p = host.carry.data_ptr<bool>();
-  std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
-  std::fill(positions_p, positions_p + batch, 0);
-  std::fill(carry_p, carry_p + batch, false);
-  bool any_carried = false, all_greedy = true;
-  for (Sequence* s : fed) {
-    const int64_t ahead = carry ? s->queued : 0;
-    tokens_p[s->slot] = s->last_token;  // unused when carried
-    positions_p[s->slot] = s->length + ahead;
-    carry_p[s->slot] = ahead > 0;
-    any_carried = any_carried || ahead > 0;
-    all_greedy = all_greedy && s->sampling.greedy;
-  }
-  if (any_carried) {
-    // The step ahead is queued_, the last one queued: its tokens, in stream order.
-    buf.dec_carry.narrow(0, 0, queued_->key.batch).copy_(queued_->tokens, /*non_blocking=*/true);
-  }
-  buf.dec_in.copy_(buf.host_dec_in[half], /*non_blocking=*/true);
-  if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(fed.size()));
-
-  auto step = std::make_unique<QueuedStep>();
-  step->half = half;
-  step->queued_at = dispatch_start;
-  std::vector<at::Tensor> out;  // logits (batch, V), greedy tokens (batch)
-  if (key) {
-    step->key = *key;
-    step->kind = runner_->Run(*key, MakeRegionFn(*key), runner_->captures(), &out);
-    if (step->kind == RunKind::kReplay) {
-      // Replays return once launched: everything so far was host-side dispatch.
-      std::lock_guard<std::mutex> lock(counters_mu_);
-      counters_.decode_dispatch_seconds_total += SecondsSince(dispatch_start);
-      counters_.decode_steps++;
-    }
-    if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
-  } else {
-    step->key = BucketKey{Region::kDecode, rows, context, 0};
-    step->kind = RunKind::kEager;
-    out = MakeRegionFn(step->key)();
-    CountEagerFallback(step->key);
-  }
-  step->tokens = out[1];
-  if (!all_greedy) {
-    step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
-    for (Sequence* s : fed) {
-      if (!s->sampling.greedy)
-        step->tokens[s->slot] = SampleToken(out[0][s->slot], s->sampling, s->generator);
-    }
-  }
-  buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);
-  buf.dec_done[half]->Record();
-  // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
-  const int64_t real = static_cast<int64_t>(fed.size());
-  CountRun(step->key, step->kind, real, key ? key->batch : real);
-  ++decode_launches_;
-  for (Sequence* s : fed) {
-    s->queued += 1;
-    step->rows.emplace_back(s->id, s->slot);
-  }
-  return step;
-}
-
-void Engine::FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events) {
-  Buffers& buf = *buffers_;
-  buf.dec_done[step.half]->Synchronize();
-  const auto now = Clock::now();
-  // The step's own time: from when it was queued, or, when it was queued behind another step,
-  // from when that one's tokens arrived.
-  const double seconds =
-      std::chrono::duration<double>(now - std::max(step.queued_at, last_decode_done_)).count();
-  last_decode_done_ = now;
-  ObserveTime(step.key, step.kind, seconds);
-  const int64_t* tokens = buf.host_dec_tokens[step.half].data_ptr<int64_t>();
-  for (const auto& [id, slot] : step.rows) {
-    Sequence* s = slots_[static_cast<size_t>(slot)].get();
-    if (s == nullptr || s->id != id) continue;  // cancelled or ended since the step was queued
-    s->queued -= 1;
-    s->length += 1;  // the fed token is now in the cache
-    Emit(*s, tokens[slot], events);
-  }
-}
-
-void Engine::Step(std::vector<TokenEvent>* events) {
-  if (ActiveSequences() == 0) return;
-  at::NoGradGuard no_grad;
-  auto drop_queued = [this] {
-    queued_.reset();
-    for (auto& s : slots_) {
-      if (s) s->queued = 0;
-    }
-  };
-  try {
-    // A queued step that feeds no active sequence (all cancelled or ended since) returns nothing.
-    if (queued_) {
-      bool live = false;
-      for (const auto& [id, slot] : queued_->rows) {
-        const Sequence* s = slots_[static_cast<size_t>(slot)].get();
-        live = live || (s != nullptr && s->id == id);
-      }
-      if (!live) drop_queued();
-    }
-    if (!queued_) queued_ = QueueDecode(/*carry=*/false);
-    if (!queued_) return;  // not reached: an active sequence always has a token left
-    std::unique_ptr<QueuedStep> next = overlap_decode_ ? QueueDecode(/*carry=*/true) : nullptr;
-    std::unique_ptr<QueuedStep> current = std::move(queued_);
-    queued_ = std::move(next);
-    FinishDecode(*current, events);
-  } catch (...) {
-    drop_queued();
-    throw;
-  }
 }
 
 void Engine::Cancel(SequenceId id) {

@@ -1,0 +1,157 @@
+// engine/decode_step.cc: the Engine's decode steps (Engine::Step), queued one ahead when decode
+// steps overlap (EngineOptions::overlap_decode_steps; see Step() in engine.h).
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "engine/device.h"
+#include "engine/engine.h"
+#include "engine/engine_internal.h"
+#include "engine/sampler.h"
+
+namespace vlmgraph {
+
+using engine_internal::DecodeInputs;
+using engine_internal::DecodeInputViews;
+using engine_internal::SecondsSince;
+
+std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
+  const auto dispatch_start = Clock::now();
+  Buffers& buf = *buffers_;
+  std::vector<Sequence*> fed;
+  int64_t rows = 0, context = 0;
+  for (auto& s : slots_) {
+    if (!s) continue;
+    // With `carry`, s->queued steps come before this one; without, none does.
+    const int64_t ahead = carry ? s->queued : 0;
+    // Ends on its token from the step ahead (max_new_tokens reached or context full). A stop
+    // token cannot be foreseen; that row runs once more and is dropped.
+    if (ahead > 0 && EndByCount(*s, ahead) != FinishReason::kNone) continue;
+    fed.push_back(s.get());
+    rows = std::max(rows, s->slot + 1);
+    context = std::max(context, s->length + ahead + 1);
+  }
+  if (fed.empty()) return nullptr;
+  // Every row in [0, batch) runs; rows with no sequence get a pad token at position 0 of their
+  // own (unused) row.
+  std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
+  const int64_t batch = key ? key->batch : rows;
+  const int half = static_cast<int>(decode_launches_ % 2);
+  buf.dec_done[half]->Synchronize();  // the step that last used this half has copied its inputs
+  const DecodeInputs host = DecodeInputViews(buf.host_dec_in[half], options_.buckets.max_batch());
+  int64_t* tokens_p = host.tokens.data_ptr<int64_t>();
+  int64_t* positions_p = host.positions.data_ptr<int64_t>();
+  bool* carry_p = host.carry.data_ptr<bool>();
+  std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
+  std::fill(positions_p, positions_p + batch, 0);
+  std::fill(carry_p, carry_p + batch, false);
+  bool any_carried = false, all_greedy = true;
+  for (Sequence* s : fed) {
+    const int64_t ahead = carry ? s->queued : 0;
+    tokens_p[s->slot] = s->last_token;  // unused when carried
+    positions_p[s->slot] = s->length + ahead;
+    carry_p[s->slot] = ahead > 0;
+    any_carried = any_carried || ahead > 0;
+    all_greedy = all_greedy && s->sampling.greedy;
+  }
+  if (any_carried) {
+    // The step ahead is queued_, the last one queued: its tokens, in stream order.
+    buf.dec_carry.narrow(0, 0, queued_->key.batch).copy_(queued_->tokens, /*non_blocking=*/true);
+  }
+  buf.dec_in.copy_(buf.host_dec_in[half], /*non_blocking=*/true);
+  if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(fed.size()));
+
+  auto step = std::make_unique<QueuedStep>();
+  step->half = half;
+  step->queued_at = dispatch_start;
+  std::vector<at::Tensor> out;  // logits (batch, V), greedy tokens (batch)
+  if (key) {
+    step->key = *key;
+    step->kind = runner_->Run(*key, MakeRegionFn(*key), runner_->captures(), &out);
+    if (step->kind == RunKind::kReplay) {
+      // Replays return once launched: everything so far was host-side dispatch.
+      std::lock_guard<std::mutex> lock(counters_mu_);
+      counters_.decode_dispatch_seconds_total += SecondsSince(dispatch_start);
+      counters_.decode_steps++;
+    }
+    if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
+  } else {
+    step->key = BucketKey{Region::kDecode, rows, context, 0};
+    step->kind = RunKind::kEager;
+    out = MakeRegionFn(step->key)();
+    CountEagerFallback(step->key);
+  }
+  step->tokens = out[1];
+  if (!all_greedy) {
+    step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
+    for (Sequence* s : fed) {
+      if (!s->sampling.greedy)
+        step->tokens[s->slot] = SampleToken(out[0][s->slot], s->sampling, s->generator);
+    }
+  }
+  buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);
+  buf.dec_done[half]->Record();
+  // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
+  const int64_t real = static_cast<int64_t>(fed.size());
+  CountRun(step->key, step->kind, real, key ? key->batch : real);
+  ++decode_launches_;
+  for (Sequence* s : fed) {
+    s->queued += 1;
+    step->rows.emplace_back(s->id, s->slot);
+  }
+  return step;
+}
+
+void Engine::FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events) {
+  Buffers& buf = *buffers_;
+  buf.dec_done[step.half]->Synchronize();
+  const auto now = Clock::now();
+  // The step's own time: from when it was queued, or, when it was queued behind another step,
+  // from when that one's tokens arrived.
+  const double seconds =
+      std::chrono::duration<double>(now - std::max(step.queued_at, last_decode_done_)).count();
+  last_decode_done_ = now;
+  ObserveTime(step.key, step.kind, seconds);
+  const int64_t* tokens = buf.host_dec_tokens[step.half].data_ptr<int64_t>();
+  for (const auto& [id, slot] : step.rows) {
+    Sequence* s = slots_[static_cast<size_t>(slot)].get();
+    if (s == nullptr || s->id != id) continue;  // cancelled or ended since the step was queued
+    s->queued -= 1;
+    s->length += 1;  // the fed token is now in the cache
+    Emit(*s, tokens[slot], events);
+  }
+}
+
+void Engine::Step(std::vector<TokenEvent>* events) {
+  if (ActiveSequences() == 0) return;
+  at::NoGradGuard no_grad;
+  auto drop_queued = [this] {
+    queued_.reset();
+    for (auto& s : slots_) {
+      if (s) s->queued = 0;
+    }
+  };
+  try {
+    // A queued step that feeds no active sequence (all cancelled or ended since) returns nothing.
+    if (queued_) {
+      bool live = false;
+      for (const auto& [id, slot] : queued_->rows) {
+        const Sequence* s = slots_[static_cast<size_t>(slot)].get();
+        live = live || (s != nullptr && s->id == id);
+      }
+      if (!live) drop_queued();
+    }
+    if (!queued_) queued_ = QueueDecode(/*carry=*/false);
+    if (!queued_) return;  // not reached: an active sequence always has a token left
+    std::unique_ptr<QueuedStep> next = overlap_decode_ ? QueueDecode(/*carry=*/true) : nullptr;
+    std::unique_ptr<QueuedStep> current = std::move(queued_);
+    queued_ = std::move(next);
+    FinishDecode(*current, events);
+  } catch (...) {
+    drop_queued();
+    throw;
+  }
+}
+
+}  // namespace vlmgraph
