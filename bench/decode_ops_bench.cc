@@ -73,20 +73,40 @@ void WholeDecoder(const vlmgraph::VlmConfig& cfg, int64_t batch, int64_t context
   at::Tensor inv_freq = at::rand({d / 2}, at::dtype(at::kFloat).device(at::kCUDA));
   at::Tensor semaphores = at::zeros({batch + 1, nkv}, at::dtype(at::kInt).device(at::kCUDA));
   at::Tensor pos = at::full({batch}, length, at::dtype(at::kLong).device(at::kCUDA));
-  auto per_block = [&](int) {
-    at::Tensor y = x;
-    for (const Block& b : blocks) {
-      at::Tensor qkv = ops::RmsNormLinear(y, b.norm1, 1e-5, b.w_qkv);
-      at::Tensor a = ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
-                                              semaphores, context, nh);
-      at::Tensor r = ops::Linear(a, b.w_out, y);
-      at::Tensor gu = ops::RmsNormLinear(r, b.norm2, 1e-5, b.w_gate_up);
-      y = ops::SiluMulLinear(gu, b.w_down, r);
-    }
+  // combine_in_out: the out projection combines the attention's partial states (what
+  // LanguageModel::Decode takes where ops::DecodeAttentionCombinesInLinear), else the attention
+  // kernel's last block per (row, KV head) does.
+  auto per_block = [&](bool combine_in_out) {
+    return [&, combine_in_out](int) {
+      at::Tensor y = x;
+      for (const Block& b : blocks) {
+        at::Tensor qkv = ops::RmsNormLinear(y, b.norm1, 1e-5, b.w_qkv);
+        at::Tensor r;
+        if (combine_in_out) {
+          r = ops::AttentionCombineLinear(
+              ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
+                                               semaphores, context, nh),
+              b.w_out, y);
+        } else {
+          r = ops::Linear(ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
+                                                   semaphores, context, nh),
+                          b.w_out, y);
+        }
+        at::Tensor gu = ops::RmsNormLinear(r, b.norm2, 1e-5, b.w_gate_up);
+        y = ops::SiluMulLinear(gu, b.w_down, r);
+      }
+    };
   };
   std::printf("\nwhole decoder, %lld blocks, batch %lld\n| path | us per step |\n|---|---|\n",
               (long long)layers, (long long)batch);
-  std::printf("| per-block kernels | %.1f |\n", TimeOp(per_block));
+  std::printf("| per-block kernels, combine in the attention kernel | %.1f |\n",
+              TimeOp(per_block(false)));
+  if (batch <= 4) {  // AttentionCombineLinear's limit; Decode takes it up to 2 rows
+    std::printf("| per-block kernels, combine in the out projection | %.1f |\n",
+                TimeOp(per_block(true)));
+    std::printf("| per-block kernels, combine in the attention kernel (again) | %.1f |\n",
+                TimeOp(per_block(false)));
+  }
 }
 
 }  // namespace
@@ -137,6 +157,14 @@ int main(int argc, char** argv) {
                                             nh);
        }},
       {"out: gemv + residual", true, [&](int i) { Linear(a, w_out[i % kCopies], x2); }},
+      {"attention (partial states only) + out gemv combining them + residual", false,
+       [&](int i) {
+         if (batch > 4) return;  // AttentionCombineLinear takes up to 4 rows
+         vlmgraph::ops::AttentionCombineLinear(
+             vlmgraph::ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, ck, cv, semaphores,
+                                                        context, nh),
+             w_out[i % kCopies], x2);
+       }},
       {"gate_up: rms_norm + gemv", true,
        [&](int i) { vlmgraph::ops::RmsNormLinear(x2, w_norm, 1e-5, w_gu[i % kCopies]); }},
       {"down: silu_mul + gemv + residual", true,

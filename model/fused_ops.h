@@ -57,6 +57,31 @@ at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq
                                const at::Tensor& cache_v, const at::Tensor& semaphores,
                                int64_t kv_len, int64_t n_heads);
 
+// The decode attention's output left as the partial softmax states of its key splits, for an
+// out projection that combines them in its input staging (AttentionCombineLinear): the combine
+// then costs no split counter, no fence and no round trips of its own, but every block of the
+// projection combines every row. DecodeAttentionCombinesInLinear(B): whether a decode step of B
+// rows takes it (B <= 2, measured; see fused_ops_cuda.cc).
+struct DecodeAttentionPartials {
+  at::Tensor partials;   // float32 scratch, the attention kernel's layout
+  at::Tensor positions;  // (B) int64, as given to the attention
+  int64_t kv_len = 0, n_heads = 0, n_kv = 0, head_dim = 0;
+  at::ScalarType dtype = at::kFloat;  // of the attention output they stand for
+};
+bool DecodeAttentionCombinesInLinear(int64_t batch);
+// RopeDecodeAttention (same arguments) without its last step: the key-split blocks only leave
+// their partial states; the semaphores are not touched.
+DecodeAttentionPartials RopeDecodeAttentionPartials(
+    const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling, const at::Tensor& positions,
+    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& semaphores,
+    int64_t kv_len, int64_t n_heads);
+// Linear(a, weight, residual) for the attention output a that RopeDecodeAttention would have
+// returned, combined from `partials` inside the GEMV with that kernel's formula and order: the
+// same values to the bit. weight (n, n_heads * D), residual (B, n), both in the attention's
+// dtype; B <= 4 (the CUDA-core GEMV), else c10::Error.
+at::Tensor AttentionCombineLinear(const DecodeAttentionPartials& partials, const at::Tensor& weight,
+                                  const at::Tensor& residual = {});
+
 // x (rows, k) @ weight (n, k)^T (+ residual (rows, n)): a small-batch GEMV kernel when rows <= 8
 // and the shapes are 16-byte aligned (decode steps), else cuBLAS (at::linear / at::addmm).
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual = {});

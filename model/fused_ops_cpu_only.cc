@@ -20,6 +20,17 @@ at::Tensor RopeDecodeAttention(const at::Tensor&, const at::Tensor&, double, con
                                int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
+bool DecodeAttentionCombinesInLinear(int64_t) { return false; }
+DecodeAttentionPartials RopeDecodeAttentionPartials(const at::Tensor&, const at::Tensor&, double,
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, const at::Tensor&, int64_t,
+                                                    int64_t) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
+at::Tensor AttentionCombineLinear(const DecodeAttentionPartials&, const at::Tensor&,
+                                  const at::Tensor&) {
+  TORCH_CHECK(false, "no CUDA kernels in this build");
+}
 at::Tensor Linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }

@@ -132,6 +132,17 @@ at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& qkv,
   return y.transpose(1, 2).reshape({b, t, n_heads * head_dim});
 }
 
+ops::DecodeAttentionPartials GroupedQueryAttentionImpl::DecodePartials(const at::Tensor& qkv,
+                                                                       const at::Tensor& inv_freq,
+                                                                       double scaling,
+                                                                       const AttentionContext& ctx,
+                                                                       int64_t layer) {
+  TORCH_CHECK(ctx.mode == AttentionContext::Mode::kDecode, "DecodePartials is for decode steps");
+  return ops::RopeDecodeAttentionPartials(qkv, inv_freq, scaling, ctx.positions,
+                                          ctx.cache->key[layer], ctx.cache->value[layer],
+                                          ctx.cache->attention_semaphores, ctx.kv_len, n_heads);
+}
+
 SwiGluMlpImpl::SwiGluMlpImpl(const VlmConfig& cfg) {
   auto lin = [](int64_t in, int64_t out) { return Dense(in, out, /*bias=*/false); };
   gate_proj = register_module("gate_proj", lin(cfg.lm_hidden_dim, cfg.lm_inter_dim));
@@ -165,8 +176,16 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
   // qkv = norm1(x) W_qkv^T; attention; h = x + out_proj(a); x' = h + down(silu_mul(norm2(h)
   // W_gu^T)).
   at::Tensor qkv = ops::RmsNormLinear(x2, norm1->weight, norm1->eps, attn->w_qkv);
-  at::Tensor a = attn->ForwardFused(qkv.view({b, t, qkv.size(-1)}), inv_freq, scaling, ctx, layer);
-  at::Tensor h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);
+  at::Tensor h;
+  if (ctx.mode == AttentionContext::Mode::kDecode && ops::DecodeAttentionCombinesInLinear(b)) {
+    // The out projection combines the attention's key splits itself (same values).
+    h = ops::AttentionCombineLinear(attn->DecodePartials(qkv, inv_freq, scaling, ctx, layer),
+                                    attn->out_proj->weight, x2);
+  } else {
+    at::Tensor a =
+        attn->ForwardFused(qkv.view({b, t, qkv.size(-1)}), inv_freq, scaling, ctx, layer);
+    h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);
+  }
   at::Tensor gu = ops::RmsNormLinear(h, norm2->weight, norm2->eps, mlp->w_gate_up);
   return ops::SiluMulLinear(gu, mlp->down_proj->weight, h).view({b, t, hidden});
 }

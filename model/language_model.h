@@ -25,6 +25,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "model/config.h"
+#include "model/fused_ops.h"
 #include "model/kv_cache.h"
 #include "model/layers.h"
 
@@ -83,6 +84,11 @@ class GroupedQueryAttentionImpl : public torch::nn::Module {
   // returns the attention output (B, T, n_heads D) before out_proj.
   at::Tensor ForwardFused(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                           const AttentionContext& ctx, int64_t layer);
+  // Decode (one token per row) without the attention's last step: qkv (B, (n_heads + 2 n_kv) D);
+  // the partial softmax states that ops::AttentionCombineLinear turns into out_proj's output.
+  ops::DecodeAttentionPartials DecodePartials(const at::Tensor& qkv, const at::Tensor& inv_freq,
+                                              double scaling, const AttentionContext& ctx,
+                                              int64_t layer);
 
   int64_t n_heads, n_kv_heads, head_dim;
   Dense q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};

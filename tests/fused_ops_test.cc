@@ -204,6 +204,68 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
   }
 }
 
+// The out projection that combines the attention's partial states itself gives, to the bit, what
+// the attention kernel's own combine followed by the plain GEMV gives, and the attention still
+// writes the new key and value: 1 to 4 rows, windows of 5 to 16 splits (more than the combine's
+// first round of 8), positions at both ends of the window and past it, with and without the
+// residual. More rows than the CUDA-core GEMV takes are refused (with 3 or 4 rows it is correct,
+// only slower than the attention kernel's own combine: DecodeAttentionCombinesInLinear).
+TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  struct Case {
+    int64_t nh, nkv, d, batch, kv_len, max_seq;
+  };
+  const Case cases[] = {{15, 5, 64, 1, 512, 1024}, {15, 5, 64, 4, 1024, 1024},
+                        {15, 5, 64, 3, 160, 256},  {4, 2, 16, 2, 512, 600},
+                        {16, 1, 128, 2, 256, 256}, {15, 5, 64, 1, 20, 64}};
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (const Case& c : cases) {
+      for (bool residual : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << c10::toString(dtype) << " nh " << c.nh << " nkv " << c.nkv << " d " << c.d
+                     << " batch " << c.batch << " kv_len " << c.kv_len << " residual " << residual);
+        at::manual_seed(c.batch * 7 + c.kv_len);
+        auto opt = at::dtype(dtype).device(at::kCUDA);
+        auto longs = at::dtype(at::kLong).device(at::kCUDA);
+        at::Tensor qkv = at::randn({c.batch, (c.nh + 2 * c.nkv) * c.d}, opt);
+        at::Tensor inv_freq =
+            1.0 / at::pow(10000.0, at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) /
+                                       double(c.d));
+        at::Tensor ck = at::randn({c.batch + 1, c.nkv, c.max_seq, c.d}, opt),
+                   cv = at::randn_like(ck);
+        at::Tensor positions = at::randint(0, c.kv_len, {c.batch}, longs);
+        positions[0] = c.kv_len - 1;
+        if (c.batch > 1) positions[1] = 0;
+        if (c.batch > 2 && c.max_seq > c.kv_len) positions[2] = c.kv_len + 3;
+        at::Tensor w = at::randn({c.nh * c.d + 16, c.nh * c.d}, opt) * 0.05;
+        at::Tensor res = residual ? at::randn({c.batch, w.size(0)}, opt) : at::Tensor();
+        at::Tensor sem = at::zeros({c.batch + 1, c.nkv}, longs.dtype(at::kInt));
+        at::Tensor ck2 = ck.clone(), cv2 = cv.clone();
+        at::Tensor want = ops::Linear(
+            ops::RopeDecodeAttention(qkv, inv_freq, 1.0, positions, ck, cv, sem, c.kv_len, c.nh), w,
+            res);
+        ops::DecodeAttentionPartials parts = ops::RopeDecodeAttentionPartials(
+            qkv, inv_freq, 1.0, positions, ck2, cv2, sem, c.kv_len, c.nh);
+        at::Tensor got = ops::AttentionCombineLinear(parts, w, res);
+        EXPECT_TRUE(at::equal(got, want)) << MaxAbsDiff(got, want);
+        EXPECT_TRUE(at::equal(ck2, ck)) << "keys written to the cache";
+        EXPECT_TRUE(at::equal(cv2, cv)) << "values written to the cache";
+        EXPECT_EQ(sem.abs().sum().item<int64_t>(), 0);
+      }
+    }
+  }
+  auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
+  at::Tensor qkv5 = at::randn({5, 25 * 64}, opt), ck = at::randn({5, 5, 64, 64}, opt);
+  at::Tensor pos5 = at::full({5}, 3, at::dtype(at::kLong).device(at::kCUDA));
+  at::Tensor sem = at::zeros({5, 5}, at::dtype(at::kInt).device(at::kCUDA));
+  EXPECT_THROW(
+      ops::AttentionCombineLinear(ops::RopeDecodeAttentionPartials(
+                                      qkv5, at::rand({32}, at::dtype(at::kFloat).device(at::kCUDA)),
+                                      1.0, pos5, ck, at::randn_like(ck), sem, 64, 15),
+                                  at::randn({960, 960}, opt)),
+      c10::Error);
+}
+
 // Training: RotaryDifferentiable is bit-identical to ApplyRotary's ATen ops forward and backward,
 // float32 and bf16, GQA shapes (3 query heads per KV head).
 TEST(FusedOps, RotaryDifferentiableEqualsApplyRotaryAndItsGradients_CUDA) {

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                               float scaling, const int64_t* __restrict__ positions, T* cache_k,
                               T* cache_v, T* __restrict__ out, float* partials, int* semaphores,
                               int n_heads, int n_kv, int64_t max_seq, int kv_len, int split_len,
-                              float scale) {
+                              float scale, bool combine) {
   constexpr int kAttnWarps = kAttnThreads / 32;
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = D / kVec;               // lanes per key row
@@ -179,6 +179,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     part[threadIdx.x] = w_s[threadIdx.x];
     part[g + threadIdx.x] = w_s[kAttnMaxGroups + threadIdx.x];
   }
+  if (!combine) return;  // the next kernel combines the partial states (LaunchGemvAttnCombine)
   // Publish the partials, then count this split in: the barrier orders every thread's partial
   // stores before thread 0's release fence, which orders them before its increment (the
   // threadfence-reduction pattern with one fence per block); the block that makes the count
@@ -268,7 +269,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
                                    const int64_t* positions, void* ck, void* cv, void* out,
                                    float* partials, int* semaphores, int64_t batch, int64_t n_heads,
                                    int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
-                                   cudaStream_t stream) {
+                                   bool combine, cudaStream_t stream) {
   const int g = static_cast<int>(n_heads / n_kv);
   const int split_len = DecodeAttentionSplitLen(kv_len);
   const int splits = static_cast<int>((kv_len + split_len - 1) / split_len);
@@ -287,7 +288,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
                         dim3(threads), smem, stream, static_cast<const T*>(qkv), inv_freq, scaling,
                         positions, static_cast<T*>(ck), static_cast<T*>(cv), static_cast<T*>(out),
                         partials, semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv),
-                        max_seq, static_cast<int>(kv_len), split_len, scale);
+                        max_seq, static_cast<int>(kv_len), split_len, scale, combine);
 }
 
 template <typename T>
@@ -295,12 +296,13 @@ cudaError_t RopeDecodeAttentionTyped(const void* qkv, const float* inv_freq, flo
                                      const int64_t* positions, void* ck, void* cv, void* out,
                                      float* partials, int* semaphores, int64_t batch,
                                      int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                     int64_t max_seq, int64_t kv_len, float scale, cudaStream_t s) {
+                                     int64_t max_seq, int64_t kv_len, float scale, bool combine,
+                                     cudaStream_t s) {
 #define VLMGRAPH_ATTN_CASE(D)                                                                     \
   case D:                                                                                         \
     return RopeDecodeAttentionFor<T, D>(qkv, inv_freq, scaling, positions, ck, cv, out, partials, \
                                         semaphores, batch, n_heads, n_kv, max_seq, kv_len, scale, \
-                                        s);
+                                        combine, s);
   switch (head_dim) {
     VLMGRAPH_ATTN_CASE(16)
     VLMGRAPH_ATTN_CASE(32)
@@ -331,17 +333,17 @@ cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* i
                                       void* cache_v, void* out, float* partials, int* semaphores,
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
                                       int64_t head_dim, int64_t max_seq, int64_t kv_len,
-                                      float scale, cudaStream_t stream) {
+                                      float scale, bool combine, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
   if (n_kv <= 0 || n_heads % n_kv != 0 || n_heads / n_kv > kAttnMaxGroups || kv_len <= 0) {
     return cudaErrorInvalidValue;
   }
   return bf16 ? RopeDecodeAttentionTyped<__nv_bfloat16>(
                     qkv, inv_freq, scaling, positions, cache_k, cache_v, out, partials, semaphores,
-                    batch, n_heads, n_kv, head_dim, max_seq, kv_len, scale, stream)
+                    batch, n_heads, n_kv, head_dim, max_seq, kv_len, scale, combine, stream)
               : RopeDecodeAttentionTyped<float>(qkv, inv_freq, scaling, positions, cache_k, cache_v,
                                                 out, partials, semaphores, batch, n_heads, n_kv,
-                                                head_dim, max_seq, kv_len, scale, stream);
+                                                head_dim, max_seq, kv_len, scale, combine, stream);
 }
 
 }  // namespace vlmgraph::cuda

@@ -46,12 +46,14 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
 // each (row, KV head), counted on `semaphores` (rows >= batch, n_kv) int32, which must be zero
 // before the launch and are zero again after it. head_dim in {16, 32, 64, 128}; returns
 // cudaErrorInvalidValue otherwise. Launched with programmatic dependent launch where supported.
+// combine = false: the blocks only write their partial states and `out` and `semaphores` are
+// untouched; the out projection combines them (LaunchGemvAttnCombine).
 cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,
                                       float scaling, const int64_t* positions, void* cache_k,
                                       void* cache_v, void* out, float* partials, int* semaphores,
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
                                       int64_t head_dim, int64_t max_seq, int64_t kv_len,
-                                      float scale, cudaStream_t stream);
+                                      float scale, bool combine, cudaStream_t stream);
 // Keys per split of LaunchRopeDecodeAttention for a kv_len window (32 .. 256).
 int DecodeAttentionSplitLen(int64_t kv_len);
 // Floats of scratch LaunchRopeDecodeAttention needs.
@@ -86,6 +88,24 @@ constexpr int64_t kMaxGemvSharedBytes = 160 * 1024;  // (rows + 1) * k * sizeof(
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream);
+
+// The partial softmax states a LaunchRopeDecodeAttention(combine = false) left, for
+// LaunchGemvAttnCombine: partials (rows, n_kv, splits, groups * (head_dim + 2)) float32 as that
+// kernel lays them out (m, l, o per split), positions (rows) int64 and kv_len as it was given,
+// split_len = DecodeAttentionSplitLen(kv_len), splits = ceil(kv_len / split_len).
+struct AttnCombineArgs {
+  const float* partials = nullptr;
+  const int64_t* positions = nullptr;
+  int kv_len = 0, split_len = 0, splits = 0, n_kv = 0, groups = 0, head_dim = 0;
+};
+// y (rows, n) = a W^T (+ residual), a (rows, n_kv * groups * head_dim) the attention output that
+// the decode attention kernel would have written, combined from its partial states inside this
+// GEMV's input staging with that kernel's formula and order (so a is the same to the bit): the
+// combine's global memory round trips and its kernel boundary leave the step's critical path.
+// rows <= kMaxCudaCoreGemvRows; cudaErrorInvalidValue otherwise or for unaligned pointers.
+cudaError_t LaunchGemvAttnCombine(bool bf16, const AttnCombineArgs& comb, const void* w,
+                                  const void* residual, void* y, int64_t rows, int64_t n,
+                                  cudaStream_t stream);
 
 // out[r] = argmax over x[r, 0..n) (torch.argmax's order: NaN above every number, ties to the lower
 // index), x: (rows, ld) with ld >= n; out (rows) int64. One block per row; launched with

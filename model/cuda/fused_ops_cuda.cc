@@ -92,10 +92,15 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
   return out;
 }
 
-at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
-                               const at::Tensor& positions, const at::Tensor& cache_k,
-                               const at::Tensor& cache_v, const at::Tensor& semaphores,
-                               int64_t kv_len, int64_t n_heads) {
+namespace {
+
+// RopeDecodeAttention with or without its combine: (out, partials); out is undefined without.
+std::pair<at::Tensor, at::Tensor> DecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq,
+                                                  double scaling, const at::Tensor& positions,
+                                                  const at::Tensor& cache_k,
+                                                  const at::Tensor& cache_v,
+                                                  const at::Tensor& semaphores, int64_t kv_len,
+                                                  int64_t n_heads, bool combine) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous (B, (nh + 2 nkv) D)");
   TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
                   cache_k.scalar_type() == qkv.scalar_type(),
@@ -109,19 +114,83 @@ at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq
               "semaphores must be contiguous int32 (rows, n_kv)");
   TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == d / 2,
               "inv_freq must be (D/2) float32");
-  at::Tensor out = at::empty({b, n_heads * d}, qkv.options());
+  at::Tensor out = combine ? at::empty({b, n_heads * d}, qkv.options()) : at::Tensor();
   at::Tensor partials = at::empty({cuda::RopeDecodeAttentionPartialFloats(b, n_heads, d, kv_len)},
                                   qkv.options().dtype(at::kFloat));
   at::Tensor freq = inv_freq.contiguous();
   c10::cuda::CUDAGuard guard(qkv.device());
   Check(cuda::LaunchRopeDecodeAttention(
             IsBf16(qkv), qkv.data_ptr(), freq.data_ptr<float>(), static_cast<float>(scaling),
-            OptionalLongPtr(positions), cache_k.data_ptr(), cache_v.data_ptr(), out.data_ptr(),
-            partials.data_ptr<float>(), semaphores.data_ptr<int>(), b, n_heads, n_kv, d,
-            cache_k.size(2), kv_len, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+            OptionalLongPtr(positions), cache_k.data_ptr(), cache_v.data_ptr(),
+            combine ? out.data_ptr() : nullptr, partials.data_ptr<float>(),
+            semaphores.data_ptr<int>(), b, n_heads, n_kv, d, cache_k.size(2), kv_len,
+            static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), combine,
             c10::cuda::getCurrentCUDAStream()),
         "rope_decode_attention");
-  return out;
+  return {out, partials};
+}
+
+}  // namespace
+
+at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
+                               const at::Tensor& positions, const at::Tensor& cache_k,
+                               const at::Tensor& cache_v, const at::Tensor& semaphores,
+                               int64_t kv_len, int64_t n_heads) {
+  return DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, semaphores, kv_len,
+                         n_heads, /*combine=*/true)
+      .first;
+}
+
+// H100, nanovlm-460m bf16, whole decoder of 32 blocks (bench/decode_ops_bench.cc), combine in
+// the attention kernel -> in the out projection: batch 1 701 -> 661 us (131 keys), 761 -> 743 us
+// (701 keys of 1024); batch 2 873 -> 848 us; batch 4 1111 -> 1162 us (slower: every one of the
+// projection's blocks combines all rows).
+bool DecodeAttentionCombinesInLinear(int64_t batch) { return batch <= 2; }
+
+DecodeAttentionPartials RopeDecodeAttentionPartials(
+    const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling, const at::Tensor& positions,
+    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& semaphores,
+    int64_t kv_len, int64_t n_heads) {
+  DecodeAttentionPartials a;
+  a.partials = DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, semaphores,
+                               kv_len, n_heads, /*combine=*/false)
+                   .second;
+  a.positions = positions;
+  a.kv_len = kv_len;
+  a.n_heads = n_heads;
+  a.n_kv = cache_k.size(1);
+  a.head_dim = cache_k.size(3);
+  a.dtype = qkv.scalar_type();
+  return a;
+}
+
+at::Tensor AttentionCombineLinear(const DecodeAttentionPartials& a, const at::Tensor& weight,
+                                  const at::Tensor& residual) {
+  const int64_t b = a.positions.numel(), n = weight.size(0);
+  TORCH_CHECK(b <= cuda::kMaxCudaCoreGemvRows, "AttentionCombineLinear takes up to ",
+              cuda::kMaxCudaCoreGemvRows, " rows, got ", b);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == a.dtype &&
+                  weight.size(1) == a.n_heads * a.head_dim &&
+                  (!residual.defined() || (residual.is_contiguous() && residual.numel() == b * n &&
+                                           residual.scalar_type() == a.dtype)),
+              "AttentionCombineLinear: weight (n, n_heads * head_dim) and residual (B, n), "
+              "contiguous, in the attention's dtype");
+  cuda::AttnCombineArgs comb;
+  comb.partials = a.partials.data_ptr<float>();
+  comb.positions = OptionalLongPtr(a.positions);
+  comb.kv_len = static_cast<int>(a.kv_len);
+  comb.split_len = cuda::DecodeAttentionSplitLen(a.kv_len);
+  comb.splits = static_cast<int>((a.kv_len + comb.split_len - 1) / comb.split_len);
+  comb.n_kv = static_cast<int>(a.n_kv);
+  comb.groups = static_cast<int>(a.n_heads / a.n_kv);
+  comb.head_dim = static_cast<int>(a.head_dim);
+  at::Tensor y = at::empty({b, n}, weight.options());
+  c10::cuda::CUDAGuard guard(weight.device());
+  Check(cuda::LaunchGemvAttnCombine(a.dtype == at::kBFloat16, comb, weight.data_ptr(),
+                                    residual.defined() ? residual.data_ptr() : nullptr,
+                                    y.data_ptr(), b, n, c10::cuda::getCurrentCUDAStream()),
+        "attention_combine_linear");
+  return y;
 }
 
 namespace {

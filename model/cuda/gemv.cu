@@ -18,7 +18,12 @@ namespace {
 //   kRmsNorm: f(x) = T(RmsNormScale(x, rsqrt(mean(x^2) + eps), norm_w))   x (rows, k)
 //   kSiluMul: f(x) = T(SiluTimes(x[:, :k], x[:, k:]))                     x (rows, 2k)
 // so the products see the same rounded inputs as the unfused kernels.
-enum GemvPrologue : int { kGemvPlain = 0, kGemvRmsNorm = 1, kGemvSiluMul = 2 };
+enum GemvPrologue : int {
+  kGemvPlain = 0,
+  kGemvRmsNorm = 1,
+  kGemvSiluMul = 2,
+  kGemvAttnCombine = 3
+};
 constexpr int kGemvWarps = 8;
 
 // Stages columns [kb, kb + klen) of f(x) for all rows in shared memory, xs (rows, klen), in the
@@ -121,6 +126,80 @@ __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float ep
   __syncthreads();
 }
 
+// kGemvAttnCombine: f(x) = the decode attention's output, combined here from the partial softmax
+// states its split blocks left (RopeDecodeAttentionKernel with combine = false), by the formula and
+// in the order of that kernel's own combine, so the values are the same: per (row, head) M =
+// max_t m_t, e_t = e^(m_t - M), L = sum_t e_t l_t, out = T((sum_t e_t o_t) * (1 / L)) over the
+// row's active splits t (ascending). Each thread takes 4 consecutive elements of one head and
+// loads, in one round, their o for the first kCombineSplits splits (8-byte loads: a split's o
+// starts 8-byte aligned, not always 16) and its head's (m, l) pairs, then combines in registers:
+// no shared-memory pass, no barrier until xs is full.
+constexpr int kCombineSplits = 8;
+template <int M>
+__device__ __forceinline__ int RowValue(const int (&v)[M], int m) {  // v[m], constant indices
+  int r = v[0];
+#pragma unroll
+  for (int j = 1; j < M; ++j) r = m == j ? v[j] : r;
+  return r;
+}
+template <typename T, int M, int kThreads>
+__device__ __forceinline__ void StageAttnCombine(const AttnCombineArgs& a, const int (&act)[M],
+                                                 int rows, int k, T* xs) {
+  const int g = a.groups, d = a.head_dim, S = a.splits;
+  const int64_t split_stride = int64_t(g) * (d + 2);
+  for (int q = threadIdx.x; q < rows * k / 4; q += kThreads) {
+    const int m = (4 * q) / k, c = 4 * q - m * k, h = c / d, kh = h / g, hh = h - kh * g;
+    const int n_act = RowValue<M>(act, m);
+    const float* base = a.partials + (int64_t(m) * a.n_kv + kh) * S * split_stride;
+    float2 o_lo[kCombineSplits], o_hi[kCombineSplits];
+    float m_t[kCombineSplits], l_t[kCombineSplits];
+#pragma unroll
+    for (int u = 0; u < kCombineSplits; ++u) {
+      if (u < n_act) {
+        const float* p = base + u * split_stride;
+        m_t[u] = p[hh];
+        l_t[u] = p[g + hh];
+        const float2* o2 = reinterpret_cast<const float2*>(p + 2 * g + hh * d + (c - h * d));
+        o_lo[u] = o2[0];
+        o_hi[u] = o2[1];
+      }
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kCombineSplits; ++u) {
+      if (u < n_act) mx = fmaxf(mx, m_t[u]);
+    }
+    for (int t = kCombineSplits; t < n_act; ++t) mx = fmaxf(mx, base[t * split_stride + hh]);
+    float l = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < kCombineSplits; ++u) {
+      if (u < n_act) {
+        const float e = __expf(m_t[u] - mx);
+        l += e * l_t[u];
+        o[0] += e * o_lo[u].x;
+        o[1] += e * o_lo[u].y;
+        o[2] += e * o_hi[u].x;
+        o[3] += e * o_hi[u].y;
+      }
+    }
+    for (int t = kCombineSplits; t < n_act; ++t) {
+      const float* p = base + t * split_stride;
+      const float e = __expf(p[hh] - mx);
+      l += e * p[g + hh];
+      const float2* o2 = reinterpret_cast<const float2*>(p + 2 * g + hh * d + (c - h * d));
+      const float2 lo = o2[0], hi = o2[1];
+      o[0] += e * lo.x;
+      o[1] += e * lo.y;
+      o[2] += e * hi.x;
+      o[3] += e * hi.y;
+    }
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) xs[4 * q + j] = FromFloat<T>(o[j] * inv);
+  }
+  __syncthreads();
+}
+
 // What both GEMV kernels do between issuing their first weight loads and the product: copy the
 // norm weight's slice [kb, kb + klen) into gs (kRmsNorm; it does not depend on the previous
 // kernel), wait for the previous kernel, stage f(x) (StageGemvInput), and let the next kernel
@@ -130,7 +209,22 @@ template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
                                                       const T* __restrict__ norm_w, float eps,
                                                       int rows, int k, int kb, int klen, T* xs,
-                                                      T* gs, float* ss_warp) {
+                                                      T* gs, float* ss_warp,
+                                                      const AttnCombineArgs& comb) {
+  if constexpr (P == kGemvAttnCombine) {
+    // Positions were written before the previous kernel started: read them before the wait.
+    int act[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int64_t pos = m < rows ? comb.positions[m] : 0;
+      const int len = static_cast<int>(pos + 1 < comb.kv_len ? pos + 1 : comb.kv_len);
+      act[m] = m < rows ? (len + comb.split_len - 1) / comb.split_len : 0;
+    }
+    WaitForPrerequisites();
+    StageAttnCombine<T, M, kThreads>(comb, act, rows, k, xs);
+    AllowDependentsToLaunch();
+    return;
+  }
   if (P == kGemvRmsNorm) {
     const uint4* src = reinterpret_cast<const uint4*>(norm_w + kb);
     for (int v = threadIdx.x; v < klen / (16 / int(sizeof(T))); v += kThreads) {
@@ -148,17 +242,20 @@ __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
 // H200, nanovlm-460m's gate/up projection at batch 1 6.16 -> 5.58 us, whole decoder 698 -> 678 us
 // (bench/decode_ops_bench.cc); with more rows, or the SiLU-multiply, 48 registers would spill.
 constexpr int GemvMinBlocks(int rows, int prologue, int chunks) {
-  return chunks > 4 ? 2 : rows == 1 && prologue != kGemvSiluMul ? 5 : 4;
+  return chunks > 4 || prologue == kGemvAttnCombine ? 2
+         : rows == 1 && prologue != kGemvSiluMul    ? 5
+                                                    : 4;
 }
 template <typename T, int M, int P, int kGemvChunks>
 __global__ void __launch_bounds__(kGemvWarps * 32, GemvMinBlocks(M, P, kGemvChunks))
     GemvKernel(const T* __restrict__ x, const T* __restrict__ norm_w, float eps,
                const T* __restrict__ w, const T* __restrict__ residual, T* __restrict__ y, int rows,
-               int n, int k) {
+               int n, int k, AttnCombineArgs comb) {
   constexpr int kVec = 16 / sizeof(T);
   extern __shared__ __align__(16) unsigned char gemv_smem[];
   T* xs = reinterpret_cast<T*>(gemv_smem);  // (rows, k) f(x)
-  T* gs = xs + rows * k;                    // (k) norm weight (kGemvRmsNorm)
+  T* gs =
+      xs + rows * k;  // (k) norm weight (kGemvRmsNorm); the combine's scratch (kGemvAttnCombine)
   __shared__ float ss_warp[kGemvWarps * M];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int col = blockIdx.x * kGemvWarps + warp;
@@ -172,7 +269,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, GemvMinBlocks(M, P, kGemvChun
     const int v = c * 32 + lane;
     if (active && v < vecs) wreg[c] = LoadBeforeWait(wr + v);
   }
-  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, 0, k, xs, gs, ss_warp);
+  WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, 0, k, xs, gs, ss_warp,
+                                                  comb);
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
@@ -295,7 +393,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   // Parameters are never written by a kernel: load them before waiting for the previous one.
   load(0);
   WaitAndStageGemvInput<T, M, P, kGemvWarps * 32>(x, norm_w, eps, rows, k, kb, klen, xs, gs,
-                                                  ss_warp);
+                                                  ss_warp, AttnCombineArgs{});
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int first = 0; first < c1 - c0; first += kGemvWarps * kMmaChunks) {
     if (first > 0) load(first);
@@ -388,7 +486,7 @@ bool UseMmaGemv(int P, int64_t n) {
 template <typename T, int P>
 cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* w,
                       const void* residual, void* y, int64_t rows, int64_t n, int64_t k,
-                      cudaStream_t s) {
+                      cudaStream_t s, const AttnCombineArgs& comb = {}) {
   const size_t smem = size_t(rows + (P == kGemvRmsNorm ? 1 : 0)) * k * sizeof(T);
   const dim3 grid(static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps));
   const dim3 block(kGemvWarps * 32);
@@ -399,18 +497,19 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
   T* yp = static_cast<T*>(y);
   const int ri = static_cast<int>(rows), ni = static_cast<int>(n), ki = static_cast<int>(k);
   const bool short_rows = k * sizeof(T) <= 4 * 32 * 16;  // one pass of 4 chunks per lane
-#define VLMGRAPH_GEMV_CASE(M)                                                                 \
-  if (rows <= M) {                                                                            \
-    auto kernel = short_rows ? GemvKernel<T, M, P, 4> : GemvKernel<T, M, P, 12>;              \
-    cudaError_t e = AllowSharedMemory(kernel, smem);                                          \
-    if (e != cudaSuccess) return e;                                                           \
-    return LaunchMaybePdl(kernel, grid, block, smem, s, xp, gp, eps, wp, rp, yp, ri, ni, ki); \
+#define VLMGRAPH_GEMV_CASE(M)                                                                \
+  if (rows <= M) {                                                                           \
+    auto kernel = short_rows ? GemvKernel<T, M, P, 4> : GemvKernel<T, M, P, 12>;             \
+    cudaError_t e = AllowSharedMemory(kernel, smem);                                         \
+    if (e != cudaSuccess) return e;                                                          \
+    return LaunchMaybePdl(kernel, grid, block, smem, s, xp, gp, eps, wp, rp, yp, ri, ni, ki, \
+                          comb);                                                             \
   }
   VLMGRAPH_GEMV_CASE(1)
   VLMGRAPH_GEMV_CASE(2)
   VLMGRAPH_GEMV_CASE(4)
 #undef VLMGRAPH_GEMV_CASE
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && P != kGemvAttnCombine) {
     if (rows <= 8 && UseMmaGemv(P, n)) {
       const int splits = GemvMmaSplits(k);
       const size_t mma_smem =  // for the longest split's columns
@@ -459,6 +558,26 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
                                                    stream);
   }
   return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchGemvAttnCombine(bool bf16, const AttnCombineArgs& comb, const void* w,
+                                  const void* residual, void* y, int64_t rows, int64_t n,
+                                  cudaStream_t stream) {
+  const int64_t elem = bf16 ? 2 : 4;
+  const int64_t k = int64_t(comb.n_kv) * comb.groups * comb.head_dim;
+  auto aligned = [](const void* p) { return p == nullptr || Aligned16(p); };
+  if (rows > kMaxCudaCoreGemvRows || comb.partials == nullptr || comb.positions == nullptr ||
+      comb.n_kv <= 0 || comb.groups <= 0 || comb.head_dim <= 0 || comb.splits <= 0 ||
+      comb.split_len <= 0 || comb.kv_len <= 0 || (k * elem) % 16 != 0 || !aligned(w) ||
+      !aligned(residual) || !aligned(y) || comb.head_dim % 4 != 0 ||
+      rows * k * elem > kMaxGemvSharedBytes) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0 || n == 0) return cudaSuccess;
+  return bf16 ? GemvTyped<__nv_bfloat16, kGemvAttnCombine>(nullptr, nullptr, 0.f, w, residual, y,
+                                                           rows, n, k, stream, comb)
+              : GemvTyped<float, kGemvAttnCombine>(nullptr, nullptr, 0.f, w, residual, y, rows, n,
+                                                   k, stream, comb);
 }
 
 }  // namespace vlmgraph::cuda
