@@ -6,7 +6,8 @@
 // (model/fused_ops.h); bottom rows: the unfused reference (separate kernels, cuBLAS).
 // VLMGRAPH_PDL=0 turns programmatic dependent launch off for comparison.
 // The last table runs the whole decoder (all blocks, distinct weights per block) with the per-block
-// kernels above.
+// kernels above, with the attention kernel combining its key splits and, up to 4 rows, with the
+// out projection combining them (ops::AttentionCombineLinear; Decode takes it up to 2 rows).
 //
 //   vlmgraph-decode-ops-bench [--batch 1] [--context 512] [--length 130]
 #include <ATen/ATen.h>
