@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   // positions and the cache rows before this step's position were written before the previous
   // kernel started (see WaitForPrerequisites), so they may be read now.
   const int64_t pos = positions[b];
-  const int len = static_cast<int>(pos + 1 < kv_len ? pos + 1 : kv_len);
-  const int active = (len + split_len - 1) / split_len;
+  const int len = DecodeKeys(pos, kv_len);
+  const int active = DecodeActiveSplits(pos, kv_len, split_len);
   if (s >= active) return;  // the block storing the new key is always active (see below)
   const int j0 = s * split_len;
   const int n = min(split_len, len - j0);
@@ -272,7 +272,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
                                    bool combine, cudaStream_t stream) {
   const int g = static_cast<int>(n_heads / n_kv);
   const int split_len = DecodeAttentionSplitLen(kv_len);
-  const int splits = static_cast<int>((kv_len + split_len - 1) / split_len);
+  const int splits = DecodeAttentionSplits(kv_len);
   const int threads = DecodeAttentionThreads(batch, n_kv);
   const size_t p_stride = std::max(split_len, 2 * splits);  // as in the kernel
   const size_t smem =
@@ -321,11 +321,14 @@ int DecodeAttentionSplitLen(int64_t kv_len) {
   return kv_len > 16 * 32 ? kAttnMaxSplitLen : 32;
 }
 
+int DecodeAttentionSplits(int64_t kv_len) {
+  return static_cast<int>((kv_len + DecodeAttentionSplitLen(kv_len) - 1) /
+                          DecodeAttentionSplitLen(kv_len));
+}
+
 int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
                                          int64_t kv_len) {
-  const int64_t splits =
-      (kv_len + DecodeAttentionSplitLen(kv_len) - 1) / DecodeAttentionSplitLen(kv_len);
-  return batch * splits * (n_heads * head_dim + 2 * n_heads);
+  return batch * DecodeAttentionSplits(kv_len) * (n_heads * head_dim + 2 * n_heads);
 }
 
 cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,

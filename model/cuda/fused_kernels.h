@@ -54,8 +54,10 @@ cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* i
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
                                       int64_t head_dim, int64_t max_seq, int64_t kv_len,
                                       float scale, bool combine, cudaStream_t stream);
-// Keys per split of LaunchRopeDecodeAttention for a kv_len window (32 .. 256).
+// Keys per split of LaunchRopeDecodeAttention for a kv_len window (32 or 64), and the splits
+// (thread blocks per (row, KV head)): ceil(kv_len / split length).
 int DecodeAttentionSplitLen(int64_t kv_len);
+int DecodeAttentionSplits(int64_t kv_len);
 // Floats of scratch LaunchRopeDecodeAttention needs.
 int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
                                          int64_t kv_len);
@@ -91,8 +93,9 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
 
 // The partial softmax states a LaunchRopeDecodeAttention(combine = false) left, for
 // LaunchGemvAttnCombine: partials (rows, n_kv, splits, groups * (head_dim + 2)) float32 as that
-// kernel lays them out (m, l, o per split), positions (rows) int64 and kv_len as it was given,
-// split_len = DecodeAttentionSplitLen(kv_len), splits = ceil(kv_len / split_len).
+// kernel lays them out (m, l, o per split), positions (rows) int64 and kv_len as it was given.
+// split_len and splits follow from kv_len (DecodeAttentionSplitLen, DecodeAttentionSplits):
+// LaunchGemvAttnCombine sets them, whatever the caller left there.
 struct AttnCombineArgs {
   const float* partials = nullptr;
   const int64_t* positions = nullptr;

@@ -179,8 +179,6 @@ at::Tensor AttentionCombineLinear(const DecodeAttentionPartials& a, const at::Te
   comb.partials = a.partials.data_ptr<float>();
   comb.positions = OptionalLongPtr(a.positions);
   comb.kv_len = static_cast<int>(a.kv_len);
-  comb.split_len = cuda::DecodeAttentionSplitLen(a.kv_len);
-  comb.splits = static_cast<int>((a.kv_len + comb.split_len - 1) / comb.split_len);
   comb.n_kv = static_cast<int>(a.n_kv);
   comb.groups = static_cast<int>(a.n_heads / a.n_kv);
   comb.head_dim = static_cast<int>(a.head_dim);

@@ -151,6 +151,7 @@ __device__ __forceinline__ void StageAttnCombine(const AttnCombineArgs& a, const
     const int m = (4 * q) / k, c = 4 * q - m * k, h = c / d, kh = h / g, hh = h - kh * g;
     const int n_act = RowValue<M>(act, m);
     const float* base = a.partials + (int64_t(m) * a.n_kv + kh) * S * split_stride;
+    const int o_off = 2 * g + hh * d + (c - h * d);  // of this thread's elements in a split
     float2 o_lo[kCombineSplits], o_hi[kCombineSplits];
     float m_t[kCombineSplits], l_t[kCombineSplits];
 #pragma unroll
@@ -159,7 +160,7 @@ __device__ __forceinline__ void StageAttnCombine(const AttnCombineArgs& a, const
         const float* p = base + u * split_stride;
         m_t[u] = p[hh];
         l_t[u] = p[g + hh];
-        const float2* o2 = reinterpret_cast<const float2*>(p + 2 * g + hh * d + (c - h * d));
+        const float2* o2 = reinterpret_cast<const float2*>(p + o_off);
         o_lo[u] = o2[0];
         o_hi[u] = o2[1];
       }
@@ -186,7 +187,7 @@ __device__ __forceinline__ void StageAttnCombine(const AttnCombineArgs& a, const
       const float* p = base + t * split_stride;
       const float e = __expf(p[hh] - mx);
       l += e * p[g + hh];
-      const float2* o2 = reinterpret_cast<const float2*>(p + 2 * g + hh * d + (c - h * d));
+      const float2* o2 = reinterpret_cast<const float2*>(p + o_off);
       const float2 lo = o2[0], hi = o2[1];
       o[0] += e * lo.x;
       o[1] += e * lo.y;
@@ -216,9 +217,7 @@ __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
     int act[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const int64_t pos = m < rows ? comb.positions[m] : 0;
-      const int len = static_cast<int>(pos + 1 < comb.kv_len ? pos + 1 : comb.kv_len);
-      act[m] = m < rows ? (len + comb.split_len - 1) / comb.split_len : 0;
+      act[m] = m < rows ? DecodeActiveSplits(comb.positions[m], comb.kv_len, comb.split_len) : 0;
     }
     WaitForPrerequisites();
     StageAttnCombine<T, M, kThreads>(comb, act, rows, k, xs);
@@ -526,15 +525,17 @@ cudaError_t GemvTyped(const void* x, const void* norm_w, float eps, const void* 
   return cudaErrorInvalidValue;
 }
 
+// An optional pointer (nullptr: not given) that allows 16-byte vector access.
+bool AlignedOrNull(const void* p) { return p == nullptr || Aligned16(p); }
+
 }  // namespace
 
 cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* norm_w, float eps,
                        const void* w, const void* residual, void* y, int64_t rows, int64_t n,
                        int64_t k, cudaStream_t stream) {
   const int64_t elem = bf16 ? 2 : 4;
-  auto aligned = [](const void* p) { return p == nullptr || Aligned16(p); };
-  if (rows > kMaxGemvRows || (k * elem) % 16 != 0 || !aligned(x) || !aligned(w) ||
-      !aligned(residual) || !aligned(y) || !aligned(norm_w) ||
+  if (rows > kMaxGemvRows || (k * elem) % 16 != 0 || !AlignedOrNull(x) || !AlignedOrNull(w) ||
+      !AlignedOrNull(residual) || !AlignedOrNull(y) || !AlignedOrNull(norm_w) ||
       (input == GemvInput::kRmsNorm && norm_w == nullptr) ||
       (rows + 1) * k * elem > kMaxGemvSharedBytes) {
     return cudaErrorInvalidValue;
@@ -560,19 +561,20 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
   return cudaErrorInvalidValue;
 }
 
-cudaError_t LaunchGemvAttnCombine(bool bf16, const AttnCombineArgs& comb, const void* w,
+cudaError_t LaunchGemvAttnCombine(bool bf16, const AttnCombineArgs& args, const void* w,
                                   const void* residual, void* y, int64_t rows, int64_t n,
                                   cudaStream_t stream) {
   const int64_t elem = bf16 ? 2 : 4;
-  const int64_t k = int64_t(comb.n_kv) * comb.groups * comb.head_dim;
-  auto aligned = [](const void* p) { return p == nullptr || Aligned16(p); };
-  if (rows > kMaxCudaCoreGemvRows || comb.partials == nullptr || comb.positions == nullptr ||
-      comb.n_kv <= 0 || comb.groups <= 0 || comb.head_dim <= 0 || comb.splits <= 0 ||
-      comb.split_len <= 0 || comb.kv_len <= 0 || (k * elem) % 16 != 0 || !aligned(w) ||
-      !aligned(residual) || !aligned(y) || comb.head_dim % 4 != 0 ||
-      rows * k * elem > kMaxGemvSharedBytes) {
+  const int64_t k = int64_t(args.n_kv) * args.groups * args.head_dim;
+  if (rows > kMaxCudaCoreGemvRows || args.partials == nullptr || args.positions == nullptr ||
+      args.n_kv <= 0 || args.groups <= 0 || args.head_dim <= 0 || args.kv_len <= 0 ||
+      (k * elem) % 16 != 0 || !AlignedOrNull(w) || !AlignedOrNull(residual) || !AlignedOrNull(y) ||
+      args.head_dim % 4 != 0 || rows * k * elem > kMaxGemvSharedBytes) {
     return cudaErrorInvalidValue;
   }
+  AttnCombineArgs comb = args;
+  comb.split_len = DecodeAttentionSplitLen(args.kv_len);
+  comb.splits = DecodeAttentionSplits(args.kv_len);
   if (rows == 0 || n == 0) return cudaSuccess;
   return bf16 ? GemvTyped<__nv_bfloat16, kGemvAttnCombine>(nullptr, nullptr, 0.f, w, residual, y,
                                                            rows, n, k, stream, comb)

@@ -102,6 +102,16 @@ __device__ __forceinline__ void AllowDependentsToLaunch() {
 
 // ---- Formulas shared by the separate kernels and the fused ones, so both round alike ---------
 
+// A decode attention row whose new token is at `pos` attends over positions [0, DecodeKeys) of its
+// kv_len window, split_len keys per split; DecodeActiveSplits of its splits hold keys
+// (RopeDecodeAttentionKernel, and the out projection that combines its partial states).
+__device__ __forceinline__ int DecodeKeys(int64_t pos, int kv_len) {
+  return static_cast<int>(pos + 1 < kv_len ? pos + 1 : kv_len);
+}
+__device__ __forceinline__ int DecodeActiveSplits(int64_t pos, int kv_len, int split_len) {
+  return (DecodeKeys(pos, kv_len) + split_len - 1) / split_len;
+}
+
 // RMSNorm's output before its final rounding: normalise, round to T, then scale by the weight
 // (the reference's order: T(x * r) * w). r = rsqrt(mean(x^2) + eps).
 template <typename T>
