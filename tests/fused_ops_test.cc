@@ -135,6 +135,28 @@ TEST(FusedOps, GemvAndItsProloguesMatchTheUnfusedOps_CUDA) {
   }
 }
 
+// A decode attention shape: query and KV heads, head_dim, rows, window, cache positions per row.
+struct DecodeAttentionCase {
+  int64_t nh, nkv, d, batch, kv_len, max_seq;
+};
+// Random decode attention inputs of shape c on the GPU: qkv (batch, (nh + 2 nkv) d), RoPE's
+// inverse frequencies (d / 2) float32, and a KV cache (batch + 1, nkv, max_seq, d).
+struct DecodeAttentionInputs {
+  at::Tensor qkv, inv_freq, cache_k, cache_v;
+};
+DecodeAttentionInputs MakeDecodeAttentionInputs(const DecodeAttentionCase& c,
+                                                at::ScalarType dtype) {
+  auto opt = at::dtype(dtype).device(at::kCUDA);
+  DecodeAttentionInputs in;
+  in.qkv = at::randn({c.batch, (c.nh + 2 * c.nkv) * c.d}, opt);
+  in.inv_freq =
+      1.0 / at::pow(10000.0,
+                    at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) / double(c.d));
+  in.cache_k = at::randn({c.batch + 1, c.nkv, c.max_seq, c.d}, opt);
+  in.cache_v = at::randn_like(in.cache_k);
+  return in;
+}
+
 // Reference decode attention: RopeKvWrite (rotate, write the cache) then softmax(q K^T / sqrt(D)) V
 // per row over positions [0, min(pos + 1, kv_len)), in float64.
 at::Tensor ReferenceDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq,
@@ -157,9 +179,7 @@ at::Tensor ReferenceDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv
 
 TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
   VLMGRAPH_REQUIRE_CUDA();
-  struct Case {
-    int64_t nh, nkv, d, batch, kv_len, max_seq;
-  };
+  using Case = DecodeAttentionCase;
   // 460m heads (15 / 5, D 64), tiny-like heads (D 16), D 128 with 16 query heads per KV head;
   // windows of one split (48) up to 16 splits of 64 keys (1024) and a window shorter than the
   // cache (positions past kv_len are clipped).
@@ -174,13 +194,8 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
                    << c10::toString(dtype) << " nh " << c.nh << " nkv " << c.nkv << " d " << c.d
                    << " batch " << c.batch << " kv_len " << c.kv_len);
       at::manual_seed(c.batch * 1000 + c.kv_len);
-      auto opt = at::dtype(dtype).device(at::kCUDA);
       auto longs = at::dtype(at::kLong).device(at::kCUDA);
-      at::Tensor qkv = at::randn({c.batch, (c.nh + 2 * c.nkv) * c.d}, opt);
-      at::Tensor inv_freq =
-          1.0 / at::pow(10000.0, at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) /
-                                     double(c.d));
-      at::Tensor ck = at::randn({c.batch + 1, c.nkv, c.max_seq, c.d}, opt), cv = at::randn_like(ck);
+      const auto [qkv, inv_freq, ck, cv] = MakeDecodeAttentionInputs(c, dtype);
       // First and last positions of the window, one split boundary, random ones.
       at::Tensor positions = at::randint(0, c.kv_len, {c.batch}, longs);
       positions[0] = c.kv_len - 1;
@@ -212,9 +227,7 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
 // only slower than the attention kernel's own combine: DecodeAttentionCombinesInLinear).
 TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
   VLMGRAPH_REQUIRE_CUDA();
-  struct Case {
-    int64_t nh, nkv, d, batch, kv_len, max_seq;
-  };
+  using Case = DecodeAttentionCase;
   const Case cases[] = {{15, 5, 64, 1, 512, 1024}, {15, 5, 64, 4, 1024, 1024},
                         {15, 5, 64, 3, 160, 256},  {4, 2, 16, 2, 512, 600},
                         {16, 1, 128, 2, 256, 256}, {15, 5, 64, 1, 20, 64}};
@@ -227,12 +240,7 @@ TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
         at::manual_seed(c.batch * 7 + c.kv_len);
         auto opt = at::dtype(dtype).device(at::kCUDA);
         auto longs = at::dtype(at::kLong).device(at::kCUDA);
-        at::Tensor qkv = at::randn({c.batch, (c.nh + 2 * c.nkv) * c.d}, opt);
-        at::Tensor inv_freq =
-            1.0 / at::pow(10000.0, at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) /
-                                       double(c.d));
-        at::Tensor ck = at::randn({c.batch + 1, c.nkv, c.max_seq, c.d}, opt),
-                   cv = at::randn_like(ck);
+        const auto [qkv, inv_freq, ck, cv] = MakeDecodeAttentionInputs(c, dtype);
         at::Tensor positions = at::randint(0, c.kv_len, {c.batch}, longs);
         positions[0] = c.kv_len - 1;
         if (c.batch > 1) positions[1] = 0;
