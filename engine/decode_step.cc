@@ -85,10 +85,14 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   step->tokens = out[1];
   if (!all_greedy) {
     step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
+    std::vector<SamplingDraw> draws;
     for (Sequence* s : fed) {
-      if (!s->sampling.greedy)
-        step->tokens[s->slot] = SampleToken(out[0][s->slot], s->sampling, s->generator);
+      // This step's token is the sequence's (generated + ahead)-th: each step queued ahead of it
+      // gives one before it.
+      const int64_t ahead = carry ? s->queued : 0;
+      if (!s->sampling.greedy) draws.push_back({s->slot, &s->sampling, s->generated + ahead});
     }
+    SampleRowsInto(out[0], draws, step->tokens);
   }
   buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);
   buf.dec_done[half]->Record();

@@ -43,4 +43,11 @@ void ResetPeakDeviceMemory(const at::Device& device);
 // True when this build has the CUDA graph sources compiled in.
 bool BuiltWithCudaGraphs();
 
+// NucleusPrefix and GumbelMaxDraw (engine/sampler.h) for CUDA tensors, already checked there, on
+// the current stream. Throw c10::Error in a CPU-only build or when a launch fails.
+struct SamplingRows;
+void NucleusPrefixCuda(const at::Tensor& sorted, const SamplingRows& rows, const at::Tensor& kept);
+void GumbelMaxDrawCuda(const at::Tensor& candidates, const at::Tensor& ids, const at::Tensor& kept,
+                       const SamplingRows& rows, const at::Tensor& out);
+
 }  // namespace vlmgraph

@@ -19,6 +19,13 @@ MemoryStats DeviceMemory(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 bool BuiltWithCudaGraphs() { return false; }
 std::unique_ptr<StepRunner> MakeCudaGraphStepRunner(int) { return nullptr; }
+void NucleusPrefixCuda(const at::Tensor&, const SamplingRows&, const at::Tensor&) {
+  TORCH_CHECK(false, "NucleusPrefix on a CUDA tensor needs a CUDA build");
+}
+void GumbelMaxDrawCuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const SamplingRows&,
+                       const at::Tensor&) {
+  TORCH_CHECK(false, "GumbelMaxDraw on a CUDA tensor needs a CUDA build");
+}
 
 bool FusedOptimizerAvailable(const at::Device&) { return false; }
 void AccumulateGradients(const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,

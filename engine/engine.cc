@@ -392,12 +392,13 @@ at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot)
 std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits,
                                         const std::vector<Sequence*>& seqs) {
   at::Tensor tokens = ops::ArgmaxRows(logits);  // greedy for every row; sampled rows overwritten
+  std::vector<SamplingDraw> draws;
   for (size_t i = 0; i < seqs.size(); ++i) {
     if (!seqs[i]->sampling.greedy) {
-      tokens[static_cast<int64_t>(i)] =
-          SampleToken(logits[static_cast<int64_t>(i)], seqs[i]->sampling, seqs[i]->generator);
+      draws.push_back({static_cast<int64_t>(i), &seqs[i]->sampling, seqs[i]->generated});
     }
   }
+  SampleRowsInto(logits, draws, tokens);
   at::Tensor host = tokens.to(at::kCPU);  // the step's one synchronising copy
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
 }
@@ -441,7 +442,6 @@ std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
     seq->slot = static_cast<int64_t>(slot);
     seq->length = static_cast<int64_t>(r.input_ids.size());
     seq->sampling = r.sampling;
-    if (!r.sampling.greedy) seq->generator = MakeGenerator(options_.device, r.sampling.seed);
     seqs.push_back(seq.get());
     ids.push_back(seq->id);
     slots_[slot] = std::move(seq);

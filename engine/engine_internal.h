@@ -4,7 +4,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/core/Generator.h>
 
 #include <chrono>
 #include <memory>
@@ -49,7 +48,6 @@ struct Engine::Sequence {
   // between Step() calls): its next step feeds position length + queued.
   int64_t queued = 0;
   SamplingParams sampling;
-  at::Generator generator;
 };
 
 // Static device buffers shared by every bucket's region function. Each bucket reads a prefix

@@ -1,12 +1,16 @@
 // engine/cuda/cuda_device.cc: CUDA implementations of engine/device.h.
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <optional>
 
+#include "engine/cuda/sampler_kernels.h"
 #include "engine/device.h"
+#include "engine/sampler.h"
 
 namespace vlmgraph {
 
@@ -58,5 +62,40 @@ void ResetPeakDeviceMemory(const at::Device& device) {
 }
 
 bool BuiltWithCudaGraphs() { return true; }
+
+namespace {
+cuda::SamplerArgs MakeSamplerArgs(const at::Tensor& x, const SamplingRows& rows) {
+  return {x.data_ptr(),
+          x.scalar_type() == at::kBFloat16,
+          rows.temperature.data_ptr<float>(),
+          rows.top_p.data_ptr<float>(),
+          rows.top_k.data_ptr<int64_t>(),
+          rows.seed.data_ptr<int64_t>(),
+          rows.draw.data_ptr<int64_t>(),
+          x.size(0),
+          x.size(1)};
+}
+}  // namespace
+
+void NucleusPrefixCuda(const at::Tensor& sorted, const SamplingRows& rows, const at::Tensor& kept) {
+  c10::cuda::CUDAGuard guard(sorted.device());
+  const cudaError_t e = cuda::LaunchNucleusPrefix(
+      MakeSamplerArgs(sorted, rows), kept.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(e == cudaSuccess, "NucleusPrefix: launch failed: ", cudaGetErrorString(e));
+}
+
+void GumbelMaxDrawCuda(const at::Tensor& candidates, const at::Tensor& ids, const at::Tensor& kept,
+                       const SamplingRows& rows, const at::Tensor& out) {
+  c10::cuda::CUDAGuard guard(candidates.device());
+  const int64_t n = candidates.size(0), cols = candidates.size(1);
+  const int64_t chunks = (cols + cuda::kDrawChunk - 1) / cuda::kDrawChunk;
+  at::Tensor partial_scores = at::empty({n * chunks}, candidates.options().dtype(at::kFloat));
+  at::Tensor partial_ids = at::empty({n * chunks}, out.options());
+  const cudaError_t e = cuda::LaunchGumbelMaxDraw(
+      MakeSamplerArgs(candidates, rows), ids.defined() ? ids.data_ptr<int64_t>() : nullptr,
+      kept.defined() ? kept.data_ptr<int64_t>() : nullptr, partial_scores.data_ptr<float>(),
+      partial_ids.data_ptr<int64_t>(), out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(e == cudaSuccess, "GumbelMaxDraw: launch failed: ", cudaGetErrorString(e));
+}
 
 }  // namespace vlmgraph
