@@ -315,8 +315,10 @@ int64_t Engine::ActiveSequences() const {
 
 at::Tensor Engine::ToDevice(const at::Tensor& tiles) const {
   // Copy first, convert on the device: a CPU-to-GPU copy that changes dtype converts on the CPU,
-  // which for a 512x512 tile costs milliseconds of the request's time to first token.
-  return tiles.to(options_.device).to(options_.dtype);
+  // which for a 512x512 tile costs milliseconds of the request's time to first token. From pinned
+  // memory the copy is queued without waiting (the caching host allocator keeps the block until
+  // it has run).
+  return tiles.to(options_.device, /*non_blocking=*/tiles.is_pinned()).to(options_.dtype);
 }
 
 void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
@@ -344,7 +346,13 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
     real += r->input_ids.size();
     if (r->tiles.defined() && r->tiles.numel() > 0) tiles.push_back(r->tiles);
   }
-  if (!tiles.empty()) RunVision(ToDevice(at::cat(tiles, 0)), 0);
+  if (!tiles.empty()) {
+    // Each request's tiles go to the device as they are and are joined there: joining them on the
+    // host first would copy every tile once more in host memory (for a 512x512 tile 3 MB, 0.3 to
+    // 2 ms depending on the host).
+    for (at::Tensor& t : tiles) t = ToDevice(t);
+    RunVision(tiles.size() == 1 ? tiles[0] : at::cat(tiles, 0), 0);
+  }
   const BucketKey key = *options_.buckets.PickPrefill(n, max_len);
   // Host-side padding: rows right-padded with the pad id; padding rows write the scratch KV row.
   // Causal attention means real tokens never see the right padding, so their logits equal an
