@@ -46,14 +46,17 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
   std::fill(positions_p, positions_p + batch, 0);
   std::fill(carry_p, carry_p + batch, false);
-  bool any_carried = false, all_greedy = true;
+  bool any_carried = false;
+  std::vector<SamplingDraw> draws;  // the sampled rows
   for (Sequence* s : fed) {
     const int64_t ahead = carry ? s->queued : 0;
     tokens_p[s->slot] = s->last_token;  // unused when carried
     positions_p[s->slot] = s->length + ahead;
     carry_p[s->slot] = ahead > 0;
     any_carried = any_carried || ahead > 0;
-    all_greedy = all_greedy && s->sampling.greedy;
+    // This step's token is the sequence's (generated + ahead)-th: each step queued ahead of it
+    // gives one before it.
+    if (!s->sampling.greedy) draws.push_back({s->slot, &s->sampling, s->generated + ahead});
   }
   if (any_carried) {
     // The step ahead is queued_, the last one queued: its tokens, in stream order.
@@ -83,15 +86,8 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
     CountEagerFallback(step->key);
   }
   step->tokens = out[1];
-  if (!all_greedy) {
+  if (!draws.empty()) {
     step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
-    std::vector<SamplingDraw> draws;
-    for (Sequence* s : fed) {
-      // This step's token is the sequence's (generated + ahead)-th: each step queued ahead of it
-      // gives one before it.
-      const int64_t ahead = carry ? s->queued : 0;
-      if (!s->sampling.greedy) draws.push_back({s->slot, &s->sampling, s->generated + ahead});
-    }
     SampleRowsInto(out[0], draws, step->tokens);
   }
   buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);

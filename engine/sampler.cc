@@ -8,30 +8,12 @@
 #include <limits>
 
 #include "engine/device.h"
-#include "engine/sampling_noise.h"
+#include "engine/sampler_formulas.h"
 
 namespace vlmgraph {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The top-k prefix of a descending row x (cols): the number of entries >= x[top_k - 1], all of
-// them when top_k == 0 (binary search; ties with the k-th entry are kept).
-template <typename T>
-int64_t TopKPrefix(const T* x, int64_t cols, int64_t top_k) {
-  if (top_k <= 0) return cols;
-  const float kth = static_cast<float>(x[top_k - 1]);
-  int64_t lo = top_k, hi = cols;  // x[lo - 1] >= kth; the answer is in [lo, hi]
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (static_cast<float>(x[mid]) >= kth) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
 
 // NucleusPrefix on the CPU (the CUDA kernel in engine/cuda/sampler_kernels.cu sums the same terms
 // in a different order).
@@ -86,8 +68,8 @@ void GumbelMaxDrawCpu(const at::Tensor& candidates, const at::Tensor& ids, const
       for (int64_t j = 0; j < end; ++j) {
         const int64_t t = id ? id[r * cols + j] : j;
         const float s =
-            static_cast<float>(xr[j]) / temperature[r] +
-            SamplingGumbel(static_cast<uint64_t>(seed[r]), static_cast<uint64_t>(draw[r]), t);
+            SamplingScore(static_cast<float>(xr[j]), temperature[r], static_cast<uint64_t>(seed[r]),
+                          static_cast<uint64_t>(draw[r]), t);
         if (SamplingBeats(s, t, best, best_id)) {
           best = s;
           best_id = t;

@@ -11,7 +11,7 @@
 // - the token is drawn from softmax(kept logits / temperature) by the Gumbel-max trick,
 //   argmax over kept tokens of logit / temperature + G, with G standard Gumbel noise
 //   (Gumbel 1954; e.g. Huijben et al., "A Review of the Gumbel-max Trick", TPAMI 2022), which
-//   samples that distribution exactly. The noise is counter-based (engine/sampling_noise.h): a
+//   samples that distribution exactly. The noise is counter-based (engine/sampler_formulas.h): a
 //   row's token depends only on its logits, its parameters, its seed and the index of the draw in
 //   its sequence, not on what else is batched with it, so a seeded request repeats its tokens.
 //

@@ -1,6 +1,7 @@
 // engine/cuda/sampler_kernels.cu: the sampler's kernels (formulas: NucleusPrefix and
-// GumbelMaxDraw in engine/sampler.h; noise: engine/sampling_noise.h, shared with the CPU loops in
-// engine/sampler.cc, so the draw picks the same token from the same inputs on both).
+// GumbelMaxDraw in engine/sampler.h; the per-candidate ones in engine/sampler_formulas.h, shared
+// with the CPU loops in engine/sampler.cc, so the draw picks the same token from the same inputs
+// on both).
 //
 // NucleusPrefix: one block per row; the top-k prefix by binary search, the top-k mass by a block
 // reduction, then a block scan chunk by chunk until the preceding mass passes top_p's share
@@ -20,7 +21,7 @@
 #include <limits>
 
 #include "engine/cuda/sampler_kernels.h"
-#include "engine/sampling_noise.h"
+#include "engine/sampler_formulas.h"
 
 namespace vlmgraph::cuda {
 namespace {
@@ -32,29 +33,6 @@ constexpr int64_t kNoId = std::numeric_limits<int64_t>::max();
 struct MinOp {  // (cub::Min is gone from CUDA 13's CUB)
   __device__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
 };
-
-__device__ __forceinline__ float Load(const float* x, int64_t i) { return x[i]; }
-__device__ __forceinline__ float Load(const __nv_bfloat16* x, int64_t i) {
-  return __bfloat162float(x[i]);
-}
-
-// The top-k prefix of a descending row: the number of entries >= x[top_k - 1] (all when top_k is
-// 0), by binary search (TopKPrefix in engine/sampler.cc).
-template <typename T>
-__device__ int64_t TopKPrefix(const T* x, int64_t cols, int64_t top_k) {
-  if (top_k <= 0) return cols;
-  const float kth = Load(x, top_k - 1);
-  int64_t lo = top_k, hi = cols;  // x[lo - 1] >= kth; the answer is in [lo, hi]
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (Load(x, mid) >= kth) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kNucleusThreads) NucleusKernel(SamplerArgs a, int64_t* kept) {
@@ -78,9 +56,10 @@ __global__ void __launch_bounds__(kNucleusThreads) NucleusKernel(SamplerArgs a, 
     if (threadIdx.x == 0) kept[r] = n_k;
     return;
   }
-  const float x0 = Load(xr, 0);
+  const float x0 = static_cast<float>(xr[0]);
   double part = 0.0;
-  for (int64_t j = threadIdx.x; j < n_k; j += kNucleusThreads) part += expf(Load(xr, j) - x0);
+  for (int64_t j = threadIdx.x; j < n_k; j += kNucleusThreads)
+    part += expf(static_cast<float>(xr[j]) - x0);
   const double total = Reduce(tmp.reduce).Sum(part);
   if (threadIdx.x == 0) total_shared = total;
   __syncthreads();
@@ -89,7 +68,7 @@ __global__ void __launch_bounds__(kNucleusThreads) NucleusKernel(SamplerArgs a, 
   int64_t cut = n_k;
   for (int64_t c0 = 0; c0 < n_k; c0 += kNucleusThreads) {
     const int64_t j = c0 + threadIdx.x;
-    const double e = j < n_k ? static_cast<double>(expf(Load(xr, j) - x0)) : 0.0;
+    const double e = j < n_k ? static_cast<double>(expf(static_cast<float>(xr[j]) - x0)) : 0.0;
     double inclusive, chunk;
     Scan(tmp.scan).InclusiveSum(e, inclusive, chunk);
     // Entry j + 1 is cut when the mass of entries 0..j exceeds the limit.
@@ -131,7 +110,7 @@ __global__ void __launch_bounds__(kDrawThreads)
   const int64_t end = min(n_kept, (chunk + 1) * kDrawChunk);
   for (int64_t j = chunk * kDrawChunk + threadIdx.x; j < end; j += kDrawThreads) {
     const int64_t t = ids ? ids[r * a.cols + j] : j;
-    const float s = Load(xr, j) / temperature + SamplingGumbel(seed, draw, t);
+    const float s = SamplingScore(static_cast<float>(xr[j]), temperature, seed, draw, t);
     if (SamplingBeats(s, t, best, best_id)) {
       best = s;
       best_id = t;
