@@ -1,0 +1,137 @@
+#include "model/chat_format.h"
+
+#include <regex>
+
+namespace vlmgraph {
+namespace {
+
+// A Jinja string literal's escapes (\n, \t, \\, \', \") -> the characters they stand for.
+std::string UnescapeJinja(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '\\' || i + 1 == s.size()) {
+      out += s[i];
+      continue;
+    }
+    const char c = s[++i];
+    switch (c) {
+      case 'n':
+        out += '\n';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      default:
+        out += c;  // \\ \' \"
+    }
+  }
+  return out;
+}
+
+void Require(const std::string& tmpl, const std::string& literal, const std::string& what) {
+  if (tmpl.find(literal) == std::string::npos) {
+    throw ChatFormatError("chat template is not ChatML (" + what + ": no '" + literal +
+                          "' in it); vlmgraph renders ChatML templates only (nanoVLM's and "
+                          "SmolLM2's), so use a checkpoint whose chat_template is ChatML");
+  }
+}
+
+}  // namespace
+
+ChatFormat ChatFormat::FromTemplate(const std::string& tmpl) {
+  if (tmpl.empty()) throw ChatFormatError("chat template is empty");
+  ChatFormat f;
+  Require(tmpl, f.begin_of_turn_, "a turn's start");
+  Require(tmpl, f.end_of_turn_, "a turn's end");
+  Require(tmpl, "role", "the message role");
+  Require(tmpl, "content", "the message content");
+  Require(tmpl, "add_generation_prompt", "the reply prompt");
+  // The reply prompt "<|im_start|>assistant\n", written with a Jinja escape or a raw newline.
+  if (tmpl.find("<|im_start|>assistant\\n") == std::string::npos &&
+      tmpl.find("<|im_start|>assistant\n") == std::string::npos) {
+    throw ChatFormatError(
+        "chat template is not ChatML (no '<|im_start|>assistant\\n' reply prompt); vlmgraph "
+        "renders ChatML templates only");
+  }
+  // A default system message: a literal "<|im_start|>system\n...<|im_end|>" emitted only when the
+  // first message is not a system message.
+  static const std::regex kDefaultSystem(
+      R"(messages\[0\]\[['"]role['"]\]\s*!=\s*['"]system['"][\s\S]*?<\|im_start\|>system(?:\\n|\n)([\s\S]*?)<\|im_end\|>)");
+  std::smatch m;
+  if (std::regex_search(tmpl, m, kDefaultSystem)) f.default_system_ = UnescapeJinja(m[1].str());
+  return f;
+}
+
+std::string ChatFormat::Render(const std::vector<ChatMessage>& messages,
+                               const std::vector<std::string>& image_strings,
+                               bool add_generation_prompt) const {
+  if (messages.empty()) throw ChatFormatError("messages: the conversation is empty");
+  std::string out;
+  if (default_system_ && messages[0].role != "system") {
+    out += begin_of_turn_ + "system\n" + *default_system_ + end_of_turn_ + "\n";
+  }
+  size_t image = 0;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& msg = messages[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      throw ChatFormatError(where + ".role: '" + msg.role +
+                            "' is not supported; use system, user or assistant");
+    }
+    if (msg.role == "system" && i > 0) {
+      throw ChatFormatError(where + ": a system message may only come first");
+    }
+    out += begin_of_turn_ + msg.role + "\n";
+    for (const ChatContentPart& part : msg.content) {
+      if (part.type == ChatContentPart::Type::kText) {
+        out += part.text;
+        continue;
+      }
+      if (image >= image_strings.size()) {
+        throw ChatFormatError(where + ": more image parts than images");
+      }
+      out += image_strings[image++];
+    }
+    out += end_of_turn_ + "\n";
+  }
+  if (image != image_strings.size()) {
+    throw ChatFormatError("messages: " + std::to_string(image) + " image parts for " +
+                          std::to_string(image_strings.size()) + " images");
+  }
+  if (add_generation_prompt) out += begin_of_turn_ + "assistant\n";
+  return out;
+}
+
+std::string ImageString(const VlmConfig& cfg, const ImageGrid& grid) {
+  return ImageString(cfg, grid, 0, false);
+}
+
+std::string ImageString(const VlmConfig& cfg, const ImageGrid& grid, int64_t index, bool numbered) {
+  auto token = [&cfg](const std::string& name) -> const std::string& {
+    for (const auto& [key, text] : cfg.vlm_extra_tokens) {
+      if (key == name) return text;
+    }
+    throw ChatFormatError("model config: vlm_extra_tokens has no '" + name +
+                          "', which the image string needs (upstream get_image_string)");
+  };
+  std::string image_tokens;
+  const std::string& image = token("image_token");
+  for (int64_t i = 0; i < cfg.mp_image_token_length; ++i) image_tokens += image;
+
+  std::string out;
+  if (numbered) out += "<image: " + std::to_string(index) + ">";
+  out += token("global_image_token") + image_tokens;
+  if (grid.rows == 1 && grid.cols == 1) return out;  // the one tile is the global image
+  for (int64_t r = 1; r <= grid.rows; ++r) {
+    for (int64_t c = 1; c <= grid.cols; ++c) {
+      out += token("r" + std::to_string(r) + "c" + std::to_string(c)) + image_tokens;
+    }
+  }
+  return out;
+}
+
+}  // namespace vlmgraph
