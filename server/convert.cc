@@ -16,8 +16,9 @@ namespace {
 
 std::string Index(const std::string& field, int i) { return field + "[" + std::to_string(i) + "]"; }
 
-// A client's raw FloatTensor -> (3, H, W) image or (N, 3, S, S) ready tiles.
-at::Tensor TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, const Limits& limits,
+// A client's raw FloatTensor -> the tiles of a (3, H, W) image, or (N, 3, S, S) ready tiles (whose
+// grid is unknown: grid_rows = 0).
+ImageTiles TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, const Limits& limits,
                               const std::string& field) {
   std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   int64_t numel = 1;
@@ -50,9 +51,14 @@ at::Tensor TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
                           ".tensor.values: pixel values must lie in [0, 1] (NaN is not allowed)");
   }
   at::Tensor x = at::from_blob(const_cast<float*>(v), shape, at::kFloat).clone();
-  if (tiles) return x;
+  if (tiles) {
+    ImageTiles t;
+    t.tiles = x;
+    t.grid_rows = t.grid_cols = shape[0] == 1 ? 1 : 0;
+    return t;
+  }
   try {
-    return TileImage(x, cfg).tiles;
+    return TileImage(x, cfg);
   } catch (const ImageError& e) {
     throw InvalidArgument(field + ".tensor: " + e.what());
   }
@@ -60,35 +66,133 @@ at::Tensor TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
 
 }  // namespace
 
-at::Tensor ImagesToTiles(const google::protobuf::RepeatedPtrField<v1::Image>& images,
-                         const VlmConfig& cfg, const Limits& limits, const std::string& field) {
-  if (images.size() > limits.max_images_per_request) {
-    throw InvalidArgument(field + ": " + std::to_string(images.size()) + " images; at most " +
+ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
+                        const std::string& field) {
+  switch (img.source_case()) {
+    case v1::Image::kEncoded:
+      try {
+        return PreprocessEncodedImage(img.encoded(), cfg,
+                                      ImageLimits{limits.max_image_bytes, limits.max_image_pixels});
+      } catch (const ImageError& e) {
+        throw InvalidArgument(field + ": " + e.what());
+      }
+    case v1::Image::kTensor:
+      return TensorImageToTiles(img.tensor(), cfg, limits, field);
+    default:
+      throw InvalidArgument(field + ": empty image; set `encoded` (PNG/JPEG bytes) or `tensor`");
+  }
+}
+
+void CheckImageCount(int64_t images, const Limits& limits, const std::string& field) {
+  if (images > limits.max_images_per_request) {
+    throw InvalidArgument(field + ": " + std::to_string(images) + " images; at most " +
                           std::to_string(limits.max_images_per_request) +
                           " are allowed per request (limits.max_images_per_request)");
   }
+}
+
+std::vector<ImageTiles> DecodeImages(const google::protobuf::RepeatedPtrField<v1::Image>& images,
+                                     const VlmConfig& cfg, const Limits& limits,
+                                     const std::string& field) {
+  CheckImageCount(images.size(), limits, field);
+  std::vector<ImageTiles> out;
+  for (int i = 0; i < images.size(); ++i)
+    out.push_back(ImageToTiles(images[i], cfg, limits, Index(field, i)));
+  return out;
+}
+
+at::Tensor JoinTiles(const std::vector<ImageTiles>& images) {
+  if (images.empty()) return {};
+  if (images.size() == 1) return images[0].tiles;
   std::vector<at::Tensor> tiles;
-  const ImageLimits image_limits{limits.max_image_bytes, limits.max_image_pixels};
-  for (int i = 0; i < images.size(); ++i) {
-    const v1::Image& img = images[i];
-    const std::string f = Index(field, i);
-    switch (img.source_case()) {
-      case v1::Image::kEncoded:
-        try {
-          tiles.push_back(PreprocessEncodedImage(img.encoded(), cfg, image_limits).tiles);
-        } catch (const ImageError& e) {
-          throw InvalidArgument(f + ": " + e.what());
-        }
-        break;
-      case v1::Image::kTensor:
-        tiles.push_back(TensorImageToTiles(img.tensor(), cfg, limits, f));
-        break;
-      default:
-        throw InvalidArgument(f + ": empty image; set `encoded` (PNG/JPEG bytes) or `tensor`");
-    }
+  for (const ImageTiles& t : images) tiles.push_back(t.tiles);
+  return at::cat(tiles, 0);
+}
+
+at::Tensor ImagesToTiles(const google::protobuf::RepeatedPtrField<v1::Image>& images,
+                         const VlmConfig& cfg, const Limits& limits, const std::string& field) {
+  return JoinTiles(DecodeImages(images, cfg, limits, field));
+}
+
+std::vector<ChatMessage> ToChatMessages(
+    const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages, const VlmConfig& cfg,
+    const Limits& limits, std::vector<ImageTiles>* images) {
+  std::vector<ChatMessage> out;
+  int64_t image_parts = 0;
+  for (const v1::ChatMessage& m : messages) {
+    for (const v1::ContentPart& part : m.content()) image_parts += part.has_image();
   }
-  if (tiles.empty()) return {};
-  return tiles.size() == 1 ? tiles[0] : at::cat(tiles, 0);
+  CheckImageCount(image_parts, limits, "messages");
+  for (int i = 0; i < messages.size(); ++i) {
+    const v1::ChatMessage& m = messages[i];
+    ChatMessage msg;
+    msg.role = m.role();
+    for (int j = 0; j < m.content_size(); ++j) {
+      const v1::ContentPart& part = m.content(j);
+      const std::string f = Index(Index("messages", i) + ".content", j);
+      switch (part.part_case()) {
+        case v1::ContentPart::kText:
+          msg.content.push_back(ChatContentPart::Text(part.text()));
+          break;
+        case v1::ContentPart::kImage: {
+          ImageTiles t = ImageToTiles(part.image(), cfg, limits, f + ".image");
+          if (t.grid_rows == 0) {
+            throw InvalidArgument(f +
+                                  ".image: ready-made tiles have no grid to describe in the "
+                                  "prompt; send the encoded image or a [3, H, W] tensor");
+          }
+          images->push_back(std::move(t));
+          msg.content.push_back(ChatContentPart::Image());
+          break;
+        }
+        default:
+          throw InvalidArgument(f + ": empty part; set `text` or `image`");
+      }
+    }
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
+Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const std::string& text,
+                const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages,
+                const google::protobuf::RepeatedPtrField<v1::Image>& images,
+                bool add_generation_prompt, const VlmConfig& cfg, const Limits& limits,
+                const TextModel* text_model) {
+  const int forms = !input_ids.empty() + !text.empty() + !messages.empty();
+  if (forms != 1) {
+    throw InvalidArgument(forms == 0 ? "no prompt: set input_ids, text or messages"
+                                     : "set only one of input_ids, text and messages");
+  }
+  Prompt p;
+  if (!input_ids.empty()) {
+    p.input_ids.assign(input_ids.begin(), input_ids.end());
+    p.tiles = ImagesToTiles(images, cfg, limits, "images");
+    return p;
+  }
+  if (!text_model) {
+    throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                      std::string(text.empty() ? "messages" : "text") +
+                          ": this model has no tokenizer, so prompts must be input_ids (serve a "
+                          "checkpoint with a tokenizer.json, or set the config key tokenizer)");
+  }
+  if (!text.empty()) {
+    std::vector<ImageTiles> tiles = DecodeImages(images, cfg, limits, "images");
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      if (tiles[i].grid_rows == 0) {
+        throw InvalidArgument(Index("images", static_cast<int>(i)) +
+                              ": ready-made tiles have no grid to describe in the prompt; send "
+                              "the encoded image or a [3, H, W] tensor");
+      }
+    }
+    return text_model->BuildText(text, tiles);
+  }
+  if (!images.empty()) {
+    throw InvalidArgument("images: a chat prompt carries its images in its messages' content");
+  }
+  std::vector<ImageTiles> tiles;
+  const std::vector<ChatMessage> chat = ToChatMessages(messages, cfg, limits, &tiles);
+  return text_model->BuildChat(chat, tiles, add_generation_prompt);
 }
 
 void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const VlmConfig& cfg,
@@ -104,10 +208,14 @@ void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const
 }
 
 GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmConfig& cfg,
-                                const Limits& limits) {
+                                const Limits& limits, const TextModel* text_model) {
   GenerateRequest out;
-  out.input_ids.assign(request.input_ids().begin(), request.input_ids().end());
-  out.tiles = ImagesToTiles(request.images(), cfg, limits, "images");
+  Prompt prompt =
+      ToPrompt(request.input_ids(), request.text(), request.messages(), request.images(),
+               request.has_add_generation_prompt() ? request.add_generation_prompt() : true, cfg,
+               limits, text_model);
+  out.input_ids = std::move(prompt.input_ids);
+  out.tiles = std::move(prompt.tiles);
   const v1::SamplingParams& s = request.sampling();
   SamplingParams& p = out.sampling;
   p.max_new_tokens = s.has_max_new_tokens() ? s.max_new_tokens() : limits.default_max_new_tokens;
@@ -126,6 +234,19 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
   p.top_p = s.has_top_p() ? s.top_p() : 1.0;
   p.seed = s.seed();
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  const bool text_prompt = request.input_ids().empty();
+  if (text_prompt && !s.ignore_eos()) {
+    for (int64_t id : text_model->default_stop_token_ids()) {
+      if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), id) == p.stop_token_ids.end())
+        p.stop_token_ids.push_back(id);
+    }
+  }
+  CheckStopStrings({s.stop().begin(), s.stop().end()}, "sampling.stop");
+  if (s.stop_size() > 0 && !text_model) {
+    throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                      "sampling.stop: this model has no tokenizer to match text with; use "
+                      "stop_token_ids");
+  }
   if (!p.greedy) {
     if (!(p.temperature > 0) || !std::isfinite(p.temperature)) {
       throw InvalidArgument("sampling.temperature: must be > 0 when sampling");
@@ -136,12 +257,37 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
   return out;
 }
 
+void CheckStopStrings(const std::vector<std::string>& stop, const std::string& field) {
+  if (stop.size() > kMaxStopStrings) {
+    throw InvalidArgument(field + ": " + std::to_string(stop.size()) + " stop strings; at most " +
+                          std::to_string(kMaxStopStrings) + " are allowed");
+  }
+  for (size_t i = 0; i < stop.size(); ++i) {
+    if (stop[i].empty() || stop[i].size() > kMaxStopStringBytes) {
+      throw InvalidArgument(Index(field, static_cast<int>(i)) + ": must be 1 .. " +
+                            std::to_string(kMaxStopStringBytes) + " bytes long");
+    }
+  }
+}
+
 ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfig& cfg,
-                               const Limits& limits) {
+                               const Limits& limits, const TextModel* text_model) {
   ForwardRequest out;
-  out.input_ids.assign(request.input_ids().begin(), request.input_ids().end());
-  out.tiles = ImagesToTiles(request.images(), cfg, limits, "images");
+  Prompt prompt =
+      ToPrompt(request.input_ids(), request.text(), request.messages(), request.images(),
+               request.has_add_generation_prompt() && request.add_generation_prompt(), cfg, limits,
+               text_model);
+  out.input_ids = std::move(prompt.input_ids);
+  out.tiles = std::move(prompt.tiles);
   out.target_ids.assign(request.target_ids().begin(), request.target_ids().end());
+  if (request.target_next_tokens()) {
+    if (!out.target_ids.empty())
+      throw InvalidArgument("target_next_tokens: set it or target_ids, not both");
+    out.target_ids.assign(out.input_ids.size(), -100);
+    for (size_t i = 0; i + 1 < out.input_ids.size(); ++i) {
+      if (out.input_ids[i + 1] != cfg.image_token_id) out.target_ids[i] = out.input_ids[i + 1];
+    }
+  }
   out.logits_positions.assign(request.logits_positions().begin(), request.logits_positions().end());
   if (static_cast<int64_t>(out.logits_positions.size()) > limits.max_logits_positions) {
     throw InvalidArgument("logits_positions: " + std::to_string(out.logits_positions.size()) +

@@ -17,8 +17,12 @@
 #include <vector>
 
 #include "engine/engine_types.h"
+#include "model/chat_format.h"
 #include "model/config.h"
+#include "model/image_processor.h"
 #include "server/config.h"
+#include "server/text_prompt.h"
+#include "vlmgraph/v1/chat.pb.h"
 #include "vlmgraph/v1/forward.pb.h"
 #include "vlmgraph/v1/generate.pb.h"
 #include "vlmgraph/v1/train.pb.h"
@@ -27,15 +31,46 @@ namespace vlmgraph::server {
 
 using Limits = ServerConfig::Limits;
 
-// Every image of a request -> its tiles, concatenated in order: (N, 3, S, S) float32 CPU, or an
-// undefined tensor when there are no images. `field` prefixes error messages ("images").
+// Stop strings per request, and the longest one, in bytes (OpenAI allows 4; vLLM any number).
+inline constexpr size_t kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopStringBytes = 256;
+
+// One image -> its tiles and grid. Ready-made tiles ([N, 3, S, S] tensors) have grid_rows = 0
+// (unknown) unless N is 1. `field` prefixes error messages ("images[0]").
+ImageTiles ImageToTiles(const v1::Image& image, const VlmConfig& cfg, const Limits& limits,
+                        const std::string& field);
+// Every image of a request, in order, after checking limits.max_images_per_request.
+std::vector<ImageTiles> DecodeImages(const google::protobuf::RepeatedPtrField<v1::Image>& images,
+                                     const VlmConfig& cfg, const Limits& limits,
+                                     const std::string& field);
+// The tiles of `images` concatenated in order: (N, 3, S, S) float32 CPU, undefined when empty.
+at::Tensor JoinTiles(const std::vector<ImageTiles>& images);
+// DecodeImages + JoinTiles.
 at::Tensor ImagesToTiles(const google::protobuf::RepeatedPtrField<v1::Image>& images,
                          const VlmConfig& cfg, const Limits& limits, const std::string& field);
+// Throws INVALID_ARGUMENT when `images` exceeds limits.max_images_per_request.
+void CheckImageCount(int64_t images, const Limits& limits, const std::string& field);
+// Chat messages -> the chat format's messages; their images are decoded into `images` in order.
+std::vector<ChatMessage> ToChatMessages(
+    const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages, const VlmConfig& cfg,
+    const Limits& limits, std::vector<ImageTiles>* images);
+// At most kMaxStopStrings strings of 1 .. kMaxStopStringBytes bytes.
+void CheckStopStrings(const std::vector<std::string>& stop, const std::string& field);
 
+// The prompt of a request: exactly one of input_ids (with `images`), text (with `images`) and
+// messages. Text and messages need `text_model` (FAILED_PRECONDITION without one).
+Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const std::string& text,
+                const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages,
+                const google::protobuf::RepeatedPtrField<v1::Image>& images,
+                bool add_generation_prompt, const VlmConfig& cfg, const Limits& limits,
+                const TextModel* text_model);
+
+// `text_model` may be null (a model without a tokenizer: input_ids prompts only). Text and chat
+// prompts stop on text_model's default stop tokens unless sampling.ignore_eos.
 GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmConfig& cfg,
-                                const Limits& limits);
+                                const Limits& limits, const TextModel* text_model = nullptr);
 ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfig& cfg,
-                               const Limits& limits);
+                               const Limits& limits, const TextModel* text_model = nullptr);
 
 // One training example, checked: ids and targets in the vocabulary (targets may be -100), same
 // length, image tokens matching the tiles.

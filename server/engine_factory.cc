@@ -31,6 +31,15 @@ EngineOptions ToEngineOptions(const ServerConfig& config) {
   return o;
 }
 
+VlmConfig BuildModelConfig(const ServerConfig& config) {
+  if (IsPresetModel(config.model)) return VlmConfig::Preset(config.model);
+  try {
+    return VlmConfig::FromJsonFile(config.model + "/config.json");
+  } catch (const std::exception& e) {
+    throw ServerConfigError("model", std::string("cannot load checkpoint: ") + e.what());
+  }
+}
+
 VisionLanguageModel BuildModel(const ServerConfig& config) {
   if (IsPresetModel(config.model)) {
     // Random weights, but the same ones every run: the demo and the e2e tests compare outputs.

@@ -20,6 +20,10 @@ namespace vlmgraph::server {
 
 EngineOptions ToEngineOptions(const ServerConfig& config);
 
+// The configured model's config (a preset's, or the checkpoint's config.json), without its
+// weights: cheap, for checks before the engine is built.
+VlmConfig BuildModelConfig(const ServerConfig& config);
+
 // The configured model on the CPU in float32: a preset initialised after at::manual_seed(seed),
 // or a checkpoint directory.
 VisionLanguageModel BuildModel(const ServerConfig& config);

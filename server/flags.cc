@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -28,6 +29,12 @@ const std::map<std::string, FlagSpec>& Flags() {
        {"server.grpc_address", nullptr, "host:port of the gRPC API (port 0: any free port)"}},
       {"--metrics-address",
        {"server.metrics_address", nullptr, "host:port of /metrics (port 0: any free port)"}},
+      {"--http-address",
+       {"server.http_address", nullptr,
+        "host:port of the OpenAI-compatible HTTP API (port 0: any free port; '' = off)"}},
+      {"--tokenizer", {"tokenizer", nullptr, "tokenizer.json of the model, or 'none'"}},
+      {"--served-model-name",
+       {"served_model_name", nullptr, "model id of GetModelInfo and /v1/models"}},
       {"--no-graphs", {"capture.enabled", "false", "run every region eagerly (no CUDA graphs)"}},
       {"--lazy-capture", {"capture.lazy", "true", "capture each bucket on first use"}},
       {"--max-queue-delay-us",
@@ -129,6 +136,7 @@ ServerConfig LoadServerConfig(const CommandLine& cl) {
     SetPath(root, path, LoadYaml(value, "--set " + path));
   }
   ServerConfig config = FillDefaults(ParseConfig(root));
+  if (const char* key = std::getenv("VLMGRAPH_API_KEY"); key && *key) config.server.api_key = key;
   ValidateConfig(config);
   return config;
 }

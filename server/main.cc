@@ -23,6 +23,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/service.h"
+#include "server/text_prompt.h"
 
 namespace {
 
@@ -37,6 +38,15 @@ std::string Host(const std::string& address) { return address.substr(0, address.
 int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
   using namespace vlmgraph::server;
   LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
+  // Tokenizer and chat format first: a bad one fails in a second, not after the graph captures.
+  const std::unique_ptr<TextModel> text = TextModel::Load(config, BuildModelConfig(config));
+  if (text) {
+    LogInfo("text: tokenizer " + text->tokenizer_path() + " (" +
+            std::to_string(text->tokenizer().vocab_size()) + " tokens), chat format " +
+            text->chat_format().name());
+  } else {
+    LogInfo("text: no tokenizer; requests must send token ids");
+  }
   Metrics metrics(config.server.metrics_address);
   Scheduler scheduler(&metrics, SchedulerOptions{config.batching.max_queue_delay_us,
                                                  config.batching.max_queue_size});
@@ -49,7 +59,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   vlmgraph::Engine& engine = scheduler.engine();
   metrics.InitBuckets(engine.options().buckets);
   metrics.SetMemory(engine.Memory());
-  VlmGraphService service(&engine, &scheduler, &metrics, config);
+  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get());
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);
   const std::string metrics_address =

@@ -3,6 +3,7 @@
 #include <exception>
 
 #include "server/convert.h"
+#include "server/generation.h"
 #include "server/log.h"
 #include "server/status.h"
 
@@ -26,27 +27,11 @@ v1::FinishReason ToProto(FinishReason r) {
   }
 }
 
-// Cancels the stream's sequence unless it finished: covers every early exit of a handler.
-class CancelUnlessDone {
- public:
-  CancelUnlessDone(Scheduler* scheduler, std::shared_ptr<GenerationStream> stream)
-      : scheduler_(scheduler), stream_(std::move(stream)) {}
-  ~CancelUnlessDone() {
-    if (!done_) scheduler_->Cancel(stream_);
-  }
-  void set_done() { done_ = true; }
-
- private:
-  Scheduler* scheduler_;
-  std::shared_ptr<GenerationStream> stream_;
-  bool done_ = false;
-};
-
 }  // namespace
 
 VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
-                                 const ServerConfig& config)
-    : engine_(engine), scheduler_(scheduler), metrics_(metrics), config_(config) {}
+                                 const ServerConfig& config, const TextModel* text)
+    : engine_(engine), scheduler_(scheduler), metrics_(metrics), config_(config), text_(text) {}
 
 grpc::Status VlmGraphService::RpcGuard(const char* rpc, grpc::ServerContext* context,
                                        Clock::time_point accepted,
@@ -81,6 +66,7 @@ grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext*, const v1::GetMo
   const EngineOptions& o = engine_->options();
   const BucketSpec& b = o.buckets;
   info->set_model(config_.model);
+  info->set_served_model_name(config_.served_model_name);
   info->set_dtype(config_.dtype);
   info->set_device(o.device.str());
   info->set_cuda_graphs(engine_->graphs_enabled());
@@ -105,7 +91,14 @@ grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext*, const v1::GetMo
   info->set_max_images_per_request(l.max_images_per_request);
   info->set_max_image_bytes(l.max_image_bytes);
   info->set_max_image_pixels(l.max_image_pixels);
-  for (int64_t v : config_.model_stop_token_ids) info->add_suggested_stop_token_ids(v);
+  const std::vector<int64_t>& stops = config_.model_stop_token_ids.empty() && text_
+                                          ? text_->default_stop_token_ids()
+                                          : config_.model_stop_token_ids;
+  for (int64_t v : stops) info->add_suggested_stop_token_ids(v);
+  if (text_) {
+    info->set_tokenizer(text_->tokenizer_path());
+    info->set_chat_format(text_->chat_format().name());
+  }
   return grpc::Status::OK;
 }
 
@@ -120,7 +113,7 @@ grpc::Status VlmGraphService::Generate(grpc::ServerContext* context,
 void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                   grpc::ServerWriter<v1::GenerateResponse>* writer,
                                   Clock::time_point accepted) {
-  GenerateRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits);
+  GenerateRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits, text_);
   engine_->Validate(req);  // ids, image tokens vs tiles, context; thread-safe
   const int64_t prompt_tokens = static_cast<int64_t>(req.input_ids.size());
   const int64_t tiles = req.tiles.defined() ? req.tiles.size(0) : 0;
@@ -129,52 +122,30 @@ void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::Genera
              std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
              " tiles, max_new_tokens " + std::to_string(req.sampling.max_new_tokens));
   }
-  auto stream = scheduler_->SubmitGenerate(std::move(req), accepted);
-  CancelUnlessDone guard(scheduler_, stream);
-
-  int64_t generated = 0;
-  double ttft = 0;
-  Clock::time_point last_write = accepted;
-  FinishReason reason = FinishReason::kNone;
-  while (true) {
-    GenerationStream::Update u = stream->Wait(kPollInterval);
-    if (context->IsCancelled())
-      throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
-    if (!u.tokens.empty()) {
-      v1::GenerateResponse chunk;
-      for (int64_t t : u.tokens) chunk.mutable_tokens()->add_token_ids(t);
-      if (!writer->Write(chunk))
-        throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
-      const auto now = Clock::now();
-      const int64_t k = static_cast<int64_t>(u.tokens.size());
-      if (generated == 0) {
-        ttft = std::chrono::duration<double>(now - accepted).count();
-        metrics_->ObserveTimeToFirstToken(ttft);
-        for (int64_t i = 1; i < k; ++i) metrics_->ObserveInterTokenLatency(0);
-      } else {
-        const double gap =
-            std::chrono::duration<double>(now - last_write).count() / static_cast<double>(k);
-        for (int64_t i = 0; i < k; ++i) metrics_->ObserveInterTokenLatency(gap);
-      }
-      last_write = now;
-      generated += k;
-      metrics_->AddGeneratedTokens(k);
-    }
-    if (u.error) std::rethrow_exception(u.error);
-    if (u.done) {
-      reason = u.reason;
-      break;
-    }
+  std::unique_ptr<TextStream> text;
+  if (text_) {
+    text = std::make_unique<TextStream>(&text_->tokenizer(),
+                                        std::vector<std::string>(request.sampling().stop().begin(),
+                                                                 request.sampling().stop().end()));
   }
-  guard.set_done();
+  const GenerationOutcome r = RunGeneration(
+      *scheduler_, metrics_, std::move(req), accepted, text.get(),
+      [&](const GenerationDelta& d) {
+        v1::GenerateResponse chunk;
+        v1::TokenChunk* c = chunk.mutable_tokens();
+        for (int64_t t : d.token_ids) c->add_token_ids(t);
+        c->set_text(d.text);
+        return writer->Write(chunk);
+      },
+      [&] { return context->IsCancelled(); });
   v1::GenerateResponse last;
   v1::GenerateSummary* s = last.mutable_summary();
-  s->set_finish_reason(ToProto(reason));
+  s->set_finish_reason(r.stop_string_matched ? v1::FINISH_REASON_STOP_STRING : ToProto(r.reason));
   s->set_prompt_tokens(prompt_tokens);
   s->set_image_tiles(tiles);
-  s->set_generated_tokens(generated);
-  s->set_queue_seconds(stream->queue_seconds());
-  s->set_time_to_first_token_seconds(ttft);
+  s->set_generated_tokens(r.generated_tokens);
+  s->set_queue_seconds(r.queue_seconds);
+  s->set_time_to_first_token_seconds(r.time_to_first_token_seconds);
   s->set_total_seconds(SecondsSince(accepted));
   if (!writer->Write(last))
     throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
@@ -189,7 +160,8 @@ grpc::Status VlmGraphService::Forward(grpc::ServerContext* context,
 
 void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                                  Clock::time_point accepted) {
-  const ForwardRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits);
+  const ForwardRequest req =
+      ToEngineRequest(request, engine_->model_config(), config_.limits, text_);
   CheckPrompt(req.input_ids, req.tiles, engine_->model_config(), engine_->max_context(),
               "input_ids");
   ForwardResult result;
@@ -201,6 +173,7 @@ void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardR
         result = engine.Forward(req);
       },
       accepted);
+  response->mutable_input_ids()->Add(req.input_ids.begin(), req.input_ids.end());
   response->set_loss(result.loss);
   response->set_loss_tokens(result.loss_tokens);
   for (size_t i = 0; i < result.logits.size(); ++i) {

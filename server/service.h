@@ -6,7 +6,7 @@
 // exceptions become grpc::Status and where vlmgraph_requests_total / request_duration_seconds are
 // recorded.
 //
-//   VlmGraphService service(&engine, &scheduler, &metrics, config);
+//   VlmGraphService service(&engine, &scheduler, &metrics, config, text_model.get());
 //   builder.RegisterService(&service);
 //
 // Thread rules: handlers are called concurrently by gRPC; the service only touches the engine
@@ -21,18 +21,21 @@
 
 #include "engine/engine.h"
 #include "server/config.h"
+#include "server/generation.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/text_prompt.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
 
 class VlmGraphService final : public v1::VlmGraph::Service {
  public:
-  static constexpr std::chrono::milliseconds kPollInterval{50};
+  static constexpr std::chrono::milliseconds kPollInterval = kGenerationPollInterval;
 
+  // `text` (tokenizer and chat format) may be null: then prompts must be token ids.
   VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
-                  const ServerConfig& config);
+                  const ServerConfig& config, const TextModel* text = nullptr);
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
                             v1::ModelInfo* response) override;
@@ -61,6 +64,7 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   Scheduler* scheduler_;
   Metrics* metrics_;
   const ServerConfig config_;
+  const TextModel* text_;
   std::atomic<bool> train_running_{false};
 };
 

