@@ -2,11 +2,52 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 namespace vlmgraph::server {
+namespace {
+
+// Why `address` ("host:port", "[v6]:port") cannot be bound: the error of a plain TCP bind to it
+// ("Address already in use"), for a start-up message that says what to do.
+std::string BindError(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
+  const std::string port = colon == std::string::npos ? address : address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found);
+  if (rc != 0) return std::string("cannot resolve it (") + ::gai_strerror(rc) + ")";
+  std::string error = "gRPC could not bind it (see its log above)";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      error = errno == EADDRINUSE
+                  ? "the address is already in use (is another vlmgraph-server running?)"
+                  : std::string(std::strerror(errno));
+      ::close(fd);
+      break;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return error;
+}
+
+}  // namespace
 
 GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
   const std::string& address = config.server.grpc_address;
@@ -17,10 +58,13 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.limits.max_request_bytes));
+  // gRPC sets SO_REUSEPORT by default: a second server on the same address would then start and
+  // take part of the traffic. Without it the second bind fails, as it should.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {
-    throw std::runtime_error("server.grpc_address: cannot listen on " + address +
-                             " (address in use or not local?)");
+    throw std::runtime_error("server.grpc_address: cannot listen on " + address + ": " +
+                             BindError(address));
   }
   SetServing(false);  // until main() says warm-up is over
 }

@@ -12,7 +12,9 @@
 // VlmGraphService::kPollInterval and cancel their sequences. Only then is the scheduler stopped.
 //
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
-// Errors: the constructor throws std::runtime_error naming server.grpc_address when it cannot bind.
+// Errors: the constructor throws std::runtime_error naming server.grpc_address and the reason when
+// it cannot bind, also when another process holds the address (SO_REUSEPORT is off, so a second
+// server never shares a port with the first).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
