@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <memory>
 #include <sstream>
 
@@ -30,6 +32,89 @@ namespace {
 
 int64_t RoundUpTo(double x, int64_t multiple) {
   return static_cast<int64_t>(std::ceil(x / static_cast<double>(multiple))) * multiple;
+}
+
+uint64_t Be16(const std::string& b, size_t i) {
+  return uint64_t{static_cast<unsigned char>(b[i])} << 8 | static_cast<unsigned char>(b[i + 1]);
+}
+
+uint64_t Be32(const std::string& b, size_t i) { return Be16(b, i) << 16 | Be16(b, i + 2); }
+
+// Width and height as the header declares them, before anything is decoded: stb_image refuses
+// large sizes itself (and its info call then answers "unknown image type"), so the pixel limit
+// is checked on these. Each side < 2^32, so width * height fits in 64 bits.
+struct DeclaredSize {
+  uint64_t width = 0;
+  uint64_t height = 0;
+};
+
+ImageError Truncated(const std::string& format, size_t size, const std::string& where) {
+  return ImageError("corrupt " + format + " image: truncated: the data ends after " +
+                    std::to_string(size) + " bytes, " + where);
+}
+
+// PNG: the 8-byte signature, then the IHDR chunk: length 13, "IHDR", width, height (PNG
+// specification, 5.2 and 11.2.2).
+DeclaredSize PngSize(const std::string& b) {
+  if (b.size() < 8 + 8 + 8) throw Truncated("png", b.size(), "inside the IHDR header");
+  if (b.compare(12, 4, "IHDR") != 0)
+    throw ImageError("corrupt png image: the first chunk is not IHDR");
+  return {Be32(b, 16), Be32(b, 20)};
+}
+
+// Throws unless the chunks (length, type, data, CRC) run whole up to IEND, as stb_image needs
+// them to (its reason for a cut file is often empty).
+void CheckPngChunks(const std::string& b) {
+  for (size_t i = 8;;) {
+    if (b.size() - i < 12) throw Truncated("png", b.size(), "before the IEND chunk");
+    const uint64_t length = Be32(b, i);
+    const std::string type = b.substr(i + 4, 4);
+    const bool named = std::all_of(type.begin(), type.end(), [](char c) {
+      return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z');
+    });
+    if (length > b.size() - i - 12) {
+      throw Truncated("png", b.size(),
+                      "inside the " + (named ? type + " " : std::string()) + "chunk at byte " +
+                          std::to_string(i) + " (" + std::to_string(length) + " data bytes)");
+    }
+    if (type == "IEND") return;
+    i += 12 + length;
+  }
+}
+
+// JPEG: the segments after SOI up to the frame header (SOFn: length, precision, height, width),
+// skipping bytes between segments as stb_image does (ITU T.81, B.1.1 and B.2.2).
+DeclaredSize JpegSize(const std::string& b) {
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(b[i]); };
+  for (size_t i = 2;;) {
+    while (i < b.size() && byte(i) != 0xff) ++i;
+    while (i < b.size() && byte(i) == 0xff) ++i;  // fill bytes
+    if (i >= b.size()) throw Truncated("jpeg", b.size(), "before the frame header (SOF)");
+    const unsigned marker = byte(i++);
+    if (marker == 0x01 || (marker >= 0xd0 && marker <= 0xd8)) continue;  // no length field
+    if (marker == 0xd9 || marker == 0xda)
+      throw ImageError("corrupt jpeg image: no frame header (SOF) before the image data");
+    if (b.size() - i < 2) throw Truncated("jpeg", b.size(), "before the frame header (SOF)");
+    const uint64_t length = Be16(b, i);
+    if (length < 2) throw ImageError("corrupt jpeg image: bad segment length");
+    if (marker >= 0xc0 && marker <= 0xcf && marker != 0xc4 && marker != 0xc8 && marker != 0xcc) {
+      if (b.size() - i < 7) throw Truncated("jpeg", b.size(), "inside the frame header (SOF)");
+      return {Be16(b, i + 5), Be16(b, i + 3)};
+    }
+    i += length;
+  }
+}
+
+// stb_image's reason for a failed load of a `format` image, never empty: some of its failures set
+// none, and a failed JPEG load can leave the reason of the PNG probe before it ("bad png sig").
+std::string DecodeFailure(const std::string& format) {
+  const char* r = stbi_failure_reason();
+  const std::string reason = r != nullptr ? r : "";
+  if (reason.empty() || reason == "unknown image type" ||
+      (format != "png" && reason.find("png") != std::string::npos)) {
+    return "cannot decode its data (truncated or corrupt)";
+  }
+  return reason;
 }
 
 }  // namespace
@@ -63,21 +148,31 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
   if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     throw ImageError("image is too large to decode");
   }
+  const DeclaredSize declared = format == "png" ? PngSize(bytes) : JpegSize(bytes);
+  const std::string size_text =
+      std::to_string(declared.width) + "x" + std::to_string(declared.height);
+  if (declared.width == 0 || declared.height == 0)
+    throw ImageError(format + " image has no pixels (" + size_text + ")");
+  const uint64_t declared_pixels = declared.width * declared.height;
+  if (declared_pixels > static_cast<uint64_t>(std::max<int64_t>(0, limits.max_pixels))) {
+    throw ImageError(format + " image is " + size_text + " = " + std::to_string(declared_pixels) +
+                     " pixels; at most " + std::to_string(limits.max_pixels) +
+                     " are allowed (limits.max_image_pixels)");
+  }
+  if (format == "png") CheckPngChunks(bytes);
   const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
   const int len = static_cast<int>(bytes.size());
   int w = 0, h = 0, comp = 0;
-  if (!stbi_info_from_memory(data, len, &w, &h, &comp)) {
-    throw ImageError("corrupt " + format + " image: " + stbi_failure_reason());
-  }
-  if (w <= 0 || h <= 0) throw ImageError(format + " image has no pixels");
-  if (static_cast<int64_t>(w) * h > limits.max_pixels) {
-    throw ImageError(format + " image is " + std::to_string(w) + "x" + std::to_string(h) + " = " +
-                     std::to_string(static_cast<int64_t>(w) * h) + " pixels; at most " +
-                     std::to_string(limits.max_pixels) + " are allowed (limits.max_image_pixels)");
-  }
   std::unique_ptr<stbi_uc, void (*)(void*)> pixels(
       stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
-  if (!pixels) throw ImageError("corrupt " + format + " image: " + stbi_failure_reason());
+  if (!pixels) {
+    const std::string reason = DecodeFailure(format);
+    if (reason == "too large") {  // stb_image's own caps: 2^24 a side, 2^30 bytes
+      throw ImageError(format + " image of " + size_text +
+                       " is too large for the decoder (stb_image: too large)");
+    }
+    throw ImageError("corrupt " + format + " image: " + reason);
+  }
   at::Tensor hwc = at::from_blob(pixels.get(), {h, w, 3}, at::kByte);
   return hwc.permute({2, 0, 1}).contiguous();  // (3, H, W), owns its memory
 }

@@ -13,8 +13,10 @@
 // Pixels are uint8 until the bicubic resize, rounded back to uint8 after it (PIL works on uint8),
 // then divided by 255 (torchvision's ToTensor).
 //
-// Errors: ImageError (a std::invalid_argument) saying what is wrong: unknown format, corrupt
-// data, too many bytes or pixels, bad tensor shape or values. Thread rules: pure functions, safe
+// Errors: ImageError (a std::invalid_argument) saying what is wrong: unknown format, corrupt or
+// truncated data, too many bytes or pixels, bad tensor shape or values. Width and height are read
+// from the PNG IHDR / JPEG SOF header here, before stb_image sees the data, so any declared size
+// over ImageLimits::max_pixels gets the pixel-limit message. Thread rules: pure functions, safe
 // from any thread (no shared state).
 #pragma once
 

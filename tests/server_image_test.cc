@@ -153,6 +153,84 @@ TEST(ServerImage, RefusesBadImagesWithPreciseMessages) {
   EXPECT_THROW(TileImage(at::zeros({4, 10, 10}, at::kByte), Tiny()), ImageError);
 }
 
+// PNG's CRC-32 (ISO 3309, as zlib's crc32), so hand-built chunks are valid ones.
+uint32_t Crc32(const std::string& bytes) {
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : bytes) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
+  }
+  return c ^ 0xffffffffu;
+}
+
+std::string Be32(uint32_t v) {
+  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+          static_cast<char>(v)};
+}
+
+// A PNG of the signature and one IHDR chunk declaring `width` x `height` (8-bit RGB): what a
+// client that lies about the size sends; no pixel data follows.
+std::string PngHeader(uint32_t width, uint32_t height) {
+  const std::string ihdr = "IHDR" + Be32(width) + Be32(height) + std::string("\x08\x02\0\0\0", 5);
+  return std::string("\x89PNG\r\n\x1a\n", 8) + Be32(13) + ihdr + Be32(Crc32(ihdr));
+}
+
+// A JPEG of SOI, then a baseline frame header (SOF0) declaring `width` x `height`.
+std::string JpegHeader(uint16_t width, uint16_t height) {
+  std::string sof = "\xff\xd8\xff\xc0";
+  sof += std::string("\x00\x11\x08", 3);
+  sof += {static_cast<char>(height >> 8), static_cast<char>(height), static_cast<char>(width >> 8),
+          static_cast<char>(width), 3};
+  for (int c = 1; c <= 3; ++c) sof += {static_cast<char>(c), 0x11, 0};
+  return sof;
+}
+
+TEST(ServerImage, HugeDeclaredSizesGetThePixelLimitMessage) {
+  const ImageLimits limits;  // 50,000,000 pixels
+  const std::vector<std::pair<uint32_t, uint32_t>> sizes = {
+      {20000, 20000}, {65536, 65536}, {1u << 31, 2}, {0xffffffffu, 0xffffffffu}};
+  for (const auto& [w, h] : sizes) {
+    const std::string size = std::to_string(w) + "x" + std::to_string(h);
+    for (const std::string& bytes : {PngHeader(w, h), PngHeader(w, h) + Encode(Gradient(2, 2))}) {
+      const std::string msg = ErrorOf(bytes, limits);
+      EXPECT_NE(msg.find("limits.max_image_pixels"), std::string::npos) << size << ": " << msg;
+      EXPECT_NE(msg.find(size), std::string::npos) << size << ": " << msg;
+    }
+  }
+  // 2^64 - 2^33 + 1 pixels: the product is not cut to 64 bits on the way.
+  EXPECT_NE(ErrorOf(PngHeader(0xffffffffu, 0xffffffffu), limits).find("18446744065119617025"),
+            std::string::npos);
+  const std::string jpeg = ErrorOf(JpegHeader(65535, 65535), limits);
+  EXPECT_NE(jpeg.find("65535x65535"), std::string::npos) << jpeg;
+  EXPECT_NE(jpeg.find("limits.max_image_pixels"), std::string::npos) << jpeg;
+  EXPECT_NE(ErrorOf(PngHeader(0, 5), limits).find("no pixels"), std::string::npos);
+}
+
+TEST(ServerImage, TruncatedImagesSayWhy) {
+  const ImageLimits limits;
+  const std::string png = Encode(Gradient(60, 90));
+  const std::string jpeg = Encode(Gradient(60, 90), /*jpeg=*/true);
+  ASSERT_GT(png.size(), 100u);
+  const std::string prefix = "corrupt png image: ";
+  // Cut inside the header, right after IHDR, inside the pixel data, before IEND, by one byte.
+  for (size_t n :
+       {size_t{20}, size_t{33}, size_t{60}, png.size() / 2, png.size() - 12, png.size() - 1}) {
+    const std::string msg = ErrorOf(png.substr(0, n), limits);
+    EXPECT_EQ(msg.rfind(prefix, 0), 0u) << n << ": " << msg;
+    EXPECT_NE(msg.find("truncated"), std::string::npos) << n << ": " << msg;
+    EXPECT_GT(msg.size(), prefix.size() + 10) << n << ": " << msg;
+  }
+  EXPECT_EQ(ErrorOf(png, limits), "");
+  EXPECT_EQ(ErrorOf(png + "trailing bytes", limits), "");
+  // Cut before the frame header, inside the Huffman tables, inside the scan, before EOI.
+  for (size_t n : {size_t{4}, size_t{40}, size_t{200}, jpeg.size() / 2, jpeg.size() - 2}) {
+    const std::string msg = ErrorOf(jpeg.substr(0, n), limits);
+    EXPECT_EQ(msg.rfind("corrupt jpeg image: ", 0), 0u) << n << ": " << msg;
+    EXPECT_GT(msg.size(), std::string("corrupt jpeg image: ").size() + 5) << n << ": " << msg;
+    EXPECT_EQ(msg.find("png"), std::string::npos) << n << ": " << msg;  // not the PNG probe's
+  }
+}
+
 TEST(ServerImage, DetectsFormatFromMagicBytes) {
   EXPECT_EQ(DetectImageFormat(Encode(Gradient(4, 4))), "png");
   EXPECT_EQ(DetectImageFormat(Encode(Gradient(4, 4), true)), "jpeg");
