@@ -1,5 +1,6 @@
 #include "server/log.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -34,6 +35,35 @@ void SetLogLevel(const std::string& level) {
 }
 
 bool LogEnabled(LogLevel level) { return static_cast<int>(level) <= g_level.load(); }
+
+std::string LogSafe(std::string_view text, size_t max_bytes) {
+  size_t keep = std::min(text.size(), max_bytes);
+  if (keep < text.size()) {  // don't split a UTF-8 character: back off over continuation bytes
+    while (keep > 0 && (static_cast<unsigned char>(text[keep]) & 0xC0) == 0x80) --keep;
+  }
+  std::string out;
+  out.reserve(keep + 24);
+  for (size_t i = 0; i < keep; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c < 0x20 || c == 0x7f) {
+      char hex[5];
+      std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+      out += hex;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (keep < text.size()) out += "...(" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
 
 void Log(LogLevel level, const std::string& message) {
   if (!LogEnabled(level)) return;

@@ -55,7 +55,8 @@ grpc::Status VlmGraphService::RpcGuard(const char* rpc, grpc::ServerContext* con
     const bool server_fault = status.error_code() == grpc::StatusCode::INTERNAL;
     Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
         std::string(rpc) + " from " + context->peer() + " -> " +
-            StatusCodeName(status.error_code()) + ": " + status.error_message());
+            StatusCodeName(status.error_code()) + ": " +
+            LogSafe(status.error_message(), /*max_bytes=*/1024));  // it may echo client text
   }
   return status;
 }
@@ -118,7 +119,7 @@ void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::Genera
   const int64_t prompt_tokens = static_cast<int64_t>(req.input_ids.size());
   const int64_t tiles = req.tiles.defined() ? req.tiles.size(0) : 0;
   if (LogEnabled(LogLevel::kDebug)) {
-    LogDebug("Generate " + request.request_id() + " from " + context->peer() + ": " +
+    LogDebug("Generate " + LogSafe(request.request_id()) + " from " + context->peer() + ": " +
              std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
              " tiles, max_new_tokens " + std::to_string(req.sampling.max_new_tokens));
   }

@@ -16,6 +16,7 @@
 #include "model/image_processor.h"
 #include "server/config.h"
 #include "server/convert.h"
+#include "server/log.h"
 #include "server/metrics.h"
 #include "server/status.h"
 
@@ -168,6 +169,20 @@ TEST(ServerConvert, CheckpointDirectoriesStayUnderTheRoot) {
               grpc::StatusCode::INVALID_ARGUMENT)
         << bad;
   }
+}
+
+TEST(ServerLog, LogSafeEscapesControlBytesAndCutsLongText) {
+  EXPECT_EQ(LogSafe("req-1"), "req-1");
+  EXPECT_EQ(LogSafe("a\nI forged] line\r\tz"), "a\\nI forged] line\\r\\tz");
+  EXPECT_EQ(LogSafe(std::string("x\0y\x1b[31m\x7f\\", 10)), "x\\x00y\\x1b[31m\\x7f\\\\");
+  EXPECT_EQ(LogSafe("h\xc3\xa9llo"), "h\xc3\xa9llo");  // UTF-8 kept
+  EXPECT_EQ(LogSafe(std::string(1000, 'x'), 4), "xxxx...(1000 bytes)");
+  EXPECT_EQ(LogSafe("ab\xc3\xa9", 3), "ab...(4 bytes)");  // not cut inside a character
+  const std::string huge(1 << 20, '\n');
+  const std::string safe = LogSafe(huge);
+  EXPECT_LE(safe.size(), 4 * 128 + 32u);
+  EXPECT_EQ(safe.find('\n'), std::string::npos);
+  EXPECT_NE(safe.find("(1048576 bytes)"), std::string::npos) << safe;
 }
 
 TEST(ServerStatus, OnePlaceMapsEveryErrorKind) {

@@ -20,6 +20,7 @@ CONFIG = {
     "buckets": {"seq_lens": [32, 64, 128], "context_lens": [256, 512], "oversize": "reject"},
     "limits": {"max_image_bytes": 300000, "max_image_pixels": 1000000, "max_new_tokens": 500,
                "max_images_per_request": 2},
+    "log_level": "debug",  # each Generate logs its request_id; refusals log their status
 }
 LONG = 500
 
@@ -109,6 +110,18 @@ class ErrorsTest(unittest.TestCase):
             self.client.forward(list(range(1, 900)) * 100)
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("longest context", ctx.exception.details())
+
+    def test_request_ids_cannot_forge_or_flood_log_lines(self):
+        forged = "id-1\n2030-01-01T00:00:00.000Z E vlmgraph] forged line\r\x1b[2J"
+        self.client.generate_all([1, 2, 3], max_new_tokens=1, request_id=forged)
+        self.client.generate_all([1, 2, 3], max_new_tokens=1, request_id="y" * (1 << 20))
+        lines = self.server.log().splitlines()
+        self.assertFalse([line for line in lines if line.startswith("2030-01-01")])
+        mentions = [line for line in lines if "forged line" in line]
+        self.assertEqual(len(mentions), 1, mentions)
+        self.assertIn("Generate id-1\\n2030-01-01T00:00:00.000Z E vlmgraph] forged line\\r\\x1b[2J from", mentions[0])
+        self.assertIn("...(1048576 bytes) from", "\n".join(lines))
+        self.assertLess(max(len(line) for line in lines), 4096)
 
     def wait_idle(self):
         self.server.wait_metric("vlmgraph_active_sequences", lambda v: v == 0)
