@@ -285,12 +285,18 @@ void Engine::Validate(const GenerateRequest& request) const {
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
   if (s.max_new_tokens < 1)
     throw Invalid("max_new_tokens must be >= 1, got " + std::to_string(s.max_new_tokens));
+  if (len >= max_context()) {  // the prompt alone leaves no room for a new token
+    throw Invalid("prompt of " + std::to_string(len) +
+                  " tokens leaves no room for a new token in the longest context bucket (" +
+                  std::to_string(max_context()) + " tokens); shorten it by at least " +
+                  std::to_string(len - max_context() + 1) +
+                  (len == max_context() ? " token" : " tokens") + " or raise buckets.context_lens");
+  }
   if (len + s.max_new_tokens > max_context()) {
     throw Invalid("prompt (" + std::to_string(len) + " tokens) + max_new_tokens (" +
                   std::to_string(s.max_new_tokens) + ") exceeds the longest context bucket (" +
                   std::to_string(max_context()) + " tokens); lower max_new_tokens to at most " +
-                  std::to_string(std::max<int64_t>(0, max_context() - len)) +
-                  " or raise buckets.context_lens");
+                  std::to_string(max_context() - len) + " or raise buckets.context_lens");
   }
   if (!s.greedy) {
     if (!(s.temperature > 0)) throw Invalid("temperature must be > 0 when sampling");

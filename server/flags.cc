@@ -1,9 +1,12 @@
 #include "server/flags.h"
 
+#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -124,8 +127,21 @@ CommandLine ParseCommandLine(int argc, const char* const* argv,
 ServerConfig LoadServerConfig(const CommandLine& cl) {
   YAML::Node root(YAML::NodeType::Map);
   if (!cl.config_path.empty()) {
+    // A directory opens and reads as empty, which would start on the defaults: refuse it first.
+    struct stat st {};
+    if (::stat(cl.config_path.c_str(), &st) != 0) {
+      throw ServerConfigError(cl.config_path,
+                              std::string("cannot read the config file: ") + std::strerror(errno));
+    }
+    if (S_ISDIR(st.st_mode)) {
+      throw ServerConfigError(cl.config_path,
+                              "is a directory; --config takes a YAML file (deploy/config.yaml)");
+    }
     std::ifstream in(cl.config_path);
-    if (!in) throw ServerConfigError(cl.config_path, "cannot read the config file");
+    if (!in) {
+      throw ServerConfigError(cl.config_path,
+                              std::string("cannot read the config file: ") + std::strerror(errno));
+    }
     std::stringstream text;
     text << in.rdbuf();
     root = LoadYaml(text.str(), cl.config_path);

@@ -46,6 +46,15 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   if (c.optimizer() != v1::OPTIMIZER_UNSPECIFIED && c.optimizer() != v1::OPTIMIZER_ADAMW) {
     throw InvalidArgument("config.optimizer: only OPTIMIZER_ADAMW is supported");
   }
+  // Open proto3 enums carry any number a client sends: each value is checked, none defaults.
+  if (c.bucket_policy() != v1::TRAIN_BUCKET_POLICY_UNSPECIFIED &&
+      c.bucket_policy() != v1::TRAIN_BUCKET_POLICY_PAD &&
+      c.bucket_policy() != v1::TRAIN_BUCKET_POLICY_EXACT) {
+    throw InvalidArgument(
+        "config.bucket_policy: must be TRAIN_BUCKET_POLICY_PAD or "
+        "TRAIN_BUCKET_POLICY_EXACT, got " +
+        std::to_string(c.bucket_policy()));
+  }
   TrainOptions o;
   o.language_learning_rate = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
                                          o.language_learning_rate, "language_learning_rate");

@@ -135,6 +135,22 @@ TEST(ServerConfig, BadFlagsAreErrors) {
   EXPECT_THROW(FromArgs({"--config", "/nonexistent.yaml"}), ServerConfigError);
 }
 
+// A directory opens and reads as an empty file: it must not start the server on the defaults.
+TEST(ServerConfig, ConfigPathMustBeAReadableFile) {
+  const std::string dir = ::testing::TempDir();
+  for (const std::string& path : {dir, dir + "/no_such_config.yaml"}) {
+    try {
+      FromArgs({"--config", path.c_str()});
+      FAIL() << path << ": loaded";
+    } catch (const ServerConfigError& e) {
+      EXPECT_EQ(e.key_path(), path);
+      EXPECT_NE(std::string(e.what()).find(path == dir ? "is a directory" : "No such file"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(ServerConfig, PrintedConfigLoadsBackUnchanged) {
   const ServerConfig a = FromYaml("buckets: {batch_sizes: [2, 4], oversize: reject}\nseed: 3\n");
   const ServerConfig b = FromYaml(ConfigToYaml(a));

@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/engine.h"
 #include "engine/engine_types.h"
 #include "model/image_processor.h"
 #include "server/config.h"
@@ -183,6 +184,43 @@ TEST(ServerLog, LogSafeEscapesControlBytesAndCutsLongText) {
   EXPECT_LE(safe.size(), 4 * 128 + 32u);
   EXPECT_EQ(safe.find('\n'), std::string::npos);
   EXPECT_NE(safe.find("(1048576 bytes)"), std::string::npos) << safe;
+}
+
+// The prompt alone fills the longest context: the message says to shorten the prompt, and by how
+// much, not to lower max_new_tokens to 0.
+TEST(ServerValidate, PromptThatFillsTheContextIsTooLong) {
+  EngineOptions o;
+  o.buckets.batch_sizes = {1};
+  o.buckets.seq_lens = {16};
+  o.buckets.context_lens = {32, 64};
+  o.buckets.tile_counts = {1};
+  o.buckets.train_batch_sizes = {1};
+  o.buckets.train_seq_lens = {16};
+  o.log_captures = false;
+  const Engine engine(VisionLanguageModel(VlmConfig::Preset("nanovlm-tiny")), o);
+  auto message = [&](int64_t prompt, int64_t max_new) {
+    GenerateRequest r;
+    r.input_ids.assign(prompt, 5);
+    r.sampling.max_new_tokens = max_new;
+    try {
+      engine.Validate(r);
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  for (const auto& [prompt, over] : {std::pair<int64_t, int64_t>{64, 1}, {70, 7}}) {
+    const std::string m = message(prompt, 1);
+    EXPECT_EQ(m.find("max_new_tokens to at most"), std::string::npos) << m;
+    EXPECT_NE(m.find("prompt of " + std::to_string(prompt) + " tokens"), std::string::npos) << m;
+    EXPECT_NE(m.find("shorten it by at least " + std::to_string(over) + " token"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("longest context bucket (64 tokens)"), std::string::npos) << m;
+  }
+  EXPECT_NE(message(60, 10).find("lower max_new_tokens to at most 4"), std::string::npos);
+  EXPECT_EQ(message(63, 1), "");
 }
 
 TEST(ServerStatus, OnePlaceMapsEveryErrorKind) {

@@ -117,6 +117,10 @@ class TrainTest(unittest.TestCase):
         unspecified = t.TrainConfig(trainable_parts=[t.MODEL_PART_UNSPECIFIED])
         self.assertTrainFails(INVALID, "config.trainable_parts[0]: must be MODEL_PART_VISION, MODEL_PART_PROJECTOR",
                               [t.TrainRequest(config=unspecified)])
+        # Enum numbers that name no value: every enum field refuses them alike.
+        self.assertTrainFails(INVALID, "config.optimizer", [t.TrainRequest(config=t.TrainConfig(optimizer=7))])
+        self.assertTrainFails(INVALID, "config.bucket_policy",
+                              [t.TrainRequest(config=t.TrainConfig(bucket_policy=9))])
 
     def test_recompute_parts_give_the_same_loss(self):
         """Activation recomputation changes memory, not results: the same first-step loss."""
