@@ -1,10 +1,14 @@
 #include "server/convert.h"
 
 #include <ATen/ATen.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
-#include <filesystem>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "model/image_processor.h"
@@ -327,8 +331,69 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
   return out;
 }
 
+namespace {
+
+// Note [Checkpoint directories]: SaveCheckpoint.directory is a client's name for a directory that
+// must stay inside train.checkpoint_dir. It is checked by name (no "", ".", ".." components, the
+// characters the proto allows, NAME_MAX per component) and then component by component below the
+// canonical root with lstat(2): an existing component must be a real directory, never a symbolic
+// link (which could point anywhere) nor a file. Components that do not exist yet are created as
+// plain directories by the save, so the result stays strictly inside the root. POSIX calls, not
+// std::filesystem: the pip LibTorch exports its own copy of std::filesystem (see
+// tests/server_scheduler_test.cc). Nothing here guards against another local user swapping a
+// directory for a link between this check and the save; the threat is the gRPC client.
+
+// `path` made absolute and lexically normal: "/a/b", no ".", "..", "" components.
+std::string AbsoluteNormal(const std::string& path) {
+  std::string joined = path;
+  if (joined.empty() || joined.front() != '/') {
+    char* cwd = ::getcwd(nullptr, 0);
+    joined = std::string(cwd ? cwd : "/") + "/" + joined;
+    std::free(cwd);
+  }
+  std::vector<std::string> parts;
+  std::stringstream ss(joined);
+  for (std::string part; std::getline(ss, part, '/');) {
+    if (part.empty() || part == ".") continue;
+    if (part == "..") {
+      if (!parts.empty()) parts.pop_back();
+    } else {
+      parts.push_back(part);
+    }
+  }
+  std::string out;
+  for (const std::string& part : parts) out += "/" + part;
+  return out.empty() ? "/" : out;
+}
+
+// std::filesystem::weakly_canonical of an AbsoluteNormal path: its longest existing prefix
+// resolved by realpath(3) (symbolic links followed), the rest appended as it is.
+std::string WeaklyCanonical(const std::string& path) {
+  std::string prefix = path, rest;
+  while (true) {
+    if (char* real = ::realpath(prefix.empty() ? "/" : prefix.c_str(), nullptr)) {
+      std::string out(real);
+      std::free(real);
+      if (!rest.empty()) out += (out.back() == '/' ? "" : "/") + rest;
+      return out;
+    }
+    const size_t slash = prefix.rfind('/');
+    if (slash == std::string::npos) return path;
+    rest = rest.empty() ? prefix.substr(slash + 1) : prefix.substr(slash + 1) + "/" + rest;
+    prefix.resize(slash);
+  }
+}
+
+}  // namespace
+
 std::string ResolveCheckpointDir(const std::string& root, const std::string& name) {
+  constexpr size_t kMaxNameBytes = 1024;
+  constexpr size_t kMaxComponentBytes = 255;  // NAME_MAX of Linux file systems
   if (name.empty()) throw InvalidArgument("save.directory: must not be empty");
+  if (name.size() > kMaxNameBytes) {
+    throw InvalidArgument("save.directory: " + std::to_string(name.size()) + " bytes; at most " +
+                          std::to_string(kMaxNameBytes));
+  }
   const bool chars_ok = std::all_of(name.begin(), name.end(), [](char c) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ||
            c == '/';
@@ -338,11 +403,53 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
         "save.directory: only letters, digits, '.', '_', '-' and '/' are allowed");
   if (name.front() == '/')
     throw InvalidArgument("save.directory: must be relative to train.checkpoint_dir");
-  std::stringstream ss(name);
-  for (std::string part; std::getline(ss, part, '/');) {
-    if (part == "..") throw InvalidArgument("save.directory: must not contain '..'");
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t slash = name.find('/', start);
+    parts.push_back(name.substr(start, slash == std::string::npos ? slash : slash - start));
+    if (slash == std::string::npos) break;
+    start = slash + 1;
   }
-  return (std::filesystem::absolute(root) / name).lexically_normal().string();
+  for (const std::string& part : parts) {
+    if (part == "..") throw InvalidArgument("save.directory: must not contain '..'");
+    if (part.empty() || part == ".") {
+      throw InvalidArgument("save.directory: '" + name +
+                            "' has an empty or '.' component; name a directory below "
+                            "train.checkpoint_dir, e.g. run1/step_100");
+    }
+    if (part.size() > kMaxComponentBytes) {
+      throw InvalidArgument("save.directory: a component of " + std::to_string(part.size()) +
+                            " bytes; at most " + std::to_string(kMaxComponentBytes) + " each");
+    }
+  }
+  // Note [Checkpoint directories]
+  std::string dir = WeaklyCanonical(AbsoluteNormal(root));
+  std::string shown;  // the part of `name` checked so far
+  bool exists = true;
+  for (const std::string& part : parts) {
+    dir += (dir.back() == '/' ? "" : "/") + part;
+    shown += (shown.empty() ? "" : "/") + part;
+    if (!exists) continue;
+    struct stat st {};
+    if (::lstat(dir.c_str(), &st) != 0) {
+      if (errno == ENOENT) {
+        exists = false;
+        continue;
+      }
+      throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                        "save.directory: cannot inspect '" + dir + "': " + std::strerror(errno));
+    }
+    if (S_ISLNK(st.st_mode)) {
+      throw InvalidArgument("save.directory: '" + shown +
+                            "' is a symbolic link; checkpoints must stay inside "
+                            "train.checkpoint_dir");
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      throw InvalidArgument("save.directory: '" + shown +
+                            "' is a file, not a directory; choose another name");
+    }
+  }
+  return dir;
 }
 
 }  // namespace vlmgraph::server

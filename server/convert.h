@@ -90,8 +90,11 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
 void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const VlmConfig& cfg,
                  int64_t max_tokens, const std::string& field);
 
-// `name` relative to `root` (SaveCheckpoint.directory rules: no "..", not absolute, only
-// [A-Za-z0-9._/-]) -> absolute path.
+// `name` relative to `root` (SaveCheckpoint.directory rules: only [A-Za-z0-9._/-], not absolute,
+// no "", "." or ".." components, at most 1024 bytes and 255 per component) -> the absolute path
+// below the canonical `root`. INVALID_ARGUMENT also when an existing component is a symbolic link
+// or a file (Note [Checkpoint directories] in convert.cc); FAILED_PRECONDITION when one cannot be
+// inspected. Reads the file system; writes nothing.
 std::string ResolveCheckpointDir(const std::string& root, const std::string& name);
 
 }  // namespace vlmgraph::server

@@ -2,7 +2,10 @@
 // and saves run on the scheduler's GPU thread by a TrainBackend on the engine's Trainer
 // (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT.
 #include <cmath>
+#include <system_error>
 
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
 #include "server/graphed_trainer.h"
 #include "server/log.h"
 #include "server/service.h"
@@ -94,6 +97,13 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
               &o.recompute_language) = true;
   }
   return o;
+}
+
+// A save that the file system refused (no space, no permission, a name too long for it): the
+// server's state, not a bug, so never INTERNAL.
+ServerError SaveFailed(const std::string& dir, const std::string& what) {
+  return ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                     "save.directory: cannot write the checkpoint to " + dir + ": " + what);
 }
 
 v1::StepMode ToProto(RunKind kind) {
@@ -194,7 +204,15 @@ void VlmGraphService::RunTrain(
         scheduler_->RunOnGpuThread(
             "Train",
             [&](Engine&) {
-              job->Save(dir);
+              try {
+                job->Save(dir);
+              } catch (const std::system_error& e) {  // std::filesystem_error included
+                throw SaveFailed(dir, e.what());
+              } catch (const CheckpointError& e) {
+                throw SaveFailed(dir, e.what());
+              } catch (const SafetensorsError& e) {
+                throw SaveFailed(dir, e.what());
+              }
               steps = job->steps();
             },
             received);

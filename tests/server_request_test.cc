@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -169,6 +170,86 @@ TEST(ServerConvert, CheckpointDirectoriesStayUnderTheRoot) {
     EXPECT_EQ(StatusOf([&] { ResolveCheckpointDir("/srv/ckpt", bad); }).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT)
         << bad;
+  }
+}
+
+// A scratch directory tree for checkpoint names, removed with unlink/rmdir (not
+// std::filesystem::remove_all: the pip LibTorch exports an incompatible copy of it).
+class CheckpointRoot {
+ public:
+  CheckpointRoot() {
+    std::string pattern = ::testing::TempDir() + "vlmgraph_ckpt_XXXXXX";
+    base_ = ::mkdtemp(pattern.data()) ? pattern : "";
+    EXPECT_FALSE(base_.empty());
+  }
+  ~CheckpointRoot() {
+    for (auto it = made_.rbegin(); it != made_.rend(); ++it) {
+      if (::unlink(it->c_str()) != 0) ::rmdir(it->c_str());
+    }
+    ::rmdir(base_.c_str());
+  }
+  const std::string& base() const { return base_; }
+  std::string Dir(const std::string& rel) { return Made(rel, ::mkdir(Path(rel).c_str(), 0755)); }
+  std::string File(const std::string& rel) {
+    std::ofstream(Path(rel)) << "x";
+    return Made(rel, 0);
+  }
+  std::string Link(const std::string& rel, const std::string& target) {
+    return Made(rel, ::symlink(target.c_str(), Path(rel).c_str()));
+  }
+
+ private:
+  std::string Path(const std::string& rel) const { return base_ + "/" + rel; }
+  std::string Made(const std::string& rel, int rc) {
+    EXPECT_EQ(rc, 0) << rel;
+    made_.push_back(Path(rel));
+    return made_.back();
+  }
+  std::string base_;
+  std::vector<std::string> made_;
+};
+
+TEST(ServerConvert, CheckpointDirectoriesRefuseLinksFilesAndTheRootItself) {
+  CheckpointRoot t;
+  const std::string root = t.Dir("root"), outside = t.Dir("outside");
+  t.Dir("root/real");
+  t.File("root/afile");
+  t.Link("root/escape", outside);        // a link that leaves the root
+  t.Link("root/inner", root + "/real");  // even one that stays inside: links are refused
+  t.Link("rootlink", root);              // the root itself may be a link: it is resolved first
+  char* canonical = ::realpath(root.c_str(), nullptr);
+  ASSERT_NE(canonical, nullptr);
+  const std::string canonical_root(canonical);
+  std::free(canonical);
+  EXPECT_EQ(ResolveCheckpointDir(root, "run1/step_10"), canonical_root + "/run1/step_10");
+  EXPECT_EQ(ResolveCheckpointDir(root, "real/x"), canonical_root + "/real/x");
+  EXPECT_EQ(ResolveCheckpointDir(t.base() + "/rootlink", "a.b"), canonical_root + "/a.b");
+  const std::string long_component(300, 'a');
+  std::string long_name;
+  while (long_name.size() <= 1024) long_name += "abcdefgh/";
+  long_name += "x";
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {".", "'.' component"},
+      {"./", "'.' component"},
+      {"a/./b", "'.' component"},
+      {"a//b", "empty"},
+      {"a/", "empty"},
+      {long_component, "at most 255"},
+      {"run/" + long_component + "/x", "at most 255"},
+      {long_name, "at most 1024"},
+      {"escape", "must stay inside train.checkpoint_dir"},
+      {"escape/x", "must stay inside train.checkpoint_dir"},
+      {"inner/x", "symbolic link"},
+      {"afile", "is a file"},
+      {"afile/x", "is a file"},
+      {"afile/x/y", "is a file"},
+  };
+  for (const auto& [name, message] : refused) {
+    const grpc::Status s = StatusOf([&] { ResolveCheckpointDir(root, name); });
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << name << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(message), std::string::npos)
+        << name << ": " << s.error_message();
   }
 }
 

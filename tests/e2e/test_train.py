@@ -4,6 +4,7 @@ same loss; protocol errors and a second concurrent job are refused."""
 import os
 import queue
 import random
+import shutil
 import unittest
 
 import grpc
@@ -122,6 +123,29 @@ class TrainTest(unittest.TestCase):
         self.assertTrainFails(INVALID, "config.bucket_policy",
                               [t.TrainRequest(config=t.TrainConfig(bucket_policy=9))])
 
+    def test_saves_stay_inside_the_checkpoint_dir(self):
+        t = self.client.pb.train_pb2
+        INVALID = grpc.StatusCode.INVALID_ARGUMENT
+        cfg = t.TrainRequest(config=self.config(lr=1e-12))
+        outside = scratch_dir("outside")
+        try:
+            os.symlink(outside, os.path.join(self.ckpt_root, "link"))
+            with open(os.path.join(self.ckpt_root, "afile"), "w") as fh:
+                fh.write("not a directory")
+            for name, text in [("link", "must stay inside train.checkpoint_dir"),
+                               ("link/run1", "must stay inside train.checkpoint_dir"),
+                               ("afile/run1", "is a file"), ("a" * 300, "at most 255"),
+                               ("run1/" * 300 + "x", "at most 1024"), (".", "'.' component"),
+                               ("run1/./x", "'.' component"), ("run1//x", "empty")]:
+                self.assertTrainFails(INVALID, text, [cfg, self.client.train_save(name)])
+            self.assertEqual(os.listdir(outside), [])
+            self.assertNotIn("config.json", os.listdir(self.ckpt_root))  # nothing written into the root itself
+        finally:
+            shutil.rmtree(outside, ignore_errors=True)
+            for name in ("link", "afile"):
+                if os.path.lexists(os.path.join(self.ckpt_root, name)):
+                    os.unlink(os.path.join(self.ckpt_root, name))
+
     def test_recompute_parts_give_the_same_loss(self):
         """Activation recomputation changes memory, not results: the same first-step loss."""
         losses = []
@@ -162,6 +186,24 @@ class TrainTest(unittest.TestCase):
         # Once it ended, a new job is accepted.
         steps = list(self.client.train(cfg, iter([self.client.train_batch(self.examples[:1])])))
         self.assertEqual(len(steps), 1)
+
+
+class SaveFailureTest(unittest.TestCase):
+    def test_a_save_the_file_system_refuses_is_not_internal(self):
+        # mkdir fails under /proc, for root too: the file system's answer, not a server bug.
+        server = Server({"train": {"checkpoint_dir": "/proc"}}, name="train-proc").start()
+        try:
+            client = server.client()
+            t = client.pb.train_pb2
+            job = [t.TrainRequest(config=client.train_config(language_learning_rate=1e-9)), client.train_save("run1")]
+            with self.assertRaises(grpc.RpcError) as ctx:
+                list(client.stub.Train(iter(job), timeout=60))
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.FAILED_PRECONDITION, ctx.exception.details())
+            self.assertIn("save.directory: cannot write the checkpoint to /proc/run1", ctx.exception.details())
+            client.close()
+            self.assertEqual(server.stop(), 0)
+        finally:
+            server.cleanup()
 
 
 if __name__ == "__main__":
