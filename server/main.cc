@@ -1,14 +1,17 @@
-// vlmgraph-server: serves a nanoVLM model over gRPC with Prometheus metrics.
+// vlmgraph-server: serves a nanoVLM model over gRPC and OpenAI-compatible HTTP, with Prometheus
+// metrics.
 //
 //   vlmgraph-server                                  # built-in nanovlm-tiny on CPU (quick start)
 //   vlmgraph-server --config deploy/config.yaml      # a deployment
 //   vlmgraph-server --config c.yaml --device cuda:1 --grpc-address 0.0.0.0:50051
 //
-// Only wiring lives here: config -> metrics -> engine (on the scheduler's GPU thread) -> gRPC ->
-// wait for SIGTERM/SIGINT -> graceful shutdown (Note [Graceful shutdown], server/grpc_server.h).
-// Prints one line "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT" on stdout when it
-// serves (scripts and tests wait for it). Exit status: 0 after a clean shutdown, 2 for a bad
-// config or flags, 1 for other start-up failures.
+// Only wiring lives here: config -> metrics -> engine (on the scheduler's GPU thread) -> gRPC and
+// the OpenAI-compatible HTTP API (server/openai_http.h) -> wait for SIGTERM/SIGINT -> graceful
+// shutdown (Note [Graceful shutdown], server/grpc_server.h).
+// Prints one line "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT[ http HOST:PORT]" on
+// stdout when it serves (scripts and tests wait for it; http when server.http_address is set).
+// Exit status: 0 after a clean shutdown, 2 for a bad config or flags, 1 for other start-up
+// failures.
 #include <pthread.h>
 #include <signal.h>
 
@@ -21,6 +24,7 @@
 #include "server/grpc_server.h"
 #include "server/log.h"
 #include "server/metrics.h"
+#include "server/openai_http.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 #include "server/text_prompt.h"
@@ -62,13 +66,17 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   VlmGraphService service(&engine, &scheduler, &metrics, config, text.get());
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);
+  std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
+  if (!config.server.http_address.empty())
+    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get());
   const std::string metrics_address =
       Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
   LogInfo(std::string("serving: graphs ") + (engine.graphs_enabled() ? "on" : "off") +
           ", max context " + std::to_string(engine.max_context()) + ", gRPC " +
-          grpc_server.address() + ", metrics http://" + metrics_address + "/metrics");
-  std::printf("vlmgraph-server ready: grpc %s metrics %s\n", grpc_server.address().c_str(),
-              metrics_address.c_str());
+          grpc_server.address() + ", metrics http://" + metrics_address + "/metrics" +
+          (http ? ", OpenAI API http://" + http->address() + "/v1" : ""));
+  std::printf("vlmgraph-server ready: grpc %s metrics %s%s\n", grpc_server.address().c_str(),
+              metrics_address.c_str(), http ? (" http " + http->address()).c_str() : "");
   std::fflush(stdout);
 
   int signal_number = 0;
@@ -78,7 +86,9 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
                 signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_timeout_seconds);
   LogInfo(drain);
   scheduler.StopAccepting();
+  if (http) http->StopAccepting();  // drains alongside gRPC: both timeouts start now
   grpc_server.Shutdown(config.shutdown_timeout_seconds);  // every handler has returned after this
+  if (http) http->Shutdown(config.shutdown_timeout_seconds);
   const vlmgraph::EngineCounters counters = engine.Counters();
   scheduler.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engine
   LogInfo("stopped: " + std::to_string(counters.TotalReplays()) + " graph replays, " +

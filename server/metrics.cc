@@ -110,6 +110,14 @@ Metrics::Metrics(const std::string& metrics_address)
                    .Name("vlmgraph_requests_total")
                    .Help("Finished RPCs by gRPC status code")
                    .Register(r);
+  http_request_duration_ = &BuildHistogram()
+                                .Name("vlmgraph_http_request_duration_seconds")
+                                .Help("OpenAI-compatible HTTP API: request read -> last byte sent")
+                                .Register(r);
+  http_requests_ = &BuildCounter()
+                        .Name("vlmgraph_http_requests_total")
+                        .Help("Finished requests of the OpenAI-compatible HTTP API by status")
+                        .Register(r);
   generated_tokens_ = &BuildCounter()
                            .Name("vlmgraph_generated_tokens_total")
                            .Help("Tokens streamed to clients")
@@ -238,6 +246,18 @@ void Metrics::ObserveInterTokenLatency(double seconds) { inter_token_latency_->O
 void Metrics::ObserveRequest(const std::string& rpc, grpc::StatusCode code, double seconds) {
   requests_->Add({{"rpc", rpc}, {"code", StatusCodeName(code)}}).Increment();
   request_duration_->Add({{"rpc", rpc}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::ObserveHttpRequest(const std::string& endpoint, int status, double seconds) {
+  http_requests_->Add({{"endpoint", endpoint}, {"status", std::to_string(status)}}).Increment();
+  http_request_duration_->Add({{"endpoint", endpoint}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::InitHttpEndpoints(const std::vector<std::string>& endpoints) {
+  for (const std::string& endpoint : endpoints) {
+    http_requests_->Add({{"endpoint", endpoint}, {"status", "200"}});
+    http_request_duration_->Add({{"endpoint", endpoint}}, LatencyBuckets());
+  }
 }
 
 void Metrics::AddGeneratedTokens(int64_t tokens) {

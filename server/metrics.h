@@ -4,8 +4,8 @@
 // that list). Metrics implements the engine's EngineObserver (captures, replays, eager runs,
 // tokens, batch sizes, step latency per region and bucket) and takes the server's own
 // observations (queue time, time to first token, inter-token latency, requests by RPC and status
-// code, memory, training). `/metrics` is served on its own port by MetricsHttpServer
-// (Note [Own metrics endpoint], server/metrics_http.h).
+// code, HTTP requests by endpoint and status, memory, training). `/metrics` is served on its own
+// port by MetricsHttpServer (Note [Own metrics endpoint], server/metrics_http.h).
 //
 //   Metrics metrics("127.0.0.1:9464");   // "" = no HTTP endpoint (tests read Render())
 //   engine.SetObserver(&metrics);
@@ -69,6 +69,13 @@ class Metrics : public EngineObserver {
   void ObserveInterTokenLatency(double seconds);
   // A finished RPC: vlmgraph_requests_total{rpc, code} and vlmgraph_request_duration_seconds{rpc}.
   void ObserveRequest(const std::string& rpc, grpc::StatusCode code, double seconds);
+  // A finished request of the OpenAI-compatible HTTP API (server/openai_http.h):
+  // vlmgraph_http_requests_total{endpoint, status} and
+  // vlmgraph_http_request_duration_seconds{endpoint}. `endpoint` is a route ("/v1/completions")
+  // or "other", never a raw path; `status` the HTTP status (499: the client went away).
+  void ObserveHttpRequest(const std::string& endpoint, int status, double seconds);
+  // Zero-valued series (status 200) of each endpoint, so dashboards see them before traffic.
+  void InitHttpEndpoints(const std::vector<std::string>& endpoints);
   void AddGeneratedTokens(int64_t tokens);
   void SetQueueDepth(int64_t requests);
   void SetActiveSequences(int64_t sequences);
@@ -93,6 +100,8 @@ class Metrics : public EngineObserver {
   prometheus::Histogram* inter_token_latency_;
   prometheus::Family<prometheus::Histogram>* request_duration_;
   prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* http_request_duration_;
+  prometheus::Family<prometheus::Counter>* http_requests_;
   prometheus::Counter* generated_tokens_;
   prometheus::Gauge* queue_depth_;
   prometheus::Gauge* active_sequences_;

@@ -358,6 +358,7 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
   metrics.ObserveTimeToFirstToken(0.02);
   metrics.ObserveInterTokenLatency(0.003);
   metrics.ObserveRequest("Generate", grpc::StatusCode::INVALID_ARGUMENT, 0.1);
+  metrics.ObserveHttpRequest("/v1/chat/completions", 429, 0.2);
   metrics.AddGeneratedTokens(5);
   metrics.SetQueueDepth(3);
   metrics.SetActiveSequences(2);
@@ -392,6 +393,13 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
       std::string::npos);
   EXPECT_NE(text.find("vlmgraph_kv_cache_bytes 40"), std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_loss 2.5"), std::string::npos);
+  EXPECT_NE(
+      text.find(R"(vlmgraph_http_requests_total{endpoint="/v1/chat/completions",status="429"} 1)"),
+      std::string::npos);
+  EXPECT_NE(
+      text.find(
+          R"(vlmgraph_http_request_duration_seconds_count{endpoint="/v1/chat/completions"} 1)"),
+      std::string::npos);
 }
 
 TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {

@@ -87,10 +87,13 @@ class Server:
             with open(self.config_path, "w") as fh:
                 json.dump(config, fh)  # JSON is YAML
         self.log_path = os.path.join(self.dir, "server.log")
+        # Every port is a free one (suites run in parallel); the OpenAI-compatible HTTP API too,
+        # unless `args` turn it off (--http-address '').
         self.args = [SERVER, "--config", self.config_path, "--grpc-address", "127.0.0.1:0",
-                     "--metrics-address", "127.0.0.1:0", *args]
+                     "--metrics-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", *args]
         self.proc = None
         self.address = self.metrics_address = None
+        self.http_address = None  # host:port of the OpenAI-compatible API; None when it is off
 
     def start(self, timeout=120):
         if not os.path.isfile(SERVER):
@@ -103,9 +106,9 @@ class Server:
             ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
             if ready:
                 line = self.proc.stdout.readline()
-                m = re.match(r"vlmgraph-server ready: grpc (\S+) metrics (\S+)", line)
+                m = re.match(r"vlmgraph-server ready: grpc (\S+) metrics (\S+)(?: http (\S+))?", line)
                 if m:
-                    self.address, self.metrics_address = m.group(1), m.group(2)
+                    self.address, self.metrics_address, self.http_address = m.groups()
                     return self
             if self.proc.poll() is not None:
                 break

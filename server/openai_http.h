@@ -1,0 +1,110 @@
+// server/openai_http.h: the OpenAI-compatible HTTP API on its own address (server.http_address),
+// on cpp-httplib (Debian's libcpp-httplib-dev). Requests run through the same validation,
+// Scheduler, limits and metrics as gRPC Generate (RunGeneration, server/generation.h); the JSON
+// side (formats, accepted fields, their sources) is server/openai_protocol.h.
+//
+//   OpenAiHttpServer http(config, &scheduler, &metrics, text_model.get());   // listening
+//   http.address();          // "127.0.0.1:8000" (resolves port 0)
+//   ...                       // SIGTERM:
+//   scheduler.StopAccepting(); http.StopAccepting();   // new requests: 503
+//   http.Shutdown(config.shutdown_timeout_seconds);    // drain, cancel the rest, stop
+//
+//   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
+//     -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
+//
+// Endpoints (every one but /health needs `Authorization: Bearer <server.api_key>` when a key is
+// set; the environment variable VLMGRAPH_API_KEY overrides the config):
+//   GET  /health               200 while serving, 503 once shutting down (as vLLM's)
+//   GET  /v1/models            the one model, served_model_name; GET /v1/models/{model} too
+//   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE
+//   POST /v1/completions       a prompt string (or token ids); stream: true -> SSE
+//   POST /tokenize             vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", ...}
+//   POST /detokenize           vLLM's: {"tokens"} -> {"prompt"}
+// A known path with another method answers 405, any other path 404, both with OpenAI's error body.
+//
+// Errors (OpenAI's {"error": {"message", "type", "param", "code"}}; the mapping from the
+// server's exceptions is openai::ErrorFromException, the one place that maps them):
+//   400 invalid_request_error  malformed JSON, missing or bad fields, bad base64, a remote image
+//                              URL, n > 1, a prompt longer than the context
+//                              (code context_length_exceeded), no tokenizer loaded
+//   401 authentication_error   missing or wrong API key (code invalid_api_key)
+//   404                        unknown model (code model_not_found) or path
+//   413                        body over MaxHttpBodyBytes(limits)
+//   429 rate_limit_error       the scheduler's queue is full (batching.max_queue_size)
+//   503 server_error           shutting down
+//   500 server_error           a server bug (logged as an error)
+// An error after a stream has started (its 200 is sent) arrives as one more event,
+// `data: {"error": {...}}`, followed by `data: [DONE]` (as vLLM).
+//
+// Cancellation: a streaming client that disconnects cancels its sequence at the next delta (the
+// write fails). A non-streaming request runs to its end (at most max_tokens) even when its client
+// has gone: cpp-httplib 0.11 gives a handler no way to see the connection.
+//
+// Note [HTTP workers]: cpp-httplib serves each connection on one worker thread of a fixed pool for
+// its whole life, keep-alive included (5 s idle), and leaves connections beyond the pool waiting
+// in an unbounded list. The pool therefore has a worker for every sequence the engine can run
+// (the largest batch bucket) and every request the scheduler's queue may hold
+// (batching.max_queue_size), plus kSpareHttpWorkers for idle keep-alive connections and
+// /tokenize-style requests, so a full queue answers 429 instead of leaving connections unserved.
+//
+// Graceful shutdown (Note [Graceful shutdown], server/grpc_server.h): StopAccepting turns /health
+// to 503 and refuses new requests with 503; Shutdown(timeout) lets requests in flight run until
+// `timeout` seconds after StopAccepting, then cancels the rest (their handlers notice within
+// kGenerationPollInterval and answer 503), stops listening and joins every worker. An idle
+// keep-alive connection can hold that join up to its 5 s idle timeout.
+//
+// Metrics: vlmgraph_http_requests_total{endpoint, status} and
+// vlmgraph_http_request_duration_seconds{endpoint} for every request (docs/metrics.md); generations
+// also record time to first token, inter-token latency and generated tokens as gRPC does.
+//
+// Thread rules: construct, StopAccepting, Shutdown and destroy from the main thread; handlers run
+// on the worker threads and only use thread-safe objects (Scheduler, Engine::Validate, Metrics, the
+// immutable TextModel). Errors: the constructor throws std::runtime_error naming
+// server.http_address when it cannot listen.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "server/config.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+#include "server/text_prompt.h"
+
+namespace vlmgraph::server {
+
+// Worker threads beyond the batch and the queue (Note [HTTP workers]).
+inline constexpr int64_t kSpareHttpWorkers = 32;
+
+// The largest request body accepted: limits.max_request_bytes grown by base64's 4/3 (images come
+// inline as base64 in JSON), so a request that fits gRPC fits HTTP. Larger bodies get 413.
+int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits);
+
+class OpenAiHttpServer {
+ public:
+  // Listens on config.server.http_address (port 0: any free port) and serves. `scheduler` must be
+  // started (its engine answers Validate and max_context); `metrics` may be null (tests); `text`
+  // may be null (no tokenizer: the text endpoints answer 400 saying so). All must outlive this.
+  OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics,
+                   const TextModel* text);
+  ~OpenAiHttpServer();  // Shutdown(0) unless done
+  OpenAiHttpServer(const OpenAiHttpServer&) = delete;
+  OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
+
+  // The bound port (resolves port 0) and "host:port" with it.
+  int port() const;
+  std::string address() const;
+
+  // New requests get 503 and /health turns 503; requests in flight continue. Idempotent.
+  void StopAccepting();
+  // StopAccepting, waits until `timeout_seconds` after the first StopAccepting for requests in
+  // flight, cancels the rest, stops listening and joins the workers. Idempotent.
+  void Shutdown(double timeout_seconds);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace vlmgraph::server

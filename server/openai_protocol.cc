@@ -1,0 +1,752 @@
+#include "server/openai_protocol.h"
+
+#include <absl/strings/escaping.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "model/image_processor.h"
+#include "model/tokenizer.h"
+
+namespace vlmgraph::server::openai {
+namespace {
+
+// --- errors
+// ---------------------------------------------------------------------------------------
+
+grpc::StatusCode GrpcCodeOf(int http_status) {
+  switch (http_status) {
+    case 400:
+    case 413:
+      return grpc::StatusCode::INVALID_ARGUMENT;
+    case 401:
+      return grpc::StatusCode::UNAUTHENTICATED;
+    case 403:
+      return grpc::StatusCode::PERMISSION_DENIED;
+    case 404:
+    case 405:
+      return grpc::StatusCode::NOT_FOUND;
+    case 429:
+      return grpc::StatusCode::RESOURCE_EXHAUSTED;
+    case kClientClosedRequest:
+      return grpc::StatusCode::CANCELLED;
+    case 503:
+      return grpc::StatusCode::UNAVAILABLE;
+    default:
+      return grpc::StatusCode::INTERNAL;
+  }
+}
+
+ErrorInfo FromGrpc(grpc::StatusCode code, const std::string& message) {
+  ErrorInfo e;
+  e.message = message;
+  e.type = "invalid_request_error";
+  switch (code) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      e.http_status = 400;
+      break;
+    case grpc::StatusCode::UNAUTHENTICATED:
+      e.http_status = 401;
+      e.type = "authentication_error";
+      break;
+    case grpc::StatusCode::PERMISSION_DENIED:
+      e.http_status = 403;
+      e.type = "permission_error";
+      break;
+    case grpc::StatusCode::NOT_FOUND:
+      e.http_status = 404;
+      break;
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::ABORTED:
+      e.http_status = 409;
+      break;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      e.http_status = 429;
+      e.type = "rate_limit_error";
+      break;
+    case grpc::StatusCode::CANCELLED:
+      e.http_status = kClientClosedRequest;
+      break;
+    case grpc::StatusCode::UNIMPLEMENTED:
+      e.http_status = 501;
+      e.type = "server_error";
+      break;
+    case grpc::StatusCode::UNAVAILABLE:
+      e.http_status = 503;
+      e.type = "server_error";
+      break;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      e.http_status = 504;
+      e.type = "server_error";
+      break;
+    default:
+      e.http_status = 500;
+      e.type = "server_error";
+      break;
+  }
+  return e;
+}
+
+// --- JSON fields
+// ----------------------------------------------------------------------------------
+
+json ParseBody(const std::string& body) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    std::string what = e.what();
+    if (const size_t p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
+    throw BadRequest("malformed JSON in the request body: " + what);
+  }
+  if (!j.is_object()) {
+    throw BadRequest(std::string("the request body must be a JSON object, got ") + j.type_name());
+  }
+  return j;
+}
+
+// The field `key` of `obj`, or nullptr when it is missing or null (OpenAI treats both as unset).
+const json* Field(const json& obj, const char* key) {
+  const auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? nullptr : &*it;
+}
+
+ApiError WrongType(const std::string& param, const char* expected, const json& got) {
+  return BadRequest(param + ": must be " + expected + ", got " + got.type_name(), param);
+}
+
+std::optional<std::string> OptString(const json& obj, const char* key, const std::string& param) {
+  const json* f = Field(obj, key);
+  if (!f) return std::nullopt;
+  if (!f->is_string()) throw WrongType(param, "a string", *f);
+  return f->get<std::string>();
+}
+
+std::optional<bool> OptBool(const json& obj, const char* key, const std::string& param) {
+  const json* f = Field(obj, key);
+  if (!f) return std::nullopt;
+  if (!f->is_boolean()) throw WrongType(param, "true or false", *f);
+  return f->get<bool>();
+}
+
+std::optional<double> OptNumber(const json& obj, const char* key, const std::string& param) {
+  const json* f = Field(obj, key);
+  if (!f) return std::nullopt;
+  if (!f->is_number()) throw WrongType(param, "a number", *f);
+  return f->get<double>();
+}
+
+int64_t ToInt(const json& v, const std::string& param) {
+  if (v.is_number_integer()) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})
+      throw BadRequest(param + ": too large", param);
+    return v.get<int64_t>();
+  }
+  // 5.0 is accepted as 5, as pydantic (vLLM) does.
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9e18)
+      return static_cast<int64_t>(d);
+  }
+  throw WrongType(param, "an integer", v);
+}
+
+std::optional<int64_t> OptInt(const json& obj, const char* key, const std::string& param) {
+  const json* f = Field(obj, key);
+  if (!f) return std::nullopt;
+  return ToInt(*f, param);
+}
+
+std::vector<int64_t> IntList(const json& v, const std::string& param) {
+  if (!v.is_array()) throw WrongType(param, "a list of integers", v);
+  std::vector<int64_t> out;
+  out.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string p = param + "[" + std::to_string(i) + "]";
+    const int64_t id = ToInt(v[i], p);
+    if (id < 0) throw BadRequest(p + ": token ids must be >= 0, got " + std::to_string(id), p);
+    out.push_back(id);
+  }
+  return out;
+}
+
+std::string Lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool StartsWith(const std::string& s, const std::string& prefix) {
+  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+
+// --- request parts
+// --------------------------------------------------------------------------------
+
+void CheckModel(const json& body, const RequestContext& ctx) {
+  const std::optional<std::string> model = OptString(body, "model", "model");
+  if (!model || *model == ctx.served_model_name) return;
+  ErrorInfo e;
+  e.http_status = 404;
+  e.type = "invalid_request_error";
+  e.message = "The model `" + *model + "` does not exist. This server serves `" +
+              ctx.served_model_name + "` (GET /v1/models lists it).";
+  e.param = "model";
+  e.code = "model_not_found";
+  throw ApiError(std::move(e));
+}
+
+// Features this server does not have: refused, since ignoring them would return something else
+// than what the client asked for.
+void RefuseUnsupported(const json& body, bool chat) {
+  auto refuse = [](const std::string& param, const std::string& what) {
+    throw BadRequest(param + ": " + what + " is not supported by this server", param);
+  };
+  if (chat) {
+    if (OptBool(body, "logprobs", "logprobs").value_or(false)) refuse("logprobs", "logprobs");
+    if (Field(body, "top_logprobs")) refuse("top_logprobs", "top_logprobs");
+    for (const char* key : {"tools", "functions"}) {
+      const json* f = Field(body, key);
+      if (f && !(f->is_array() && f->empty())) refuse(key, "tool calling");
+    }
+    if (const json* f = Field(body, "response_format")) {
+      if (!f->is_object() || f->value("type", std::string()) != "text")
+        refuse("response_format", "a response_format other than {\"type\": \"text\"}");
+    }
+  } else {
+    if (Field(body, "logprobs")) refuse("logprobs", "logprobs");
+    if (OptBool(body, "echo", "echo").value_or(false)) refuse("echo", "echo");
+    if (OptString(body, "suffix", "suffix").value_or("") != "") refuse("suffix", "suffix");
+    if (OptInt(body, "best_of", "best_of").value_or(1) != 1) refuse("best_of", "best_of > 1");
+  }
+  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
+    if (OptNumber(body, key, key).value_or(0.0) != 0.0) refuse(key, "a non-zero penalty");
+  }
+  if (const json* f = Field(body, "logit_bias"); f && !(f->is_object() && f->empty()))
+    refuse("logit_bias", "logit_bias");
+}
+
+GenerationParams ParseGenerationParams(const json& body, const Limits& limits, bool chat) {
+  RefuseUnsupported(body, chat);
+  GenerationParams p;
+  if (const std::optional<int64_t> n = OptInt(body, "n", "n"); n && *n != 1) {
+    throw BadRequest("n: only one choice per request is supported, got " + std::to_string(*n) +
+                         "; send " + std::to_string(*n) + " requests instead",
+                     "n");
+  }
+  // max_completion_tokens replaces the deprecated max_tokens (OpenAI); vLLM takes it first too.
+  for (const char* key : {"max_completion_tokens", "max_tokens"}) {
+    const std::optional<int64_t> v = OptInt(body, key, key);
+    if (!v) continue;
+    if (*v < 1)
+      throw BadRequest(std::string(key) + ": must be >= 1, got " + std::to_string(*v), key);
+    if (*v > limits.max_new_tokens) {
+      throw BadRequest(std::string(key) + ": " + std::to_string(*v) +
+                           " exceeds this server's limit of " +
+                           std::to_string(limits.max_new_tokens) + " (limits.max_new_tokens)",
+                       key);
+    }
+    p.max_tokens = *v;
+    break;
+  }
+  if (const auto t = OptNumber(body, "temperature", "temperature")) {
+    if (!(*t >= 0 && *t <= 2))
+      throw BadRequest("temperature: must lie in [0, 2] (0 = greedy)", "temperature");
+    p.temperature = *t;
+  }
+  if (const auto t = OptNumber(body, "top_p", "top_p")) {
+    if (!(*t > 0 && *t <= 1)) throw BadRequest("top_p: must lie in (0, 1]", "top_p");
+    p.top_p = *t;
+  }
+  if (const auto k = OptInt(body, "top_k", "top_k")) {
+    if (*k < -1) throw BadRequest("top_k: must be >= 1, or 0 or -1 to disable it", "top_k");
+    p.top_k = std::max<int64_t>(0, *k);
+  }
+  if (const auto s = OptInt(body, "seed", "seed")) p.seed = static_cast<uint64_t>(*s);
+  if (const json* stop = Field(body, "stop")) {
+    std::vector<std::string> strings;
+    if (stop->is_string()) {
+      strings.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (stop->size() > 4)
+        throw BadRequest("stop: at most 4 stop strings, got " + std::to_string(stop->size()),
+                         "stop");
+      for (const json& s : *stop) {
+        if (!s.is_string()) throw WrongType("stop", "a string or a list of strings", *stop);
+        strings.push_back(s.get<std::string>());
+      }
+    } else {
+      throw WrongType("stop", "a string or a list of strings", *stop);
+    }
+    for (std::string& s : strings) {
+      if (!s.empty()) p.stop.push_back(std::move(s));
+    }
+  }
+  if (const json* ids = Field(body, "stop_token_ids"))
+    p.stop_token_ids = IntList(*ids, "stop_token_ids");
+  p.ignore_eos = OptBool(body, "ignore_eos", "ignore_eos").value_or(false);
+  p.stream = OptBool(body, "stream", "stream").value_or(false);
+  if (const json* so = Field(body, "stream_options")) {
+    if (!p.stream)
+      throw BadRequest("stream_options: only allowed when stream is true", "stream_options");
+    if (!so->is_object()) throw WrongType("stream_options", "an object", *so);
+    p.include_usage = OptBool(*so, "include_usage", "stream_options.include_usage").value_or(false);
+  }
+  return p;
+}
+
+ChatInput ParseMessages(const json& body, const Limits& limits) {
+  const json* messages = Field(body, "messages");
+  if (!messages) {
+    throw BadRequest(
+        "messages: required; send a list of messages such as "
+        "[{\"role\": \"user\", \"content\": \"Hello\"}]",
+        "messages");
+  }
+  if (!messages->is_array()) throw WrongType("messages", "a list of messages", *messages);
+  if (messages->empty()) throw BadRequest("messages: must not be empty", "messages");
+  ChatInput out;
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    const std::string path = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) throw WrongType(path, "an object with role and content", m);
+    std::optional<std::string> role = OptString(m, "role", path + ".role");
+    if (!role) throw BadRequest(path + ".role: required", path + ".role");
+    if (*role == "developer") role = "system";  // OpenAI's newer name for the system role
+    if (*role != "system" && *role != "user" && *role != "assistant") {
+      throw BadRequest(path + ".role: '" + *role +
+                           "' is not supported; use system, developer, user or assistant",
+                       path + ".role");
+    }
+    ChatMessage message{*role, {}};
+    const json* content = Field(m, "content");
+    if (!content) {
+      if (*role != "assistant") throw BadRequest(path + ".content: required", path + ".content");
+    } else if (content->is_string()) {
+      message.content.push_back(ChatContentPart::Text(content->get<std::string>()));
+    } else if (content->is_array()) {
+      for (size_t k = 0; k < content->size(); ++k) {
+        const json& part = (*content)[k];
+        const std::string ppath = path + ".content[" + std::to_string(k) + "]";
+        if (!part.is_object()) throw WrongType(ppath, "a content part object", part);
+        const std::optional<std::string> type = OptString(part, "type", ppath + ".type");
+        if (type == "text") {
+          const std::optional<std::string> text = OptString(part, "text", ppath + ".text");
+          if (!text) throw BadRequest(ppath + ".text: required", ppath + ".text");
+          message.content.push_back(ChatContentPart::Text(*text));
+        } else if (type == "image_url") {
+          // {"image_url": {"url": ...}} as OpenAI; a bare string is accepted too (as vLLM).
+          const json* image = Field(part, "image_url");
+          std::string url_path = ppath + ".image_url";
+          std::optional<std::string> url;
+          if (image && image->is_string()) {
+            url = image->get<std::string>();
+          } else if (image && image->is_object()) {
+            url_path += ".url";
+            url = OptString(*image, "url", url_path);
+          }
+          if (!url) {
+            throw BadRequest(
+                ppath + ".image_url: required, as {\"url\": \"data:image/png;base64,...\"}",
+                ppath + ".image_url");
+          }
+          if (static_cast<int64_t>(out.images.size()) >= limits.max_images_per_request) {
+            throw BadRequest("messages: more than " +
+                                 std::to_string(limits.max_images_per_request) +
+                                 " images; at most that many are allowed per request "
+                                 "(limits.max_images_per_request)",
+                             "messages");
+          }
+          out.images.push_back({DecodeImageUrl(*url, limits, url_path), url_path});
+          message.content.push_back(ChatContentPart::Image());
+        } else {
+          throw BadRequest(
+              ppath + ".type: '" + type.value_or("") + "' is not supported; use text or image_url",
+              ppath + ".type");
+        }
+      }
+    } else {
+      throw WrongType(path + ".content", "a string or a list of content parts", *content);
+    }
+    out.messages.push_back(std::move(message));
+  }
+  return out;
+}
+
+// --- prompts
+// --------------------------------------------------------------------------------------
+
+uint64_t RandomSeed() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return rng();
+}
+
+std::vector<ImageTiles> PreprocessImages(const std::vector<EncodedImage>& images,
+                                         const VlmConfig& cfg, const Limits& limits) {
+  const ImageLimits image_limits{limits.max_image_bytes, limits.max_image_pixels};
+  std::vector<ImageTiles> out;
+  for (const EncodedImage& image : images) {
+    try {
+      out.push_back(PreprocessEncodedImage(image.bytes, cfg, image_limits));
+    } catch (const ImageError& e) {
+      throw BadRequest(image.param + ": " + e.what(), image.param);
+    }
+  }
+  return out;
+}
+
+ApiError ContextLengthExceeded(const std::string& message, const std::string& param) {
+  return BadRequest(message, param, "context_length_exceeded");
+}
+
+// OpenAI's and vLLM's wording; `what` is "messages" or "prompt".
+int64_t MaxNewTokens(const GenerationParams& p, int64_t prompt_tokens, const Limits& limits,
+                     int64_t max_context, const std::string& what) {
+  const std::string max_len = std::to_string(max_context);
+  if (prompt_tokens >= max_context) {
+    throw ContextLengthExceeded("This model's maximum context length is " + max_len +
+                                    " tokens. However, your " + what + " resulted in " +
+                                    std::to_string(prompt_tokens) +
+                                    " tokens. Please reduce the length of the " + what + ".",
+                                what);
+  }
+  if (p.max_tokens) {
+    if (prompt_tokens + *p.max_tokens > max_context) {
+      throw ContextLengthExceeded(
+          "This model's maximum context length is " + max_len + " tokens. However, you requested " +
+              std::to_string(prompt_tokens + *p.max_tokens) + " tokens (" +
+              std::to_string(prompt_tokens) + " in the " + what + ", " +
+              std::to_string(*p.max_tokens) + " in the completion). Please reduce the length of " +
+              "the " + what + " or completion.",
+          what);
+    }
+    return *p.max_tokens;
+  }
+  return std::min(limits.default_max_new_tokens, max_context - prompt_tokens);
+}
+
+PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_ids,
+                          at::Tensor tiles, const TextModel& text, const Limits& limits,
+                          int64_t max_context, const std::string& what) {
+  PreparedGeneration g;
+  g.prompt_tokens = static_cast<int64_t>(input_ids.size());
+  SamplingParams& s = g.request.sampling;
+  s.max_new_tokens = MaxNewTokens(p, g.prompt_tokens, limits, max_context, what);
+  s.greedy = p.temperature < kGreedyTemperature;
+  s.temperature = s.greedy ? 1.0 : p.temperature;
+  s.top_p = p.top_p;
+  s.top_k = p.top_k;
+  s.seed = p.seed ? *p.seed : RandomSeed();
+  if (!p.ignore_eos) s.stop_token_ids = text.default_stop_token_ids();
+  for (int64_t id : p.stop_token_ids) {
+    if (std::find(s.stop_token_ids.begin(), s.stop_token_ids.end(), id) == s.stop_token_ids.end())
+      s.stop_token_ids.push_back(id);
+  }
+  g.request.input_ids = std::move(input_ids);
+  g.request.tiles = std::move(tiles);
+  g.stop_strings = p.stop;
+  g.stream = p.stream;
+  g.include_usage = p.include_usage;
+  return g;
+}
+
+json ChoicesMeta(const ResponseMeta& meta, const char* object) {
+  return json{
+      {"id", meta.id}, {"object", object}, {"created", meta.created}, {"model", meta.model}};
+}
+
+json FinishReasonJson(const std::string& reason) {
+  return reason.empty() ? json(nullptr) : json(reason);
+}
+
+}  // namespace
+
+// --- errors
+// ---------------------------------------------------------------------------------------
+
+ApiError::ApiError(ErrorInfo info)
+    : ServerError(GrpcCodeOf(info.http_status), info.message), info_(std::move(info)) {}
+
+ApiError BadRequest(const std::string& message, const std::string& param, const std::string& code) {
+  return ApiError({400, "invalid_request_error", message, param, code});
+}
+
+ErrorInfo ErrorFromException(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const ApiError& e) {
+    return e.info();
+  } catch (...) {
+    const grpc::Status s = StatusFromException(std::current_exception());
+    return FromGrpc(s.error_code(), s.error_message());
+  }
+}
+
+json ErrorJson(const ErrorInfo& error) {
+  auto or_null = [](const std::string& s) { return s.empty() ? json(nullptr) : json(s); };
+  return {{"error",
+           {{"message", error.message},
+            {"type", error.type},
+            {"param", or_null(error.param)},
+            {"code", or_null(error.code)}}}};
+}
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// --- requests
+// -------------------------------------------------------------------------------------
+
+ChatCompletionRequest ParseChatCompletionRequest(const std::string& body,
+                                                 const RequestContext& ctx) {
+  const json j = ParseBody(body);
+  CheckModel(j, ctx);
+  ChatCompletionRequest r;
+  r.params = ParseGenerationParams(j, ctx.limits, /*chat=*/true);
+  r.chat = ParseMessages(j, ctx.limits);
+  return r;
+}
+
+CompletionRequest ParseCompletionRequest(const std::string& body, const RequestContext& ctx) {
+  const json j = ParseBody(body);
+  CheckModel(j, ctx);
+  CompletionRequest r;
+  r.params = ParseGenerationParams(j, ctx.limits, /*chat=*/false);
+  const json* prompt = Field(j, "prompt");
+  if (!prompt) throw BadRequest("prompt: required; send the text to complete", "prompt");
+  // A string, or one prompt as a list: ["text"], [ids...] or [[ids...]] (OpenAI's forms).
+  const json* one = prompt;
+  if (prompt->is_array() && prompt->size() == 1 && !(*prompt)[0].is_number()) one = &(*prompt)[0];
+  if (one->is_string()) {
+    r.prompt_text = one->get<std::string>();
+    if (r.prompt_text->empty()) throw BadRequest("prompt: must not be empty", "prompt");
+  } else if (one->is_array() && !one->empty() &&
+             std::all_of(one->begin(), one->end(), [](const json& v) { return v.is_number(); })) {
+    r.prompt_ids = IntList(*one, "prompt");
+  } else if (prompt->is_array() && prompt->size() > 1 &&
+             !std::all_of(prompt->begin(), prompt->end(),
+                          [](const json& v) { return v.is_number(); })) {
+    throw BadRequest("prompt: one prompt per request is supported, got " +
+                         std::to_string(prompt->size()) + "; send one request per prompt",
+                     "prompt");
+  } else {
+    throw BadRequest("prompt: must be a non-empty string or a non-empty list of token ids",
+                     "prompt");
+  }
+  return r;
+}
+
+TokenizeRequest ParseTokenizeRequest(const std::string& body, const RequestContext& ctx) {
+  const json j = ParseBody(body);
+  CheckModel(j, ctx);
+  TokenizeRequest r;
+  if (Field(j, "messages")) {
+    r.chat = ParseMessages(j, ctx.limits);
+    r.add_generation_prompt =
+        OptBool(j, "add_generation_prompt", "add_generation_prompt").value_or(true);
+    return r;
+  }
+  r.prompt = OptString(j, "prompt", "prompt");
+  if (!r.prompt) throw BadRequest("prompt or messages: one of them is required", "prompt");
+  r.add_special_tokens = OptBool(j, "add_special_tokens", "add_special_tokens").value_or(true);
+  return r;
+}
+
+DetokenizeRequest ParseDetokenizeRequest(const std::string& body, const RequestContext& ctx) {
+  const json j = ParseBody(body);
+  CheckModel(j, ctx);
+  const json* tokens = Field(j, "tokens");
+  if (!tokens) throw BadRequest("tokens: required; send a list of token ids", "tokens");
+  return {IntList(*tokens, "tokens")};
+}
+
+std::string DecodeImageUrl(const std::string& url, const Limits& limits, const std::string& param) {
+  const std::string head = Lower(url.substr(0, std::min<size_t>(url.size(), 16)));
+  if (StartsWith(head, "http://") || StartsWith(head, "https://")) {
+    throw BadRequest(param +
+                         ": remote image URLs are not supported; this server fetches nothing. "
+                         "Send the image inline as a data URL: data:image/png;base64,<the file "
+                         "in base64>",
+                     param);
+  }
+  if (!StartsWith(head, "data:")) {
+    throw BadRequest(param + ": must be a data URL, data:image/png;base64,<the file in base64>",
+                     param);
+  }
+  const size_t comma = url.find(',');
+  if (comma == std::string::npos)
+    throw BadRequest(param + ": malformed data URL: no ',' before the data", param);
+  // "image/png;base64": media type, then parameters; base64 must be the last one (RFC 2397).
+  const std::string meta = Lower(url.substr(5, comma - 5));
+  const std::string media_type = meta.substr(0, meta.find(';'));
+  if (!StartsWith(media_type, "image/")) {
+    throw BadRequest(param + ": the data URL's media type must be image/png or image/jpeg, got '" +
+                         media_type + "'",
+                     param);
+  }
+  if (meta.size() < 7 || meta.compare(meta.size() - 7, 7, ";base64") != 0) {
+    throw BadRequest(
+        param + ": the data URL must be base64-encoded (data:" + media_type + ";base64,...)",
+        param);
+  }
+  const std::string_view data = std::string_view(url).substr(comma + 1);
+  // Refuse before decoding: base64 carries 3 bytes per 4 characters.
+  if (static_cast<int64_t>(data.size() / 4) * 3 > limits.max_image_bytes + 3) {
+    throw BadRequest(param + ": the image has about " + std::to_string(data.size() / 4 * 3) +
+                         " bytes; at most " + std::to_string(limits.max_image_bytes) +
+                         " are allowed (limits.max_image_bytes)",
+                     param);
+  }
+  std::string bytes;
+  if (!absl::Base64Unescape(absl::string_view(data.data(), data.size()), &bytes))
+    throw BadRequest(param + ": the image data is not valid base64", param);
+  if (bytes.empty()) throw BadRequest(param + ": the image data is empty", param);
+  return bytes;
+}
+
+// --- engine requests
+// ------------------------------------------------------------------------------
+
+PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
+                                         const TextModel& text, const VlmConfig& cfg,
+                                         const Limits& limits, int64_t max_context) {
+  const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
+  Prompt prompt = text.BuildChat(request.chat.messages, images, /*add_generation_prompt=*/true);
+  return Finish(request.params, std::move(prompt.input_ids), std::move(prompt.tiles), text, limits,
+                max_context, "messages");
+}
+
+PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
+                                     const Limits& limits, int64_t max_context) {
+  std::vector<int64_t> ids = request.prompt_ids;
+  if (request.prompt_text) ids = text.BuildText(*request.prompt_text, {}).input_ids;
+  return Finish(request.params, std::move(ids), at::Tensor(), text, limits, max_context, "prompt");
+}
+
+std::vector<int64_t> TokenizeIds(const TokenizeRequest& request, const TextModel& text,
+                                 const VlmConfig& cfg, const Limits& limits) {
+  if (request.prompt) {
+    try {
+      return text.tokenizer().Encode(*request.prompt, request.add_special_tokens);
+    } catch (const TokenizerError& e) {
+      throw BadRequest(std::string("prompt: ") + e.what(), "prompt");
+    }
+  }
+  const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
+  return text.BuildChat(request.chat.messages, images, request.add_generation_prompt).input_ids;
+}
+
+std::string DetokenizeText(const DetokenizeRequest& request, const TextModel& text) {
+  try {
+    return text.tokenizer().Decode(request.tokens, /*skip_special_tokens=*/false);
+  } catch (const TokenizerError& e) {
+    throw BadRequest(std::string("tokens: ") + e.what(), "tokens");
+  }
+}
+
+// --- responses
+// ------------------------------------------------------------------------------------
+
+ResponseMeta NewResponseMeta(const std::string& id_prefix, const std::string& model) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = id_prefix + "-";
+  for (int i = 0; i < 2; ++i) {
+    uint64_t r = rng();
+    for (int k = 0; k < 16; ++k, r >>= 4) id += kHex[r & 15];
+  }
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  return {id, std::chrono::duration_cast<std::chrono::seconds>(now).count(), model};
+}
+
+json UsageJson(const Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens},
+          {"completion_tokens", usage.completion_tokens},
+          {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
+}
+
+const char* FinishReasonString(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+    case FinishReason::kContextFull:
+      return "length";
+    default:
+      return "stop";
+  }
+}
+
+json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
+                        const std::string& finish_reason, const Usage& usage) {
+  json j = ChoicesMeta(meta, "chat.completion");
+  j["choices"] = json::array({{{"index", 0},
+                               {"message", {{"role", "assistant"}, {"content", text}}},
+                               {"logprobs", nullptr},
+                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+json ChatCompletionChunkJson(const ResponseMeta& meta, const json& delta,
+                             const std::string& finish_reason, bool include_usage) {
+  json j = ChoicesMeta(meta, "chat.completion.chunk");
+  j["choices"] = json::array({{{"index", 0},
+                               {"delta", delta},
+                               {"logprobs", nullptr},
+                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  if (include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+json CompletionJson(const ResponseMeta& meta, const std::string& text,
+                    const std::string& finish_reason, const Usage& usage) {
+  json j = ChoicesMeta(meta, "text_completion");
+  j["choices"] = json::array({{{"index", 0},
+                               {"text", text},
+                               {"logprobs", nullptr},
+                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+json CompletionChunkJson(const ResponseMeta& meta, const std::string& text,
+                         const std::string& finish_reason, bool include_usage) {
+  json j = ChoicesMeta(meta, "text_completion");
+  j["choices"] = json::array({{{"index", 0},
+                               {"text", text},
+                               {"logprobs", nullptr},
+                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  if (include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+json UsageChunkJson(const ResponseMeta& meta, const std::string& object, const Usage& usage) {
+  json j = ChoicesMeta(meta, object.c_str());
+  j["choices"] = json::array();
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+json ModelJson(const std::string& model, int64_t created, int64_t max_model_len) {
+  return {{"id", model},        {"object", "model"},
+          {"created", created}, {"owned_by", "vlmgraph"},
+          {"root", model},      {"max_model_len", max_model_len}};
+}
+
+json ModelListJson(const std::string& model, int64_t created, int64_t max_model_len) {
+  return {{"object", "list"}, {"data", json::array({ModelJson(model, created, max_model_len)})}};
+}
+
+json TokenizeJson(const std::vector<int64_t>& ids, int64_t max_model_len) {
+  return {{"count", ids.size()}, {"max_model_len", max_model_len}, {"tokens", ids}};
+}
+
+json DetokenizeJson(const std::string& text) { return {{"prompt", text}}; }
+
+std::string SseEvent(const json& j) { return "data: " + Dump(j) + "\n\n"; }
+
+}  // namespace vlmgraph::server::openai

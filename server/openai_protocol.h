@@ -1,0 +1,273 @@
+// server/openai_protocol.h: the OpenAI-compatible API's JSON, without sockets: request bodies ->
+// checked requests -> engine requests, engine results -> response bodies, exceptions -> error
+// bodies. server/openai_http.h serves it over HTTP; this part is unit-tested on its own.
+//
+//   const RequestContext ctx{config.served_model_name, config.limits};
+//   ChatCompletionRequest chat = ParseChatCompletionRequest(body, ctx);       // throws ApiError
+//   PreparedGeneration g = PrepareChatCompletion(chat, text_model, cfg, limits, max_context);
+//   engine.Validate(g.request);
+//   ... RunGeneration(..., std::move(g.request), ...) ...
+//   ResponseMeta meta = NewResponseMeta("chatcmpl", ctx.served_model_name);
+//   std::string body = Dump(ChatCompletionJson(meta, text, FinishReasonString(outcome), usage));
+//
+// Formats, and where they come from:
+//   POST /v1/chat/completions, POST /v1/completions, GET /v1/models: the OpenAI API reference
+//     (https://platform.openai.com/docs/api-reference/chat, .../completions, .../models), streamed
+//     as Server-Sent Events of `chat.completion.chunk` / `text_completion` objects ending with
+//     `data: [DONE]`; `stream_options.include_usage` adds a last chunk with `usage` and empty
+//     `choices` (every other chunk then has `"usage": null`), as OpenAI does.
+//   POST /tokenize, POST /detokenize: vLLM's (vllm/entrypoints/openai/protocol.py, TokenizeRequest
+//     and DetokenizeRequest): {"prompt"} or {"messages", "add_generation_prompt"} ->
+//     {"count", "max_model_len", "tokens"}; {"tokens"} -> {"prompt"}.
+//   Errors: OpenAI's {"error": {"message", "type", "param", "code"}} (ErrorFromException).
+//
+// Accepted request fields (anything else is ignored, as vLLM does; fields this server cannot honour
+// are refused instead of ignored: n > 1, logprobs, tools, response_format other than text,
+// non-zero penalties, logit_bias, echo, suffix, best_of > 1):
+//   model                 optional; when given it must equal served_model_name (else 404)
+//   messages              chat: [{role: system|developer|user|assistant, content: string or
+//                         [{type: text, text} | {type: image_url, image_url: {url}}]}]; image URLs
+//                         must be `data:image/...;base64,...` (the server fetches nothing)
+//   prompt                completions: a string, or token ids ([int] or [[int]] of one prompt)
+//   max_completion_tokens / max_tokens   >= 1, <= limits.max_new_tokens; default
+//                         limits.default_max_new_tokens, capped to the context left
+//   temperature           [0, 2], default 1 (sampling); below 1e-5 = greedy (as vLLM)
+//   top_p (0, 1], top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
+//   stop                  a string or up to 4 strings; the text ends before the first match
+//   stop_token_ids        (vLLM) extra stop tokens; ignore_eos (vLLM) drops the default ones
+//   n                     1 only; stream; stream_options.include_usage (stream only)
+//
+// Errors: every function throws ApiError (a ServerError with an HTTP status and OpenAI's error
+// fields) or lets the engine's, tokenizer's and image decoder's exceptions through; the HTTP layer
+// maps all of them with ErrorFromException, the one mapping (table at ErrorFromException).
+// Thread rules: pure functions, safe from any thread.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine_types.h"
+#include "model/chat_format.h"
+#include "model/config.h"
+#include "server/config.h"
+#include "server/status.h"
+#include "server/text_prompt.h"
+
+namespace vlmgraph::server::openai {
+
+using nlohmann::json;
+using Limits = ServerConfig::Limits;
+
+// --- errors
+// ---------------------------------------------------------------------------------------
+
+// One error response: the HTTP status and the fields of OpenAI's error object ("" = null).
+struct ErrorInfo {
+  int http_status = 500;
+  std::string type;  // "invalid_request_error", "authentication_error", "server_error", ...
+  std::string message;
+  std::string param;  // the request field at fault, e.g. "messages[0].content[1].image_url.url"
+  std::string code;   // OpenAI's codes: "model_not_found", "invalid_api_key",
+                      // "context_length_exceeded"; "" otherwise
+};
+
+// An error with its own HTTP status and OpenAI fields. Its gRPC code (ServerError::code) is the
+// status's namesake, so code that only knows ServerError still reads it right.
+class ApiError : public ServerError {
+ public:
+  explicit ApiError(ErrorInfo info);
+  const ErrorInfo& info() const { return info_; }
+
+ private:
+  ErrorInfo info_;
+};
+
+// 400 invalid_request_error.
+ApiError BadRequest(const std::string& message, const std::string& param = "",
+                    const std::string& code = "");
+
+// HTTP status 499: the client closed the connection before the response was complete (nginx's
+// code). Never sent; recorded in metrics and logs.
+inline constexpr int kClientClosedRequest = 499;
+
+// The one mapping from an exception to an error response:
+//   ApiError                                  its own status and fields
+//   INVALID_ARGUMENT, OUT_OF_RANGE,           400 invalid_request_error (bad input; a missing
+//     FAILED_PRECONDITION                         tokenizer is permanent, so not 503)
+//   UNAUTHENTICATED                           401 authentication_error
+//   PERMISSION_DENIED                         403 permission_error
+//   NOT_FOUND                                 404 invalid_request_error
+//   ALREADY_EXISTS, ABORTED                   409 invalid_request_error
+//   RESOURCE_EXHAUSTED                        429 rate_limit_error (queue full, out of memory)
+//   CANCELLED                                 499 (client gone)
+//   UNIMPLEMENTED                             501 server_error
+//   UNAVAILABLE                               503 server_error (shutting down)
+//   DEADLINE_EXCEEDED                         504 server_error
+//   anything else (INTERNAL, ...)             500 server_error
+// gRPC codes come from StatusFromException (server/status.h): ServerError, EngineError, ImageError
+// and other std::invalid_argument (400), bad_alloc (429), the rest INTERNAL (500).
+ErrorInfo ErrorFromException(std::exception_ptr error);
+// The error body: {"error": {"message", "type", "param", "code"}}.
+json ErrorJson(const ErrorInfo& error);
+
+// JSON text; invalid UTF-8 (never expected) becomes U+FFFD instead of throwing.
+std::string Dump(const json& j);
+
+// --- requests
+// -------------------------------------------------------------------------------------
+
+// What every parser needs to know about the server.
+struct RequestContext {
+  std::string served_model_name;
+  Limits limits;
+};
+
+// Sampling and output options shared by chat and text completions.
+struct GenerationParams {
+  std::optional<int64_t> max_tokens;  // max_completion_tokens, else max_tokens; nullopt = default
+  double temperature = 1.0;           // < kGreedyTemperature = greedy
+  double top_p = 1.0;
+  int64_t top_k = 0;                    // 0 = off
+  std::optional<uint64_t> seed;         // nullopt = a fresh random seed per request
+  std::vector<std::string> stop;        // stop strings, non-empty
+  std::vector<int64_t> stop_token_ids;  // added to the model's default stop tokens
+  bool ignore_eos = false;              // no default stop tokens
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+};
+
+// vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
+inline constexpr double kGreedyTemperature = 1e-5;
+
+// One image of a request: its encoded bytes (PNG or JPEG) and the field it came from.
+struct EncodedImage {
+  std::string bytes;
+  std::string param;  // "messages[1].content[0].image_url.url"
+};
+
+// Chat messages with their images, in order of the image parts.
+struct ChatInput {
+  std::vector<ChatMessage> messages;
+  std::vector<EncodedImage> images;
+};
+
+struct ChatCompletionRequest {
+  ChatInput chat;
+  GenerationParams params;
+};
+
+struct CompletionRequest {
+  std::optional<std::string> prompt_text;  // set unless the prompt was token ids
+  std::vector<int64_t> prompt_ids;         // the prompt as token ids
+  GenerationParams params;
+};
+
+struct TokenizeRequest {
+  std::optional<std::string> prompt;  // either a prompt ...
+  ChatInput chat;                     // ... or messages
+  bool add_generation_prompt = true;  // messages only (vLLM's default)
+  bool add_special_tokens = true;     // prompt only (vLLM's default)
+};
+
+struct DetokenizeRequest {
+  std::vector<int64_t> tokens;
+};
+
+// Each parser takes the raw body. Throws ApiError: 400 for malformed JSON, a missing or mistyped
+// field, a value out of range or an unsupported feature; 404 model_not_found for another model.
+ChatCompletionRequest ParseChatCompletionRequest(const std::string& body,
+                                                 const RequestContext& ctx);
+CompletionRequest ParseCompletionRequest(const std::string& body, const RequestContext& ctx);
+TokenizeRequest ParseTokenizeRequest(const std::string& body, const RequestContext& ctx);
+DetokenizeRequest ParseDetokenizeRequest(const std::string& body, const RequestContext& ctx);
+
+// The bytes of a `data:image/<type>;base64,<data>` URL (RFC 2397; base64 through Abseil, which
+// accepts missing padding and skips whitespace). Throws a 400 ApiError naming `param` for a remote
+// (http, https) or other non-data URL, a non-image media type, data that is not base64, and
+// more than limits.max_image_bytes bytes.
+std::string DecodeImageUrl(const std::string& url, const Limits& limits, const std::string& param);
+
+// --- engine requests
+// ------------------------------------------------------------------------------
+
+// A request ready for Engine::Validate and RunGeneration.
+struct PreparedGeneration {
+  GenerateRequest request;
+  std::vector<std::string> stop_strings;  // for the TextStream
+  int64_t prompt_tokens = 0;              // image tokens included
+  bool stream = false;
+  bool include_usage = false;
+};
+
+// Decodes and tiles the images (limits.max_image_pixels, ...), renders the chat, tokenizes it and
+// sets the sampling. `max_context`: the engine's longest context (Engine::max_context()). Throws
+// ApiError 400 context_length_exceeded when the prompt (plus an explicit max_tokens) does not fit,
+// 400 for a bad image or max_tokens above limits.max_new_tokens, and TextModel's errors.
+PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
+                                         const TextModel& text, const VlmConfig& cfg,
+                                         const Limits& limits, int64_t max_context);
+PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
+                                     const Limits& limits, int64_t max_context);
+// The token ids /tokenize returns (image tokens included).
+std::vector<int64_t> TokenizeIds(const TokenizeRequest& request, const TextModel& text,
+                                 const VlmConfig& cfg, const Limits& limits);
+// The text /detokenize returns (special tokens kept, so it round-trips /tokenize). Throws a 400
+// ApiError for an id outside the vocabulary.
+std::string DetokenizeText(const DetokenizeRequest& request, const TextModel& text);
+
+// --- responses
+// ------------------------------------------------------------------------------------
+
+// The fields every response object of one request repeats.
+struct ResponseMeta {
+  std::string id;       // "chatcmpl-<32 hex digits>", "cmpl-..."
+  int64_t created = 0;  // Unix time, seconds
+  std::string model;    // served_model_name
+};
+// `id_prefix`: "chatcmpl" or "cmpl".
+ResponseMeta NewResponseMeta(const std::string& id_prefix, const std::string& model);
+
+struct Usage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+};
+json UsageJson(const Usage& usage);  // {prompt_tokens, completion_tokens, total_tokens}
+
+// OpenAI's finish_reason: "length" for max_tokens and a full context (as vLLM), "stop" for a stop
+// token or stop string.
+const char* FinishReasonString(FinishReason reason);
+
+// object "chat.completion": one choice with {"role": "assistant", "content": text}.
+json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
+                        const std::string& finish_reason, const Usage& usage);
+// object "chat.completion.chunk" with one choice: `delta` ({"role": "assistant", "content": ""}
+// first, then {"content": text}, then {} with the finish reason); finish_reason "" = null.
+// `include_usage`: adds "usage": null.
+json ChatCompletionChunkJson(const ResponseMeta& meta, const json& delta,
+                             const std::string& finish_reason, bool include_usage);
+// object "text_completion": one choice with text.
+json CompletionJson(const ResponseMeta& meta, const std::string& text,
+                    const std::string& finish_reason, const Usage& usage);
+// object "text_completion" as a stream chunk; finish_reason "" = null.
+json CompletionChunkJson(const ResponseMeta& meta, const std::string& text,
+                         const std::string& finish_reason, bool include_usage);
+// The last chunk of a stream with stream_options.include_usage: empty choices and usage.
+// `object`: "chat.completion.chunk" or "text_completion".
+json UsageChunkJson(const ResponseMeta& meta, const std::string& object, const Usage& usage);
+
+// GET /v1/models: {"object": "list", "data": [ModelJson]}.
+json ModelJson(const std::string& model, int64_t created, int64_t max_model_len);
+json ModelListJson(const std::string& model, int64_t created, int64_t max_model_len);
+
+json TokenizeJson(const std::vector<int64_t>& ids, int64_t max_model_len);
+json DetokenizeJson(const std::string& text);
+
+// One Server-Sent Event: "data: <json>\n\n".
+std::string SseEvent(const json& j);
+inline constexpr const char* kSseDone = "data: [DONE]\n\n";
+
+}  // namespace vlmgraph::server::openai

@@ -1,0 +1,618 @@
+// The OpenAI-compatible API's protocol side (server/openai_protocol.h), without sockets: request
+// parsing and its errors, the exception -> HTTP error mapping, prompts and sampling built from
+// requests (with a small byte-level tokenizer over the nanovlm-tiny config), and response bodies.
+// The HTTP server itself is tested end to end with the official `openai` SDK
+// (tests/e2e/test_openai.py).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/engine_types.h"
+#include "model/chat_format.h"
+#include "model/image_processor.h"
+#include "model/tokenizer.h"
+#include "server/config.h"
+#include "server/openai_http.h"
+#include "server/openai_protocol.h"
+#include "server/status.h"
+#include "server/text_prompt.h"
+
+namespace vlmgraph::server::openai {
+namespace {
+
+// A 2 x 2 RGB PNG (red, green, blue, white), base64.
+constexpr const char* kPngBase64 =
+    "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////"
+    "DAAe9gT9Ce00PgAAAABJRU5ErkJggg==";
+
+std::string PngDataUrl() { return std::string("data:image/png;base64,") + kPngBase64; }
+
+Limits TestLimits() {
+  Limits l = FillDefaults(RawConfig{}).limits;
+  l.max_new_tokens = 100;
+  l.default_max_new_tokens = 7;
+  l.max_images_per_request = 2;
+  return l;
+}
+
+RequestContext Ctx() { return {"tiny-chat", TestLimits()}; }
+
+const VlmConfig& Tiny() {
+  static const VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
+  return cfg;
+}
+
+// The error an expression throws, as the HTTP layer maps it.
+template <typename F>
+ErrorInfo ErrorOf(F&& f) {
+  try {
+    f();
+  } catch (...) {
+    return ErrorFromException(std::current_exception());
+  }
+  return ErrorInfo{200, "", "no error", "", ""};
+}
+
+// GPT-2's bytes_to_unicode (openai/gpt-2 src/encoder.py): the byte-level token text of one byte.
+std::string ByteLevelText(int byte) {
+  auto printable = [](int b) {
+    return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  };
+  int code = byte;
+  if (!printable(byte)) {
+    int n = 0;
+    for (int b = 0; b < byte; ++b) n += printable(b) ? 0 : 1;
+    code = 256 + n;
+  }
+  std::string utf8;
+  if (code < 0x80) {
+    utf8 += static_cast<char>(code);
+  } else {
+    utf8 += static_cast<char>(0xC0 | (code >> 6));
+    utf8 += static_cast<char>(0x80 | (code & 0x3F));
+  }
+  return utf8;
+}
+
+// A byte-level BPE tokenizer without merges (one token per byte, ids 0..255), ChatML's two
+// special tokens (256, 257) and the tiny config's image tokens at image_token_id onwards.
+const Tokenizer& TinyTokenizer() {
+  static const Tokenizer tokenizer = [] {
+    nlohmann::json vocab = nlohmann::json::object();
+    for (int b = 0; b < 256; ++b) vocab[ByteLevelText(b)] = b;
+    nlohmann::json added = nlohmann::json::array();
+    auto add = [&](int64_t id, const std::string& text) {
+      added.push_back({{"id", id},
+                       {"content", text},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
+                       {"special", true}});
+    };
+    add(256, "<|im_start|>");
+    add(257, "<|im_end|>");
+    int64_t id = Tiny().image_token_id;
+    for (const auto& [name, text] : Tiny().vlm_extra_tokens) add(id++, text);
+    const nlohmann::json byte_level = {{"type", "ByteLevel"},
+                                       {"add_prefix_space", false},
+                                       {"trim_offsets", true},
+                                       {"use_regex", true}};
+    const nlohmann::json j = {{"version", "1.0"},
+                              {"truncation", nullptr},
+                              {"padding", nullptr},
+                              {"added_tokens", added},
+                              {"normalizer", nullptr},
+                              {"pre_tokenizer", byte_level},
+                              {"post_processor", nullptr},
+                              {"decoder", byte_level},
+                              {"model",
+                               {{"type", "BPE"},
+                                {"dropout", nullptr},
+                                {"unk_token", nullptr},
+                                {"continuing_subword_prefix", nullptr},
+                                {"end_of_word_suffix", nullptr},
+                                {"fuse_unk", false},
+                                {"byte_fallback", false},
+                                {"ignore_merges", false},
+                                {"vocab", vocab},
+                                {"merges", nlohmann::json::array()}}}};
+    return Tokenizer::FromJson(j.dump());
+  }();
+  return tokenizer;
+}
+
+const TextModel& Text() {
+  static const TextModel text(TinyTokenizer(), ChatFormat::FromTemplate(Tiny().lm_chat_template),
+                              Tiny(), /*stop_token_ids=*/{257}, "test tokenizer");
+  return text;
+}
+
+// --- parsing
+// ---------------------------------------------------------------------------------------
+
+TEST(OpenAiProtocol, ChatDefaults) {
+  const ChatCompletionRequest r = ParseChatCompletionRequest(
+      R"({"model": "tiny-chat", "messages": [{"role": "system", "content": "Be brief."},
+          {"role": "user", "content": "Hi"}]})",
+      Ctx());
+  ASSERT_EQ(r.chat.messages.size(), 2u);
+  EXPECT_EQ(r.chat.messages[0].role, "system");
+  ASSERT_EQ(r.chat.messages[1].content.size(), 1u);
+  EXPECT_EQ(r.chat.messages[1].content[0].text, "Hi");
+  EXPECT_TRUE(r.chat.images.empty());
+  EXPECT_FALSE(r.params.max_tokens.has_value());
+  EXPECT_EQ(r.params.temperature, 1.0);  // OpenAI's default: sampling
+  EXPECT_FALSE(r.params.seed.has_value());
+  EXPECT_FALSE(r.params.stream);
+  // `model` may be left out (vLLM); null fields read as unset.
+  const ChatCompletionRequest r2 = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "developer", "content": "x"}], "max_tokens": null, "stop": null})",
+      Ctx());
+  EXPECT_EQ(r2.chat.messages[0].role, "system");
+  EXPECT_FALSE(r2.params.max_tokens.has_value());
+}
+
+TEST(OpenAiProtocol, ChatSamplingFields) {
+  const ChatCompletionRequest r = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
+          "max_completion_tokens": 12, "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 42,
+          "stop": ["a", "", "bc"], "n": 1, "stream": true,
+          "stream_options": {"include_usage": true}, "stop_token_ids": [3]})",
+      Ctx());
+  EXPECT_EQ(r.params.max_tokens, 12);  // max_completion_tokens wins
+  EXPECT_EQ(r.params.temperature, 0.0);
+  EXPECT_EQ(r.params.top_p, 0.5);
+  EXPECT_EQ(r.params.top_k, 0);  // -1 = off
+  EXPECT_EQ(r.params.seed, 42u);
+  EXPECT_EQ(r.params.stop, (std::vector<std::string>{"a", "bc"}));  // empty strings dropped
+  EXPECT_EQ(r.params.stop_token_ids, std::vector<int64_t>{3});
+  EXPECT_TRUE(r.params.stream);
+  EXPECT_TRUE(r.params.include_usage);
+  const ChatCompletionRequest one = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "stop": "\n\n", "max_tokens": 5.0})",
+      Ctx());
+  EXPECT_EQ(one.params.stop, std::vector<std::string>{"\n\n"});
+  EXPECT_EQ(one.params.max_tokens, 5);
+}
+
+TEST(OpenAiProtocol, ChatContentPartsAndImages) {
+  const std::string body = R"({"messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": ")" +
+                           PngDataUrl() + R"("}},
+      {"type": "text", "text": "What is this?"}]}]})";
+  const ChatCompletionRequest r = ParseChatCompletionRequest(body, Ctx());
+  ASSERT_EQ(r.chat.messages[0].content.size(), 2u);
+  EXPECT_EQ(r.chat.messages[0].content[0].type, ChatContentPart::Type::kImage);
+  EXPECT_EQ(r.chat.messages[0].content[1].text, "What is this?");
+  ASSERT_EQ(r.chat.images.size(), 1u);
+  EXPECT_EQ(DetectImageFormat(r.chat.images[0].bytes), "png");
+  EXPECT_EQ(r.chat.images[0].param, "messages[0].content[0].image_url.url");
+}
+
+TEST(OpenAiProtocol, RequestErrors) {
+  struct Case {
+    std::string body;
+    int status;
+    std::string param;
+    std::string message_part;
+  };
+  const std::vector<Case> cases = {
+      {"{\"messages\": [", 400, "", "malformed JSON"},
+      {"[1, 2]", 400, "", "must be a JSON object"},
+      {"{}", 400, "messages", "messages: required"},
+      {R"({"messages": []})", 400, "messages", "must not be empty"},
+      {R"({"messages": "hi"})", 400, "messages", "must be a list"},
+      {R"({"messages": [{"content": "hi"}]})", 400, "messages[0].role", "required"},
+      {R"({"messages": [{"role": "tool", "content": "x"}]})", 400, "messages[0].role",
+       "'tool' is not supported"},
+      {R"({"messages": [{"role": "user"}]})", 400, "messages[0].content", "required"},
+      {R"({"messages": [{"role": "user", "content": 5}]})", 400, "messages[0].content",
+       "a string or a list"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})", 400,
+       "messages[0].content[0].type", "use text or image_url"},
+      {R"({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})", 404, "model",
+       "`gpt-4o` does not exist"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "n": 2})", 400, "n", "only one choice"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5})", 400,
+       "temperature", "[0, 2]"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})", 400,
+       "temperature", "must be a number, got string"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "top_p": 0})", 400, "top_p", "(0, 1]"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})", 400, "max_tokens",
+       ">= 1"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101})", 400, "max_tokens",
+       "limits.max_new_tokens"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5})", 400, "max_tokens",
+       "an integer"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]})", 400,
+       "stop", "at most 4"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "stop": 7})", 400, "stop",
+       "a string or a list of strings"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "stream_options": {}})", 400,
+       "stream_options", "only allowed when stream is true"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true})", 400, "logprobs",
+       "not supported"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", 400,
+       "tools", "not supported"},
+      {R"({"messages": [{"role": "user", "content": "hi"}],
+           "response_format": {"type": "json_object"}})",
+       400, "response_format", "not supported"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5})", 400,
+       "presence_penalty", "not supported"},
+  };
+  for (const Case& c : cases) {
+    const ErrorInfo e = ErrorOf([&] { ParseChatCompletionRequest(c.body, Ctx()); });
+    EXPECT_EQ(e.http_status, c.status) << c.body << " -> " << e.message;
+    EXPECT_EQ(e.param, c.param) << c.body;
+    EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
+    EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+  }
+  // The unknown model carries OpenAI's code.
+  EXPECT_EQ(
+      ErrorOf([] { ParseChatCompletionRequest(R"({"model": "x", "messages": []})", Ctx()); }).code,
+      "model_not_found");
+  // Fields that change nothing are accepted: an empty tools list, text response_format, zero
+  // penalties, `user`.
+  EXPECT_EQ(ErrorOf([] {
+              ParseChatCompletionRequest(
+                  R"({"messages": [{"role": "user", "content": "hi"}], "tools": [],
+                      "response_format": {"type": "text"}, "frequency_penalty": 0,
+                      "user": "u1", "logprobs": false})",
+                  Ctx());
+            }).http_status,
+            200);
+}
+
+TEST(OpenAiProtocol, ImageUrlErrors) {
+  auto image_error = [](const std::string& url) {
+    return ErrorOf([&] {
+      ParseChatCompletionRequest(R"({"messages": [{"role": "user", "content": [
+          {"type": "image_url", "image_url": {"url": ")" +
+                                     url + R"("}}]}]})",
+                                 Ctx());
+    });
+  };
+  ErrorInfo e = image_error("https://example.com/cat.png");
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.param, "messages[0].content[0].image_url.url");
+  EXPECT_NE(e.message.find("remote image URLs are not supported"), std::string::npos);
+  EXPECT_NE(e.message.find("data:image/png;base64,"), std::string::npos);
+  EXPECT_EQ(image_error("HTTP://example.com/cat.png").http_status, 400);
+  EXPECT_NE(image_error("file:///etc/passwd").message.find("must be a data URL"),
+            std::string::npos);
+  EXPECT_NE(image_error("data:image/png;base64,***notbase64***").message.find("not valid base64"),
+            std::string::npos);
+  EXPECT_NE(image_error("data:text/plain;base64,aGk=").message.find("media type"),
+            std::string::npos);
+  EXPECT_NE(image_error("data:image/png,rawbytes").message.find("base64-encoded"),
+            std::string::npos);
+  EXPECT_NE(image_error("data:image/png;base64").message.find("no ','"), std::string::npos);
+  EXPECT_NE(image_error("data:image/png;base64,").message.find("empty"), std::string::npos);
+
+  // Too many images: limits.max_images_per_request (2).
+  std::string parts;
+  for (int i = 0; i < 3; ++i) {
+    parts += std::string(i ? "," : "") + R"({"type": "image_url", "image_url": {"url": ")" +
+             PngDataUrl() + R"("}})";
+  }
+  e = ErrorOf([&] {
+    ParseChatCompletionRequest(R"({"messages": [{"role": "user", "content": [)" + parts + "]}]}",
+                               Ctx());
+  });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_NE(e.message.find("limits.max_images_per_request"), std::string::npos);
+
+  // Too many bytes: refused before decoding.
+  Limits small = TestLimits();
+  small.max_image_bytes = 30;
+  e = ErrorOf([&] { DecodeImageUrl(PngDataUrl(), small, "p"); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_NE(e.message.find("limits.max_image_bytes"), std::string::npos);
+  // Base64 without padding and with line breaks decodes (Abseil's rules).
+  const std::string bytes = DecodeImageUrl(PngDataUrl(), TestLimits(), "p");
+  std::string unpadded = PngDataUrl();
+  while (unpadded.back() == '=') unpadded.pop_back();
+  unpadded.insert(40, "\n");
+  EXPECT_EQ(DecodeImageUrl(unpadded, TestLimits(), "p"), bytes);
+}
+
+TEST(OpenAiProtocol, CompletionPrompts) {
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": "Once"})", Ctx()).prompt_text, "Once");
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": ["Once"]})", Ctx()).prompt_text, "Once");
+  CompletionRequest ids = ParseCompletionRequest(R"({"prompt": [1, 2, 3]})", Ctx());
+  EXPECT_FALSE(ids.prompt_text.has_value());
+  EXPECT_EQ(ids.prompt_ids, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [[4, 5]]})", Ctx()).prompt_ids,
+            (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [7]})", Ctx()).prompt_ids,
+            std::vector<int64_t>{7});
+
+  struct Case {
+    std::string body;
+    std::string param;
+    std::string message_part;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"{}", "prompt", "required"},
+           {R"({"prompt": ""})", "prompt", "must not be empty"},
+           {R"({"prompt": []})", "prompt", "non-empty"},
+           {R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
+           {R"({"prompt": [1, -2]})", "prompt[1]", ">= 0"},
+           {R"({"prompt": "x", "echo": true})", "echo", "not supported"},
+           {R"({"prompt": "x", "logprobs": 2})", "logprobs", "not supported"},
+           {R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
+           {R"({"prompt": "x", "n": 3})", "n", "only one choice"},
+       }) {
+    const ErrorInfo e = ErrorOf([&] { ParseCompletionRequest(c.body, Ctx()); });
+    EXPECT_EQ(e.http_status, 400) << c.body;
+    EXPECT_EQ(e.param, c.param) << c.body;
+    EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
+  }
+}
+
+TEST(OpenAiProtocol, TokenizeAndDetokenizeRequests) {
+  TokenizeRequest t = ParseTokenizeRequest(R"({"prompt": "Hello"})", Ctx());
+  EXPECT_EQ(t.prompt, "Hello");
+  EXPECT_TRUE(t.add_special_tokens);
+  t = ParseTokenizeRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false})",
+      Ctx());
+  EXPECT_FALSE(t.prompt.has_value());
+  EXPECT_EQ(t.chat.messages.size(), 1u);
+  EXPECT_FALSE(t.add_generation_prompt);
+  EXPECT_EQ(ErrorOf([] { ParseTokenizeRequest("{}", Ctx()); }).http_status, 400);
+  EXPECT_EQ(ParseDetokenizeRequest(R"({"tokens": [1, 2]})", Ctx()).tokens,
+            (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(ErrorOf([] { ParseDetokenizeRequest(R"({"tokens": "12"})", Ctx()); }).param, "tokens");
+  EXPECT_EQ(
+      ErrorOf([] { ParseDetokenizeRequest(R"({"model": "m", "tokens": []})", Ctx()); }).http_status,
+      404);
+}
+
+// --- errors
+// ----------------------------------------------------------------------------------------
+
+TEST(OpenAiProtocol, ErrorMapping) {
+  struct Case {
+    std::exception_ptr error;
+    int status;
+    std::string type;
+  };
+  const std::vector<Case> cases = {
+      {std::make_exception_ptr(InvalidArgument("bad")), 400, "invalid_request_error"},
+      {std::make_exception_ptr(EngineError(EngineError::Code::kInvalidArgument, "bad")), 400,
+       "invalid_request_error"},
+      {std::make_exception_ptr(ImageError("corrupt png")), 400, "invalid_request_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::FAILED_PRECONDITION, "no tok")), 400,
+       "invalid_request_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::UNAUTHENTICATED, "key")), 401,
+       "authentication_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::NOT_FOUND, "x")), 404,
+       "invalid_request_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full")),
+       429, "rate_limit_error"},
+      {std::make_exception_ptr(EngineError(EngineError::Code::kResourceExhausted, "kv")), 429,
+       "rate_limit_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::CANCELLED, "gone")),
+       kClientClosedRequest, "invalid_request_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::UNAVAILABLE, "shutting down")), 503,
+       "server_error"},
+      {std::make_exception_ptr(EngineError(EngineError::Code::kUnavailable, "x")), 503,
+       "server_error"},
+      {std::make_exception_ptr(ServerError(grpc::StatusCode::DEADLINE_EXCEEDED, "late")), 504,
+       "server_error"},
+      {std::make_exception_ptr(std::runtime_error("bug")), 500, "server_error"},
+      {std::make_exception_ptr(EngineError(EngineError::Code::kInternal, "bug")), 500,
+       "server_error"},
+      {std::make_exception_ptr(42), 500, "server_error"},
+  };
+  for (const Case& c : cases) {
+    const ErrorInfo e = ErrorFromException(c.error);
+    EXPECT_EQ(e.http_status, c.status) << e.message;
+    EXPECT_EQ(e.type, c.type) << e.message;
+  }
+  EXPECT_EQ(ErrorFromException(std::make_exception_ptr(InvalidArgument("images[0]: bad"))).message,
+            "images[0]: bad");
+  // ApiError keeps its own fields and reads as its gRPC namesake to code that only knows
+  // ServerError.
+  const ApiError api({404, "invalid_request_error", "no such model", "model", "model_not_found"});
+  EXPECT_EQ(api.code(), grpc::StatusCode::NOT_FOUND);
+  const ErrorInfo e = ErrorFromException(std::make_exception_ptr(api));
+  EXPECT_EQ(e.code, "model_not_found");
+  EXPECT_EQ(e.param, "model");
+
+  const nlohmann::json body = ErrorJson({400, "invalid_request_error", "bad n", "n", ""});
+  EXPECT_EQ(body["error"]["message"], "bad n");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(body["error"]["param"], "n");
+  EXPECT_TRUE(body["error"]["code"].is_null());
+  EXPECT_TRUE(ErrorJson({500, "server_error", "x", "", ""})["error"]["param"].is_null());
+}
+
+// --- prompts and sampling
+// --------------------------------------------------------------------------
+
+TEST(OpenAiProtocol, PrepareChatCompletion) {
+  ChatCompletionRequest r = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "stop": "x"})", Ctx());
+  PreparedGeneration g = PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512);
+  // "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n": 3 special tokens + 18 bytes.
+  EXPECT_EQ(g.request.input_ids, Text().BuildChat(r.chat.messages, {}, true).input_ids);
+  EXPECT_EQ(g.prompt_tokens, 21);
+  EXPECT_EQ(g.request.input_ids.front(), 256);
+  EXPECT_FALSE(g.request.tiles.defined());
+  EXPECT_TRUE(g.request.sampling.greedy);           // temperature 0
+  EXPECT_EQ(g.request.sampling.max_new_tokens, 7);  // limits.default_max_new_tokens
+  EXPECT_EQ(g.request.sampling.stop_token_ids, std::vector<int64_t>{257});
+  EXPECT_EQ(g.stop_strings, std::vector<std::string>{"x"});
+  EXPECT_FALSE(g.stream);
+
+  // The default max_tokens shrinks to the context left; an explicit one must fit.
+  g = PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25);
+  EXPECT_EQ(g.request.sampling.max_new_tokens, 4);
+  r.params.max_tokens = 4;
+  EXPECT_EQ(
+      PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25).request.sampling.max_new_tokens,
+      4);
+  r.params.max_tokens = 5;
+  ErrorInfo e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "messages");
+  EXPECT_NE(e.message.find("maximum context length is 25 tokens"), std::string::npos);
+  EXPECT_NE(e.message.find("21 in the messages, 5 in the completion"), std::string::npos);
+  // A prompt that fills the context on its own.
+  e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 21); });
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_NE(e.message.find("your messages resulted in 21 tokens"), std::string::npos);
+}
+
+TEST(OpenAiProtocol, SamplingSeedsAndStopTokens) {
+  ChatCompletionRequest r = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "top_p": 0.9,
+          "top_k": 5, "seed": 11, "stop_token_ids": [3, 257]})",
+      Ctx());
+  PreparedGeneration g = PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512);
+  const SamplingParams& s = g.request.sampling;
+  EXPECT_FALSE(s.greedy);
+  EXPECT_DOUBLE_EQ(s.temperature, 0.7);
+  EXPECT_DOUBLE_EQ(s.top_p, 0.9);
+  EXPECT_EQ(s.top_k, 5);
+  EXPECT_EQ(s.seed, 11u);
+  EXPECT_EQ(s.stop_token_ids, (std::vector<int64_t>{257, 3}));  // defaults first, no repeats
+
+  // Without a seed every request draws its own (the engine's noise is keyed by the seed).
+  r.params.seed.reset();
+  std::set<uint64_t> seeds;
+  for (int i = 0; i < 8; ++i)
+    seeds.insert(PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512).request.sampling.seed);
+  EXPECT_GT(seeds.size(), 1u);
+
+  r.params.ignore_eos = true;
+  r.params.stop_token_ids.clear();
+  EXPECT_TRUE(PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512)
+                  .request.sampling.stop_token_ids.empty());
+}
+
+TEST(OpenAiProtocol, PrepareChatWithImage) {
+  const ChatCompletionRequest r = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": ")" +
+          PngDataUrl() + R"("}, {"type": "text", "text": "?"}]}]})",
+      Ctx());
+  const PreparedGeneration g = PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512);
+  ASSERT_TRUE(g.request.tiles.defined());
+  const int64_t tiles = g.request.tiles.size(0);
+  const ImageTiles expected = PreprocessEncodedImage(r.chat.images[0].bytes, Tiny(), {});
+  EXPECT_EQ(tiles, expected.tiles.size(0));  // 256 x 256 (max_img_size): 4 x 4 grid + global
+  EXPECT_TRUE(at::equal(g.request.tiles, expected.tiles));
+  const int64_t image_tokens =
+      std::count(g.request.input_ids.begin(), g.request.input_ids.end(), Tiny().image_token_id);
+  EXPECT_EQ(image_tokens, tiles * Tiny().mp_image_token_length);
+
+  // A corrupt image names its field.
+  const ChatCompletionRequest bad = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": [{"type": "image_url",
+          "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAANSU"}}]}]})",
+      Ctx());
+  const ErrorInfo e =
+      ErrorOf([&] { PrepareChatCompletion(bad, Text(), Tiny(), TestLimits(), 512); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.param, "messages[0].content[0].image_url.url");
+}
+
+TEST(OpenAiProtocol, CompletionTokenizeDetokenize) {
+  const CompletionRequest c =
+      ParseCompletionRequest(R"({"prompt": "abc", "max_tokens": 3})", Ctx());
+  const PreparedGeneration g = PrepareCompletion(c, Text(), TestLimits(), 512);
+  EXPECT_EQ(g.request.input_ids, (std::vector<int64_t>{'a', 'b', 'c'}));
+  EXPECT_EQ(g.request.sampling.max_new_tokens, 3);
+  EXPECT_FALSE(g.request.sampling.greedy);  // temperature defaults to 1
+  const CompletionRequest ids = ParseCompletionRequest(R"({"prompt": [5, 6]})", Ctx());
+  EXPECT_EQ(PrepareCompletion(ids, Text(), TestLimits(), 512).request.input_ids,
+            (std::vector<int64_t>{5, 6}));
+
+  const std::vector<int64_t> prompt_ids =
+      TokenizeIds(ParseTokenizeRequest(R"({"prompt": "hi"})", Ctx()), Text(), Tiny(), TestLimits());
+  EXPECT_EQ(prompt_ids, (std::vector<int64_t>{'h', 'i'}));
+  const TokenizeRequest chat = ParseTokenizeRequest(
+      R"({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false})",
+      Ctx());
+  const std::vector<int64_t> chat_ids = TokenizeIds(chat, Text(), Tiny(), TestLimits());
+  EXPECT_EQ(chat_ids, Text().BuildChat(chat.chat.messages, {}, false).input_ids);
+  // Detokenize keeps special tokens, so it round-trips /tokenize.
+  EXPECT_EQ(DetokenizeText({chat_ids}, Text()), "<|im_start|>user\nHi<|im_end|>\n");
+  const ErrorInfo e = ErrorOf([] { DetokenizeText({{999999}}, Text()); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.param, "tokens");
+}
+
+// --- responses
+// -------------------------------------------------------------------------------------
+
+TEST(OpenAiProtocol, ResponseBodies) {
+  const ResponseMeta meta = NewResponseMeta("chatcmpl", "tiny-chat");
+  EXPECT_EQ(meta.id.rfind("chatcmpl-", 0), 0u);
+  EXPECT_EQ(meta.id.size(), 9u + 32u);
+  EXPECT_NE(NewResponseMeta("chatcmpl", "m").id, meta.id);
+  EXPECT_GT(meta.created, 1600000000);
+
+  const nlohmann::json c = ChatCompletionJson(meta, "Paris.", "stop", {12, 3});
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["model"], "tiny-chat");
+  EXPECT_EQ(c["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(c["choices"][0]["message"]["content"], "Paris.");
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(c["usage"]["total_tokens"], 15);
+
+  const nlohmann::json first =
+      ChatCompletionChunkJson(meta, {{"role", "assistant"}, {"content", ""}}, "", true);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  EXPECT_TRUE(first.contains("usage") && first["usage"].is_null());
+  EXPECT_FALSE(ChatCompletionChunkJson(meta, {{"content", "x"}}, "", false).contains("usage"));
+  const nlohmann::json usage = UsageChunkJson(meta, "chat.completion.chunk", {4, 2});
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2);
+
+  const nlohmann::json t = CompletionJson(NewResponseMeta("cmpl", "m"), "abc", "length", {1, 3});
+  EXPECT_EQ(t["object"], "text_completion");
+  EXPECT_EQ(t["choices"][0]["text"], "abc");
+  EXPECT_EQ(t["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(CompletionChunkJson(meta, "a", "", false)["object"], "text_completion");
+
+  EXPECT_EQ(FinishReasonString(FinishReason::kLength), std::string("length"));
+  EXPECT_EQ(FinishReasonString(FinishReason::kContextFull), std::string("length"));
+  EXPECT_EQ(FinishReasonString(FinishReason::kStopToken), std::string("stop"));
+
+  const nlohmann::json models = ModelListJson("tiny-chat", 5, 512);
+  EXPECT_EQ(models["object"], "list");
+  EXPECT_EQ(models["data"][0]["id"], "tiny-chat");
+  EXPECT_EQ(models["data"][0]["object"], "model");
+  EXPECT_EQ(models["data"][0]["max_model_len"], 512);
+  const nlohmann::json tok = TokenizeJson({1, 2, 3}, 512);
+  EXPECT_EQ(tok["count"], 3);
+  EXPECT_EQ(tok["max_model_len"], 512);
+  EXPECT_EQ(DetokenizeJson("hi")["prompt"], "hi");
+
+  EXPECT_EQ(SseEvent({{"a", 1}}), "data: {\"a\":1}\n\n");
+  EXPECT_EQ(std::string(kSseDone), "data: [DONE]\n\n");
+  // Invalid UTF-8 never makes a response throw.
+  EXPECT_NO_THROW(Dump(nlohmann::json(std::string("\xff"))));
+}
+
+TEST(OpenAiProtocol, HttpBodyLimitCoversBase64Images) {
+  Limits l = TestLimits();
+  l.max_request_bytes = 3000;
+  EXPECT_EQ(MaxHttpBodyBytes(l), 4000);
+  l.max_request_bytes = 3001;
+  EXPECT_EQ(MaxHttpBodyBytes(l), 4004);
+}
+
+}  // namespace
+}  // namespace vlmgraph::server::openai
