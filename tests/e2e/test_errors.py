@@ -77,7 +77,7 @@ class ErrorsTest(unittest.TestCase):
         INVALID = grpc.StatusCode.INVALID_ARGUMENT
         self.assertGenerateFails(INVALID, "outside the vocabulary", [1, 5000, 2])
         self.assertGenerateFails(INVALID, "outside the vocabulary", [1, -3, 2])
-        self.assertGenerateFails(INVALID, "input_ids is empty", [])
+        self.assertGenerateFails(INVALID, "no prompt: set input_ids, text or messages", [])
         n = len(self.good) - 3
         more = [self.info.image_token_id] * (n + 1) + [11]
         details = self.assertGenerateFails(INVALID, "image tokens", more, [self.image])
