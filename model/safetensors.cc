@@ -82,13 +82,23 @@ SafetensorsFile ReadSafetensors(const std::string& path) {
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_bytes) {
         throw SafetensorsError(path + ": tensor '" + name + "' has data_offsets outside the file");
       }
-      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
-      const uint64_t want = static_cast<uint64_t>(t.nbytes());
-      if (want != offsets[1] - offsets[0]) {
-        throw SafetensorsError(path + ": tensor '" + name + "' holds " +
-                               std::to_string(offsets[1] - offsets[0]) +
-                               " bytes but its shape and dtype need " + std::to_string(want));
+      // The size the shape needs, checked against the stored bytes before anything is allocated
+      // (a header may declare any shape: negative, or with a product past 2^64).
+      const uint64_t stored = offsets[1] - offsets[0];
+      uint64_t want = c10::elementSize(type);
+      for (const int64_t d : shape) {
+        if (d < 0) {
+          throw SafetensorsError(path + ": tensor '" + name + "' has a negative dimension " +
+                                 std::to_string(d));
+        }
+        want = d == 0 || want <= stored / static_cast<uint64_t>(d) ? want * d : stored + 1;
       }
+      if (want != stored) {
+        throw SafetensorsError(path + ": tensor '" + name + "' holds " + std::to_string(stored) +
+                               " bytes but its shape and dtype need " +
+                               (want > stored ? "more" : std::to_string(want)));
+      }
+      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
       in.seekg(static_cast<std::streamoff>(data_begin + offsets[0]));
       if (want > 0 &&
           !in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(want))) {
