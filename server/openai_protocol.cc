@@ -100,7 +100,7 @@ json ParseBody(const std::string& body) {
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     std::string what = e.what();
     if (const size_t p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
     throw BadRequest("malformed JSON in the request body: " + what);
