@@ -282,8 +282,11 @@ ServerConfig FillDefaults(const RawConfig& r) {
 
 void ValidateConfig(const ServerConfig& c) {
   if (c.model.empty()) throw ServerConfigError("model", "must not be empty");
+  // The error_code overloads: a name the file system refuses (too long, ...) is "not a file", not
+  // a std::filesystem_error.
+  std::error_code ec;
   if (!IsPresetModel(c.model) &&
-      !std::filesystem::is_regular_file(std::filesystem::path(c.model) / "config.json")) {
+      !std::filesystem::is_regular_file(std::filesystem::path(c.model) / "config.json", ec)) {
     std::string names;
     for (const auto& n : VlmConfig::PresetNames()) names += (names.empty() ? "" : ", ") + n;
     throw ServerConfigError("model", "'" + c.model + "' is neither a built-in preset (" + names +
@@ -325,7 +328,7 @@ void ValidateConfig(const ServerConfig& c) {
   if (c.served_model_name.empty())
     throw ServerConfigError("served_model_name", "must not be empty");
   if (!c.tokenizer.empty() && c.tokenizer != "none" &&
-      !std::filesystem::is_regular_file(c.tokenizer)) {
+      !std::filesystem::is_regular_file(c.tokenizer, ec)) {
     throw ServerConfigError("tokenizer", "'" + c.tokenizer +
                                              "' is not a file; give a Hugging Face tokenizer.json, "
                                              "leave it unset to use the checkpoint's, or 'none'");
