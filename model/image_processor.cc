@@ -105,6 +105,44 @@ DeclaredSize JpegSize(const std::string& b) {
   }
 }
 
+// Throws on a JPEG Huffman table (DHT) of more than 256 codes. stb_image 2.27 (Debian bookworm's
+// libstb-dev) does not check this: the code counts of such a table write past its arrays inside
+// the decoder's state (fixed upstream in stb_image 2.28). A DHT segment may also follow a scan
+// (progressive JPEG), so every segment is checked; entropy-coded data between segments is skipped
+// as stb_image skips it (0xff 0x00 is a data byte, 0xff 0xd0..0xd7 a restart marker).
+void CheckJpegHuffmanTables(const std::string& b) {
+  auto byte = [&](size_t i) { return static_cast<unsigned char>(b[i]); };
+  for (size_t i = 2; i < b.size();) {
+    if (byte(i) != 0xff) {
+      ++i;
+      continue;
+    }
+    while (i < b.size() && byte(i) == 0xff) ++i;
+    if (i >= b.size()) return;
+    const unsigned marker = byte(i++);
+    if (marker == 0x00 || marker == 0x01 || (marker >= 0xd0 && marker <= 0xd8)) continue;
+    if (marker == 0xd9 || b.size() - i < 2) return;  // end of image, or cut (stb_image refuses it)
+    const size_t length = Be16(b, i);
+    if (length < 2) return;  // stb_image refuses it
+    if (marker == 0xc4) {
+      // Tables as stb_image reads them: class/id byte, 16 code counts, then that many symbols,
+      // while the segment has bytes left.
+      for (size_t p = i + 2, left = length - 2; left > 0 && b.size() - p >= 17;) {
+        size_t codes = 0;
+        for (size_t k = 1; k <= 16; ++k) codes += byte(p + k);
+        if (codes > 256) {
+          throw ImageError("corrupt jpeg image: a Huffman table (DHT) has " +
+                           std::to_string(codes) + " codes; at most 256 are allowed");
+        }
+        if (17 + codes >= left || b.size() - p < 17 + codes) break;
+        left -= 17 + codes;
+        p += 17 + codes;
+      }
+    }
+    i += length;
+  }
+}
+
 // stb_image's reason for a failed load of a `format` image, never empty: some of its failures set
 // none, and a failed JPEG load can leave the reason of the PNG probe before it ("bad png sig").
 std::string DecodeFailure(const std::string& format) {
@@ -160,6 +198,7 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
                      " are allowed (limits.max_image_pixels)");
   }
   if (format == "png") CheckPngChunks(bytes);
+  if (format == "jpeg") CheckJpegHuffmanTables(bytes);
   const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
   const int len = static_cast<int>(bytes.size());
   int w = 0, h = 0, comp = 0;
