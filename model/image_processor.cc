@@ -126,10 +126,11 @@ void CheckJpegHuffmanTables(const std::string& b) {
     if (length < 2) return;  // stb_image refuses it
     if (marker == 0xc4) {
       // Tables as stb_image reads them: class/id byte, 16 code counts, then that many symbols,
-      // while the segment has bytes left.
-      for (size_t p = i + 2, left = length - 2; left > 0 && b.size() - p >= 17;) {
+      // while the segment has bytes left. stb_image reads past the end of the data as zeros, so
+      // a cut table counts the bytes it has.
+      for (size_t p = i + 2, left = length - 2; left > 0 && p < b.size();) {
         size_t codes = 0;
-        for (size_t k = 1; k <= 16; ++k) codes += byte(p + k);
+        for (size_t k = p + 1; k <= p + 16 && k < b.size(); ++k) codes += byte(k);
         if (codes > 256) {
           throw ImageError("corrupt jpeg image: a Huffman table (DHT) has " +
                            std::to_string(codes) + " codes; at most 256 are allowed");
