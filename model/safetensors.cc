@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -35,6 +36,20 @@ const char* DtypeToName(at::ScalarType t) {
     if (t == d.type) return d.name;
   }
   throw SafetensorsError(std::string("cannot write dtype ") + c10::toString(t) + " to safetensors");
+}
+
+// The list of integers `entry[key]`; get<> alone would convert a float such as 1e300 to an
+// integer, which is undefined behaviour.
+template <typename T>
+std::vector<T> Integers(const json& entry, const char* key, const std::string& path,
+                        const std::string& name) {
+  const json& list = entry.at(key);
+  if (!list.is_array() ||
+      !std::all_of(list.begin(), list.end(), [](const json& v) { return v.is_number_integer(); })) {
+    throw SafetensorsError(path + ": tensor '" + name + "' has a " + key +
+                           " that is not a list of integers");
+  }
+  return list.get<std::vector<T>>();
 }
 
 }  // namespace
@@ -77,8 +92,8 @@ SafetensorsFile ReadSafetensors(const std::string& path) {
     }
     try {
       const auto type = ParseDtype(entry.at("dtype").get<std::string>(), path, name);
-      std::vector<int64_t> shape = entry.at("shape").get<std::vector<int64_t>>();
-      auto offsets = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      std::vector<int64_t> shape = Integers<int64_t>(entry, "shape", path, name);
+      auto offsets = Integers<uint64_t>(entry, "data_offsets", path, name);
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_bytes) {
         throw SafetensorsError(path + ": tensor '" + name + "' has data_offsets outside the file");
       }
