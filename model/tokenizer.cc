@@ -52,6 +52,14 @@ namespace {
 
 // ---- Loading ----------------------------------------------------------------------------------
 
+// Token ids lie below kMaxVocabSize (2^22, 16 times the largest vocabularies in use): the id tables
+// are sized by the largest id, so one huge id in a small file would allocate without bound.
+constexpr int64_t kMaxVocabSize = int64_t{1} << 22;
+
+bool IsTokenId(const json& v) {
+  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < kMaxVocabSize;
+}
+
 // Errors name the file and the JSON path.
 class Loader {
  public:
@@ -139,8 +147,9 @@ class Loader {
     if (!vocab.is_object()) Fail("model.vocab must be an object of token -> id");
     state->vocab.reserve(vocab.size());
     for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0) {
-        Fail("model.vocab[\"" + it.key() + "\"] must be a non-negative integer");
+      if (!IsTokenId(it.value())) {
+        Fail("model.vocab[\"" + it.key() + "\"] must be an integer in [0, " +
+             std::to_string(kMaxVocabSize) + ")");
       }
       if (!IsValidUtf8(it.key())) Fail("model.vocab has a key that is not valid UTF-8");
       state->vocab[it.key()] = it.value().get<int64_t>();
@@ -196,8 +205,8 @@ class Loader {
       const std::string path = "added_tokens[" + std::to_string(i) + "]";
       if (!t.is_object()) Fail(path + " must be an object");
       const json& id = Field(t, path, "id");
-      if (!id.is_number_integer() || id.get<int64_t>() < 0) {
-        Fail(path + ".id must be a non-negative integer");
+      if (!IsTokenId(id)) {
+        Fail(path + ".id must be an integer in [0, " + std::to_string(kMaxVocabSize) + ")");
       }
       AddedToken token{id.get<int64_t>(),
                        String(Field(t, path, "content"), path + ".content"),

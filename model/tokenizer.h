@@ -33,8 +33,8 @@
 // threads at once (its per-word BPE cache is sharded and locked). Copies share the loaded state and
 // are cheap. A DecodeStream belongs to one thread (one request).
 //
-// Errors: TokenizerError for an unreadable or malformed file, an unsupported component, input that
-// is not valid UTF-8, and ids outside the vocabulary.
+// Errors: TokenizerError for an unreadable or malformed file (token ids must lie in [0, 2^22)), an
+// unsupported component, input that is not valid UTF-8, and ids outside the vocabulary.
 #pragma once
 
 #include <cstdint>
