@@ -132,7 +132,8 @@ void CheckAddress(const std::string& address, const std::string& path) {
 // or the preset name.
 std::string DefaultServedModelName(const std::string& model) {
   std::filesystem::path p(model);
-  while (p.has_parent_path() && p.filename().empty()) p = p.parent_path();
+  // "/" is its own parent: stop there (model "/" is then refused by ValidateConfig).
+  while (p.has_parent_path() && p.filename().empty() && p.parent_path() != p) p = p.parent_path();
   const std::string name = p.filename().string();
   return name.empty() ? model : name;
 }
