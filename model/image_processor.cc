@@ -214,7 +214,9 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
     throw ImageError("corrupt " + format + " image: " + reason);
   }
   at::Tensor hwc = at::from_blob(pixels.get(), {h, w, 3}, at::kByte);
-  return hwc.permute({2, 0, 1}).contiguous();  // (3, H, W), owns its memory
+  // clone, not contiguous(): a 1-pixel-wide permute is already contiguous and would still view the
+  // stb buffer freed on return.
+  return hwc.permute({2, 0, 1}).clone(at::MemoryFormat::Contiguous);  // (3, H, W), owns its memory
 }
 
 std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const VlmConfig& cfg) {

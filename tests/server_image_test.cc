@@ -127,6 +127,19 @@ TEST(ServerImage, DecodesPngAndJpegToRgb) {
   EXPECT_TRUE(at::equal(DecodeImage(Encode(rgba), limits), rgb.permute({2, 0, 1})));
 }
 
+TEST(ServerImage, DecodedImageOwnsItsPixelsEvenWhenOnePixelWide) {
+  // A (3, 1, 1) or (3, H, 1) permute is already contiguous; the decoder must still copy out of the
+  // stb_image buffer it frees (a view of it was a use-after-free under ASan).
+  const ImageLimits limits;
+  for (auto hw : {std::pair<int64_t, int64_t>{1, 1}, {7, 1}, {1, 9}}) {
+    at::Tensor rgb = Gradient(hw.first, hw.second);
+    at::Tensor img = DecodeImage(Encode(rgb), limits);
+    ASSERT_EQ(img.sizes(), (std::vector<int64_t>{3, hw.first, hw.second}));
+    EXPECT_NE(img.storage().data_ptr().get_context(), nullptr) << "pixels are a borrowed view";
+    EXPECT_TRUE(at::equal(img, rgb.permute({2, 0, 1})));
+  }
+}
+
 std::string ErrorOf(const std::string& bytes, const ImageLimits& limits) {
   try {
     DecodeImage(bytes, limits);
