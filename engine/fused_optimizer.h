@@ -60,11 +60,16 @@ struct AdamWTensors {
 struct AdamWHyperparameters {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
   double max_grad_norm = 0;  // > 0: clip with the norm from grad_sq_sum
+  // true: when grad_sq_sum is NaN or inf the step changes no parameter, moment or working weight
+  // (float32 gradients are still zeroed), as _fused_adamw_ does with found_inf = 1. The caller
+  // leaves the step counters alone for such a step (Note [Skipped steps], engine/trainer.cc).
+  bool skip_non_finite = false;
 };
 
 // One AdamW step over every parameter of `t`, with the gradients clipped first when
-// h.max_grad_norm > 0 (grad_sq_sum, float64 scalar, must then hold their squared norm, as
-// AccumulateGradients or AddSquaredNorm leave it); zeroes float32 gradients.
+// h.max_grad_norm > 0 and skipped when h.skip_non_finite and they are not finite (grad_sq_sum,
+// float64 scalar, must then hold their squared norm, as AccumulateGradients or AddSquaredNorm
+// leave it); zeroes float32 gradients.
 void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                 const AdamWHyperparameters& h);
 

@@ -258,8 +258,8 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   if (direct_) {  // Note [Optimizer inside the micro-step]
     AdamWTensors t = adamw_;
     t.grads = std::move(grads);
-    at::Tensor norm = RunFusedAdamW(t);
-    return {loss.detach(), norm};
+    std::vector<at::Tensor> opt = RunFusedAdamW(t);
+    return {loss.detach(), opt[0], opt[1]};
   }
   if (fused_) {
     // The kernel also leaves the squared norm of the accumulated gradients for the optimizer's
@@ -278,36 +278,45 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   return {loss.detach()};
 }
 
-at::Tensor Trainer::RunFusedAdamW(const AdamWTensors& t) {
-  const bool clip = options_.max_grad_norm > 0;
-  if (clip && direct_) {  // the backward's bf16 gradients: their norm
+std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t) {
+  // The squared norm is always computed: it decides whether the step is skipped (Note [Skipped
+  // steps]) and, with clipping on, the clipping coefficient.
+  if (direct_) {  // the backward's bf16 gradients: their norm
     grad_sq_sum_.zero_();
     AddSquaredNorm(t.grads, grad_sq_sum_);
-  } else if (clip && !mixed_precision()) {  // float32: autograd filled the gradients
+  } else if (!mixed_precision()) {  // float32: autograd filled the gradients
     grad_sq_sum_.zero_();
     AddSquaredNorm(master_grads_, grad_sq_sum_);
   }  // else bf16 accumulation: AccumulateGradients left the norm in grad_sq_sum_
-  for (auto& g : groups_) at::_foreach_add_(g.steps, 1);
+  at::Tensor finite = at::isfinite(grad_sq_sum_).to(at::kFloat);
+  for (auto& g : groups_) at::_foreach_add_(g.steps, finite);  // a skipped step keeps the count
   FusedAdamW(t, grad_sq_sum_,
              {options_.beta1, options_.beta2, options_.eps, options_.weight_decay,
-              options_.max_grad_norm});
-  return clip ? grad_sq_sum_.sqrt().to(at::kFloat) : at::full({}, -1.0, max_grad_norm_.options());
+              options_.max_grad_norm, /*skip_non_finite=*/true});
+  return {grad_sq_sum_.sqrt(), 1.0 - finite};
 }
 
+// Note [Skipped steps]: a step whose gradients are not all finite (their global norm is NaN or
+// inf) changes no weight and no optimizer state, as torch.cuda.amp.GradScaler and Megatron-LM skip
+// such iterations: AdamW sees found_inf = 1 (_fused_adamw_'s own argument, or the fused kernel's
+// check of the same squared norm), the step counters advance by 1 - found_inf, and the gradients
+// are zeroed as after any step. All of it stays on the device, so the decision is part of the
+// captured graph. Step() reports the step as skipped; the server counts consecutive skips.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
-  at::Tensor total;
-  if (fused_) return {RunFusedAdamW(adamw_)};
+  if (fused_) return RunFusedAdamW(adamw_);
+  at::Tensor total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
+  at::Tensor found_inf = at::isfinite(total).logical_not().to(at::kFloat);
   if (options_.max_grad_norm > 0) {
-    total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
     at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);
     at::_foreach_mul_(master_grads_, coef);
   }
   for (auto& g : groups_) {
-    at::_foreach_add_(g.steps, 1);  // _fused_adamw_ reads but does not advance the step counters
+    // _fused_adamw_ reads but does not advance the step counters; a skipped step leaves them.
+    at::_foreach_add_(g.steps, 1.0 - found_inf);
     at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1,
                       options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
-                      /*maximize=*/false);
+                      /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
   }
   if (mixed_precision()) {  // round the masters to the bf16 working weights
     std::vector<at::Tensor> masters;
@@ -316,7 +325,7 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
     at::_foreach_copy_(params_, masters);
   }
   at::_foreach_zero_(master_grads_);
-  return {total.defined() ? total : at::full({}, -1.0, max_grad_norm_.options())};
+  return {total, found_inf};
 }
 
 void Trainer::Warmup() {
@@ -411,7 +420,8 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
 }
 
 at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key,
-                              RunKind* kind, int64_t* target_tokens, at::Tensor* grad_norm) {
+                              RunKind* kind, int64_t* target_tokens,
+                              std::vector<at::Tensor>* optimizer_out) {
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
@@ -427,8 +437,9 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
         &out);
     if (*kind == RunKind::kCaptureAndReplay) ++captures_;
     if (*kind != RunKind::kEager) ++replays_;
-    if (out.size() > 1) *grad_norm = out[1].clone();
-    return out[0].clone();  // the static output is overwritten by this bucket's next replay
+    // The static outputs are overwritten by this bucket's next replay: clone them.
+    if (out.size() > 2) *optimizer_out = {out[1].clone(), out[2].clone()};
+    return out[0].clone();
   }
   // Exact shapes asked for, or no bucket fits: the micro-batch's own shape, eagerly.
   *key = BucketKey{Region::kTrain, n, max_len, 0};
@@ -436,7 +447,7 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   std::unique_ptr<MicroBuffers> exact = MakeBuffers(*key);
   FillBuffers(*exact, micro, target_tokens);
   std::vector<at::Tensor> out = RunMicro(*exact);
-  if (out.size() > 1) *grad_norm = out[1];
+  if (out.size() > 2) *optimizer_out = {out[1], out[2]};
   return out[0];
 }
 
@@ -452,7 +463,7 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
   at::Tensor loss_sum =
       at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   r.kind = RunKind::kReplay;
-  at::Tensor grad_norm;  // device scalar, -1 without clipping
+  std::vector<at::Tensor> opt_out;  // device scalars: gradient norm, found_inf
   for (int64_t m = 0; m < accum; ++m) {
     std::vector<const TrainExample*> micro;
     for (int64_t i = m * per_micro; i < std::min<int64_t>((m + 1) * per_micro, examples.size());
@@ -463,7 +474,7 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
     if (micro.empty()) continue;
     BucketKey key;
     RunKind kind;
-    loss_sum += MicroStep(micro, &key, &kind, &r.target_tokens, &grad_norm);
+    loss_sum += MicroStep(micro, &key, &kind, &r.target_tokens, &opt_out);
     r.buckets.push_back(key);
     r.padded_tokens += key.batch * key.seq;
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;
@@ -471,16 +482,21 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
       r.kind = RunKind::kCaptureAndReplay;
   }
   if (!direct_) {
-    std::vector<at::Tensor> opt_out;
     const RunKind opt_kind = runner_->Run(
         kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &opt_out);
     if (opt_kind != RunKind::kEager) ++replays_;
-    grad_norm = opt_out[0];
   }
   ++steps_;
   r.step = steps_;
-  r.loss = loss_sum.item<double>();  // the step's one host synchronisation
-  r.grad_norm = grad_norm.item<double>();
+  // The step's one host synchronisation: loss, gradient norm and found_inf together.
+  at::Tensor report = at::stack({loss_sum.to(at::kDouble), opt_out.at(0).to(at::kDouble),
+                                 opt_out.at(1).to(at::kDouble)})
+                          .cpu();
+  const double* v = report.data_ptr<double>();
+  r.loss = v[0];
+  r.grad_norm = v[1];
+  r.skipped = v[2] != 0;
+  if (r.skipped) ++skipped_steps_;
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return r;
 }

@@ -110,7 +110,10 @@ struct TrainExample {
 struct TrainStepResult {
   int64_t step = 0;       // optimizer steps taken so far (1 after the first)
   double loss = 0;        // as nanoVLM logs it: sum over micro-batches of mean loss / accum
-  double grad_norm = -1;  // total gradient norm before clipping (-1 when clipping is off)
+  double grad_norm = 0;   // global L2 norm of the gradients before clipping (NaN / inf: skipped)
+  // True when the gradients were not all finite: no weight or optimizer state changed (Note
+  // [Skipped steps] in trainer.cc); `step` still counts it.
+  bool skipped = false;
   double lr = 0;          // base learning rate used
   double seconds = 0;     // wall time of the whole step
   std::vector<BucketKey> buckets;  // one per micro-batch
@@ -159,6 +162,7 @@ class Trainer {
   // gradients (CUDA, fused_optimizer, grad_accum_steps 1).
   const std::vector<at::Tensor>& gradient_accumulators() const { return master_grads_; }
   int64_t steps() const { return steps_; }
+  int64_t skipped_steps() const { return skipped_steps_; }  // steps with non-finite gradients
   int64_t captures() const { return captures_; }
   int64_t replays() const { return replays_; }
   int64_t graph_pool_bytes() const;
@@ -169,16 +173,16 @@ class Trainer {
   struct MicroBuffers;
 
   void ValidateExample(const TrainExample& e) const;
-  // Returns the micro-batch's scaled loss (device scalar) after forward + backward.
-  // With the optimizer inside the micro-step (direct_), *grad_norm gets its gradient norm.
+  // Returns the micro-batch's scaled loss (device scalar) after forward + backward. With the
+  // optimizer inside the micro-step (direct_), *optimizer_out gets {gradient norm, found_inf}.
   at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
-                       int64_t* target_tokens, at::Tensor* grad_norm);
+                       int64_t* target_tokens, std::vector<at::Tensor>* optimizer_out);
   bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
   std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
   std::vector<at::Tensor> RunOptimizer();
-  // Clipping norm, step counters and FusedAdamW over `t`; returns the gradient norm (device
-  // float32 scalar, -1 without clipping).
-  at::Tensor RunFusedAdamW(const AdamWTensors& t);
+  // Squared norm, step counters and FusedAdamW over `t` (Note [Skipped steps]); returns
+  // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}.
+  std::vector<at::Tensor> RunFusedAdamW(const AdamWTensors& t);  // {norm, found_inf}
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
@@ -211,7 +215,7 @@ class Trainer {
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;
-  int64_t steps_ = 0, captures_ = 0, replays_ = 0;
+  int64_t steps_ = 0, skipped_steps_ = 0, captures_ = 0, replays_ = 0;
   double base_lr_ = 0;
 };
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "model/checkpoint.h"
@@ -372,6 +373,60 @@ TEST(Trainer, BFloat16CheckpointHoldsTheFloat32Masters) {
   EXPECT_EQ(b.Step(FixtureBatch()).loss, next_in_memory);
   const auto after_a = Masters(a), after_b = Masters(b);
   for (const auto& [name, w] : after_a) EXPECT_TRUE(at::equal(after_b.at(name), w)) << name;
+}
+
+// A step whose gradients are not finite changes nothing (Note [Skipped steps]): a trainer that
+// takes steps 1, 2 (poisoned: one weight is NaN during its forward) and 3 ends with the weights of
+// a trainer that took steps 1 and 3 only, so neither the weights, the AdamW moments nor the step
+// counters moved at step 2.
+void ExpectNonFiniteStepIsSkipped(at::Device device, at::ScalarType dtype, bool graphs) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  TrainOptions o = FixtureOptions(device, graphs);
+  o.compute_dtype = dtype;
+  o.max_grad_norm = 1.0;
+  Trainer a(m, o), b(m, o);
+  const VlmConfig& cfg = m->cfg;
+  const std::vector<TrainExample> third = {Variant(cfg, 0), Variant(cfg, 1)};
+  EXPECT_FALSE(a.Step(FixtureBatch()).skipped);
+  EXPECT_FALSE(b.Step(FixtureBatch()).skipped);
+  const std::string name = "decoder.norm.weight";
+  at::Tensor working = a.model()->named_parameters()[name];
+  const at::Tensor saved = working.detach().clone();
+  {
+    at::NoGradGuard no_grad;
+    working.view({-1})[0].fill_(std::numeric_limits<float>::quiet_NaN());
+  }
+  const TrainStepResult poisoned = a.Step(FixtureBatch());
+  EXPECT_TRUE(poisoned.skipped);
+  EXPECT_FALSE(std::isfinite(poisoned.grad_norm));
+  EXPECT_EQ(poisoned.step, 2);
+  EXPECT_EQ(a.skipped_steps(), 1);
+  {
+    at::NoGradGuard no_grad;
+    working.copy_(saved);  // float32: the master itself; bf16: already restored from the master
+  }
+  const TrainStepResult ra = a.Step(third), rb = b.Step(third);
+  EXPECT_FALSE(ra.skipped);
+  EXPECT_NEAR(ra.loss, rb.loss, 1e-6);
+  const auto wa = Masters(a), wb = Masters(b);
+  for (const auto& [n, w] : wb) {
+    EXPECT_TRUE(at::isfinite(wa.at(n)).all().item<bool>()) << n;
+    // CPU: bit-identical. CUDA: the squared norm is summed with atomics, in any order.
+    EXPECT_LE(testing::MaxAbsDiff(wa.at(n), w), device.is_cuda() ? 1e-6 : 0.0) << n;
+  }
+}
+
+TEST(Trainer, NonFiniteGradientsSkipTheStep) {
+  ExpectNonFiniteStepIsSkipped(at::kCPU, at::kFloat, false);
+}
+
+TEST(Trainer, NonFiniteGradientsSkipTheBFloat16Step) {
+  ExpectNonFiniteStepIsSkipped(at::kCPU, at::kBFloat16, false);
+}
+
+TEST(Trainer, NonFiniteGradientsSkipTheGraphedStep_CUDA) {
+  ExpectNonFiniteStepIsSkipped(at::kCUDA, at::kFloat, true);
+  ExpectNonFiniteStepIsSkipped(at::kCUDA, at::kBFloat16, true);
 }
 
 // Recomputing the blocks in the backward pass (activation checkpointing) changes memory, not

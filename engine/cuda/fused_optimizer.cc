@@ -104,7 +104,8 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                   (t.working.empty() || t.working.size() == n),
               "FusedAdamW: every list needs one tensor per parameter");
   const at::Device device = t.params[0].device();
-  if (h.max_grad_norm > 0) CheckGradSqSum(grad_sq_sum, device);
+  const bool reads_norm = h.max_grad_norm > 0 || h.skip_non_finite;
+  if (reads_norm) CheckGradSqSum(grad_sq_sum, device);
   const bool bf16_grads =
       GradientDtype(t.grads, device, "FusedAdamW").value_or(at::kBFloat16) == at::kBFloat16;
   std::vector<at::Tensor> keep;
@@ -144,11 +145,12 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                 t.exp_avg_sq[i].data_ptr<float>(), working, t.steps[i].data_ptr<float>(),
                 t.lrs[i].data_ptr<float>(),        numel};
   }
-  const cuda::AdamWScalars s{h.beta1, h.beta2, h.eps, h.weight_decay, h.max_grad_norm};
+  const cuda::AdamWScalars s{h.beta1,        h.beta2,         h.eps,
+                             h.weight_decay, h.max_grad_norm, h.skip_non_finite};
   c10::cuda::CUDAGuard guard(device);
   const cudaError_t e =
       cuda::LaunchAdamW(table.data(), static_cast<int>(n), bf16_grads, s,
-                        h.max_grad_norm > 0 ? grad_sq_sum.data_ptr<double>() : nullptr,
+                        reads_norm ? grad_sq_sum.data_ptr<double>() : nullptr,
                         c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(e == cudaSuccess, "AdamW launch failed: ", cudaGetErrorString(e));
 }

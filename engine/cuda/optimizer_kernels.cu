@@ -35,6 +35,7 @@ struct AccumulateBatch {
 struct AdamWBatch {
   int count;
   double beta1, beta2, eps, weight_decay, max_grad_norm;
+  bool skip_non_finite;
   int64_t tile_end[kMaxTensorsPerLaunch];
   AdamWTensor t[kMaxTensorsPerLaunch];
   bool vec[kMaxTensorsPerLaunch];
@@ -154,6 +155,14 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = (blockIdx.x - (t == 0 ? 0 : b.tile_end[t - 1])) * kTile;
   const AdamWTensor& x = b.t[t];
   const int64_t end = ::min(begin + kTile, x.numel);
+  if (b.skip_non_finite && !isfinite(*grad_sq_sum)) {
+    // A skipped step (Note [Skipped steps], engine/trainer.cc): only the accumulator is reset.
+    if (kZeroGrad && x.grad != nullptr) {
+      for (int64_t i = begin + threadIdx.x; i < end; i += kThreads)
+        static_cast<float*>(x.grad)[i] = 0.f;
+    }
+    return;
+  }
   AdamWStep s;
   s.coef = 1.f;
   if (b.max_grad_norm > 0) {
@@ -269,6 +278,7 @@ cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, bool grad_bf16,
   AdamWBatch prototype{};
   prototype.beta1 = s.beta1, prototype.beta2 = s.beta2, prototype.eps = s.eps;
   prototype.weight_decay = s.weight_decay, prototype.max_grad_norm = s.max_grad_norm;
+  prototype.skip_non_finite = s.skip_non_finite;
   auto fill = [&](AdamWBatch& b, int i, const AdamWTensor& x) {
     b.t[i] = x;
     return x.numel % 4 == 0 && Aligned(x.param, 16) &&

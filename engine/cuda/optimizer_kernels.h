@@ -38,6 +38,7 @@ struct AdamWTensor {
 struct AdamWScalars {
   double beta1, beta2, eps, weight_decay;
   double max_grad_norm;  // > 0: clip with the norm sqrt(*grad_sq_sum)
+  bool skip_non_finite;  // *grad_sq_sum NaN or inf: update nothing, only zero float32 gradients
 };
 
 cudaError_t LaunchAdamW(const AdamWTensor* tensors, int count, bool grad_bf16,
