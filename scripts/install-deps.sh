@@ -18,11 +18,15 @@ apt_pkgs=(
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
   libicu-dev
+  openssl
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
 # only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image
 # build (Ubuntu, Dockerfile) has no use for them; check_deploy.sh skips what is missing outside CI.
 if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(docker-compose prometheus); fi
+# The fuzz smoke of scripts/test.sh (scripts/fuzz.sh --smoke): clang with libFuzzer. Debian only, as
+# the deployment checks: CI runs it; the image build (Ubuntu) skips the smoke without clang.
+if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(clang-14 libclang-rt-14-dev); fi
 # Server end-to-end tests (tests/e2e): a real photo (chelsea.png from scikit-image's data) and a real
 # Prometheus server that scrapes the metrics endpoint.
 apt_pkgs+=(python3-skimage prometheus)

@@ -160,8 +160,8 @@ RawConfig ParseConfig(const YAML::Node& root) {
   if (!root.IsDefined() || root.IsNull()) return r;
   CheckKeys(root, "",
             {"model", "seed", "dtype", "device", "model_stop_token_ids", "tokenizer",
-             "served_model_name", "buckets", "capture", "batching", "server", "limits", "train",
-             "shutdown_timeout_seconds", "log_level"});
+             "served_model_name", "buckets", "capture", "batching", "server", "auth", "tls",
+             "limits", "train", "shutdown_timeout_seconds", "log_level"});
   r.model = Str(root, "", "model");
   r.tokenizer = Str(root, "", "tokenizer");
   r.served_model_name = Str(root, "", "served_model_name");
@@ -206,6 +206,15 @@ RawConfig ParseConfig(const YAML::Node& root) {
   r.http_address = Str(s, "server", "http_address");
   r.api_key = Str(s, "server", "api_key");
 
+  const YAML::Node a = Section(root, "auth", {"api_keys_file", "allow_unauthenticated"});
+  r.api_keys_file = Str(a, "auth", "api_keys_file");
+  r.allow_unauthenticated = Bool(a, "auth", "allow_unauthenticated");
+
+  const YAML::Node tls = Section(root, "tls", {"cert_file", "key_file", "client_ca_file"});
+  r.tls_cert_file = Str(tls, "tls", "cert_file");
+  r.tls_key_file = Str(tls, "tls", "key_file");
+  r.tls_client_ca_file = Str(tls, "tls", "client_ca_file");
+
   const YAML::Node l = Section(root, "limits",
                                {"max_image_bytes", "max_image_pixels", "max_images_per_request",
                                 "max_new_tokens", "default_max_new_tokens", "max_logits_positions",
@@ -219,8 +228,10 @@ RawConfig ParseConfig(const YAML::Node& root) {
   r.max_train_batch_examples = Int(l, "limits", "max_train_batch_examples");
   r.max_request_bytes = Int(l, "limits", "max_request_bytes");
 
-  const YAML::Node t = Section(root, "train", {"checkpoint_dir"});
+  const YAML::Node t = Section(root, "train", {"checkpoint_dir", "idle_timeout_seconds"});
   r.checkpoint_dir = Str(t, "train", "checkpoint_dir");
+  r.train_idle_timeout_seconds =
+      Scalar<double>(t, "train", "idle_timeout_seconds", "a number of seconds");
   return r;
 }
 
@@ -262,6 +273,11 @@ ServerConfig FillDefaults(const RawConfig& r) {
   c.server.metrics_address = Or<std::string>(r.metrics_address, "127.0.0.1:9464");
   c.server.http_address = Or<std::string>(r.http_address, "127.0.0.1:8000");
   c.server.api_key = Or<std::string>(r.api_key, "");
+  c.auth.api_keys_file = Or<std::string>(r.api_keys_file, "");
+  c.auth.allow_unauthenticated = Or(r.allow_unauthenticated, false);
+  c.tls.cert_file = Or<std::string>(r.tls_cert_file, "");
+  c.tls.key_file = Or<std::string>(r.tls_key_file, "");
+  c.tls.client_ca_file = Or<std::string>(r.tls_client_ca_file, "");
 
   c.limits.max_image_bytes = Or<int64_t>(r.max_image_bytes, 20 << 20);
   c.limits.max_image_pixels = Or<int64_t>(r.max_image_pixels, 40000000);
@@ -276,6 +292,7 @@ ServerConfig FillDefaults(const RawConfig& r) {
   c.limits.max_request_bytes = Or<int64_t>(r.max_request_bytes, derived);
 
   c.train.checkpoint_dir = Or<std::string>(r.checkpoint_dir, "checkpoints");
+  c.train.idle_timeout_seconds = Or(r.train_idle_timeout_seconds, 600.0);
   c.shutdown_timeout_seconds = Or(r.shutdown_timeout_seconds, 30.0);
   c.log_level = Or<std::string>(r.log_level, "info");
   return c;
@@ -345,6 +362,9 @@ void ValidateConfig(const ServerConfig& c) {
   CheckRange(c.limits.max_request_bytes, 1024, INT_MAX, "limits.max_request_bytes");
   if (c.train.checkpoint_dir.empty())
     throw ServerConfigError("train.checkpoint_dir", "must not be empty");
+  if (!(c.train.idle_timeout_seconds >= 0 && c.train.idle_timeout_seconds <= 86400)) {
+    throw ServerConfigError("train.idle_timeout_seconds", "must lie in [0, 86400] (0 = never)");
+  }
   if (!(c.shutdown_timeout_seconds >= 0 && c.shutdown_timeout_seconds <= 3600)) {
     throw ServerConfigError("shutdown_timeout_seconds", "must lie in [0, 3600]");
   }
@@ -390,6 +410,12 @@ std::string ConfigToYaml(const ServerConfig& c) {
     << c.server.metrics_address << YAML::Key << "http_address" << YAML::Value
     << c.server.http_address << YAML::Key << "api_key" << YAML::Value
     << (c.server.api_key.empty() ? "" : "<set>") << YAML::EndMap;
+  e << YAML::Key << "auth" << YAML::Value << YAML::BeginMap << YAML::Key << "api_keys_file"
+    << YAML::Value << c.auth.api_keys_file << YAML::Key << "allow_unauthenticated" << YAML::Value
+    << c.auth.allow_unauthenticated << YAML::EndMap;
+  e << YAML::Key << "tls" << YAML::Value << YAML::BeginMap << YAML::Key << "cert_file"
+    << YAML::Value << c.tls.cert_file << YAML::Key << "key_file" << YAML::Value << c.tls.key_file
+    << YAML::Key << "client_ca_file" << YAML::Value << c.tls.client_ca_file << YAML::EndMap;
   const auto& l = c.limits;
   e << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
   for (const auto& [k, v] : std::vector<std::pair<const char*, int64_t>>{
@@ -405,7 +431,8 @@ std::string ConfigToYaml(const ServerConfig& c) {
   }
   e << YAML::EndMap;
   e << YAML::Key << "train" << YAML::Value << YAML::BeginMap << YAML::Key << "checkpoint_dir"
-    << YAML::Value << c.train.checkpoint_dir << YAML::EndMap;
+    << YAML::Value << c.train.checkpoint_dir << YAML::Key << "idle_timeout_seconds"
+    << YAML::Value << c.train.idle_timeout_seconds << YAML::EndMap;
   e << YAML::Key << "shutdown_timeout_seconds" << YAML::Value << c.shutdown_timeout_seconds;
   e << YAML::Key << "log_level" << YAML::Value << c.log_level;
   e << YAML::EndMap;

@@ -68,10 +68,21 @@ struct ServerConfig {
     std::string grpc_address;     // host:port of the gRPC API (port 0 = any free port)
     std::string metrics_address;  // host:port of the Prometheus /metrics endpoint (port 0 = any)
     std::string http_address;     // host:port of the OpenAI-compatible HTTP API; "" = off
-    // Required as `Authorization: Bearer <key>` by the HTTP API when not empty. The environment
-    // variable VLMGRAPH_API_KEY overrides it (keeps the key out of files).
+    // One API key with every scope (server/auth.h), required as `authorization: Bearer <key>`
+    // by gRPC and HTTP when not empty. The environment variable VLMGRAPH_API_KEY overrides it
+    // (keeps the key out of files).
     std::string api_key;
   } server;
+
+  struct Auth {
+    std::string api_keys_file;           // "SCOPES KEY" per line (server/auth.h); "" = none
+    bool allow_unauthenticated = false;  // allow a non-loopback listener without keys
+  } auth;
+
+  struct Tls {  // PEM files; cert + key turn TLS on for gRPC and HTTP
+    std::string cert_file, key_file;
+    std::string client_ca_file;  // set: clients must present a certificate signed by it
+  } tls;
 
   struct Limits {
     int64_t max_image_bytes = 0;   // encoded bytes per image
@@ -86,6 +97,9 @@ struct ServerConfig {
 
   struct Train {
     std::string checkpoint_dir;  // root of SaveCheckpoint directories
+    // A Train stream that sends nothing for this long is cancelled (counted as DEADLINE_EXCEEDED);
+    // 0 = never.
+    double idle_timeout_seconds = 0;
   } train;
 
   double shutdown_timeout_seconds = 0;  // SIGTERM: in-flight work gets this long, then is cancelled
@@ -103,9 +117,12 @@ struct RawConfig {
   std::optional<bool> capture_enabled, capture_lazy;
   std::optional<int64_t> max_queue_delay_us, max_queue_size;
   std::optional<std::string> grpc_address, metrics_address, http_address, api_key;
+  std::optional<std::string> api_keys_file, tls_cert_file, tls_key_file, tls_client_ca_file;
+  std::optional<bool> allow_unauthenticated;
   std::optional<int64_t> max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
       default_max_new_tokens, max_logits_positions, max_train_batch_examples, max_request_bytes;
   std::optional<std::string> checkpoint_dir;
+  std::optional<double> train_idle_timeout_seconds;
   std::optional<double> shutdown_timeout_seconds;
 };
 

@@ -386,12 +386,13 @@ std::string WeaklyCanonical(const std::string& path) {
 
 }  // namespace
 
-std::string ResolveCheckpointDir(const std::string& root, const std::string& name) {
+std::string ResolveCheckpointDir(const std::string& root, const std::string& name,
+                                 const std::string& field) {
   constexpr size_t kMaxNameBytes = 1024;
   constexpr size_t kMaxComponentBytes = 255;  // NAME_MAX of Linux file systems
-  if (name.empty()) throw InvalidArgument("save.directory: must not be empty");
+  if (name.empty()) throw InvalidArgument(field + ": must not be empty");
   if (name.size() > kMaxNameBytes) {
-    throw InvalidArgument("save.directory: " + std::to_string(name.size()) + " bytes; at most " +
+    throw InvalidArgument(field + ": " + std::to_string(name.size()) + " bytes; at most " +
                           std::to_string(kMaxNameBytes));
   }
   const bool chars_ok = std::all_of(name.begin(), name.end(), [](char c) {
@@ -400,9 +401,9 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
   });
   if (!chars_ok)
     throw InvalidArgument(
-        "save.directory: only letters, digits, '.', '_', '-' and '/' are allowed");
+        field + ": only letters, digits, '.', '_', '-' and '/' are allowed");
   if (name.front() == '/')
-    throw InvalidArgument("save.directory: must be relative to train.checkpoint_dir");
+    throw InvalidArgument(field + ": must be relative to train.checkpoint_dir");
   std::vector<std::string> parts;
   for (size_t start = 0;;) {
     const size_t slash = name.find('/', start);
@@ -411,14 +412,14 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
     start = slash + 1;
   }
   for (const std::string& part : parts) {
-    if (part == "..") throw InvalidArgument("save.directory: must not contain '..'");
+    if (part == "..") throw InvalidArgument(field + ": must not contain '..'");
     if (part.empty() || part == ".") {
-      throw InvalidArgument("save.directory: '" + name +
+      throw InvalidArgument(field + ": '" + name +
                             "' has an empty or '.' component; name a directory below "
                             "train.checkpoint_dir, e.g. run1/step_100");
     }
     if (part.size() > kMaxComponentBytes) {
-      throw InvalidArgument("save.directory: a component of " + std::to_string(part.size()) +
+      throw InvalidArgument(field + ": a component of " + std::to_string(part.size()) +
                             " bytes; at most " + std::to_string(kMaxComponentBytes) + " each");
     }
   }
@@ -437,15 +438,15 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
         continue;
       }
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                        "save.directory: cannot inspect '" + dir + "': " + std::strerror(errno));
+                        field + ": cannot inspect '" + dir + "': " + std::strerror(errno));
     }
     if (S_ISLNK(st.st_mode)) {
-      throw InvalidArgument("save.directory: '" + shown +
+      throw InvalidArgument(field + ": '" + shown +
                             "' is a symbolic link; checkpoints must stay inside "
                             "train.checkpoint_dir");
     }
     if (!S_ISDIR(st.st_mode)) {
-      throw InvalidArgument("save.directory: '" + shown +
+      throw InvalidArgument(field + ": '" + shown +
                             "' is a file, not a directory; choose another name");
     }
   }

@@ -94,7 +94,8 @@ void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const
 // no "", "." or ".." components, at most 1024 bytes and 255 per component) -> the absolute path
 // below the canonical `root`. INVALID_ARGUMENT also when an existing component is a symbolic link
 // or a file (Note [Checkpoint directories] in convert.cc); FAILED_PRECONDITION when one cannot be
-// inspected. Reads the file system; writes nothing.
-std::string ResolveCheckpointDir(const std::string& root, const std::string& name);
+// inspected. Reads the file system; writes nothing. Messages start with `field`.
+std::string ResolveCheckpointDir(const std::string& root, const std::string& name,
+                                 const std::string& field = "save.directory");
 
 }  // namespace vlmgraph::server

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "engine/trainer.h"
+#include "model/checkpoint.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -51,13 +52,51 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   return t;
 }
 
+// The weights a job starts from: the serving model's, or the checkpoint of options.resume_from,
+// which must have the serving model's parameters (names and shapes).
+VisionLanguageModel SourceModel(Engine& engine, const TrainOptions& options) {
+  if (options.resume_from.empty()) return engine.model();
+  VisionLanguageModel loaded{nullptr};
+  try {
+    loaded = LoadModel(options.resume_from);
+  } catch (const std::exception& e) {
+    throw InvalidArgument("config.resume_from: " + std::string(e.what()));
+  }
+  auto want = engine.model()->named_parameters();
+  auto have = loaded->named_parameters();
+  for (const auto& p : want) {
+    const at::Tensor* t = have.find(p.key());
+    if (t == nullptr || !t->sizes().equals(p.value().sizes())) {
+      throw InvalidArgument("config.resume_from: " + options.resume_from +
+                            " is not a checkpoint of the served model (parameter " + p.key() +
+                            (t == nullptr ? " is missing)" : " has another shape)"));
+    }
+  }
+  if (have.size() != want.size()) {
+    throw InvalidArgument("config.resume_from: " + options.resume_from +
+                          " has parameters the served model lacks");
+  }
+  return loaded;
+}
+
 class GraphedTrainer final : public TrainBackend {
  public:
   GraphedTrainer(Engine& engine, const TrainOptions& options, EngineObserver* observer)
       : serving_(engine.model()),
         options_(options),
         observer_(observer),
-        trainer_(engine.model(), ToEngineTrainOptions(engine, options)) {}
+        source_(SourceModel(engine, options)),
+        trainer_(source_, ToEngineTrainOptions(engine, options)) {
+    source_ = VisionLanguageModel(nullptr);  // the trainer copied it; a loaded one is freed
+    if (options.resume_from.empty()) return;
+    const std::string state = options.resume_from + "/optimizer.safetensors";
+    try {
+      trainer_.LoadOptimizerState(state);
+    } catch (const std::exception& e) {  // missing file, other trained parts, bad tensors
+      throw InvalidArgument("config.resume_from: cannot load the AdamW state " + state + ": " +
+                            e.what() + " (resume with the trainable_parts of the saved job)");
+    }
+  }
 
   TrainStepStats Step(const std::vector<TrainExampleData>& batch) override {
     const BucketSpec& buckets = trainer_.options().buckets;
@@ -77,13 +116,13 @@ class GraphedTrainer final : public TrainBackend {
                             "train_seq_lens) and buckets.oversize is reject; send smaller batches");
     }
     const TrainStepResult r = trainer_.Step(examples);
-    CopyWeightsToServingModel();
 
     TrainStepStats s;
     s.step = r.step;
     s.loss = r.loss;
     s.loss_tokens = r.target_tokens;
     s.grad_norm = r.grad_norm;
+    s.skipped = r.skipped;
     s.learning_rate = options_.language_learning_rate;
     s.seconds = r.seconds;
     s.bucket = r.buckets.empty() ? BucketKey{Region::kTrain, rows, longest, 0} : r.buckets.front();
@@ -98,11 +137,34 @@ class GraphedTrainer final : public TrainBackend {
     return s;
   }
 
-  void Save(const std::string& directory) override { trainer_.SaveCheckpoint(directory); }
+  void Save(const std::string& directory) override {
+    RequireFiniteWeights("save");
+    trainer_.SaveCheckpoint(directory);
+  }
+
+  void Publish() override {
+    RequireFiniteWeights("publish");
+    CopyWeightsToServingModel();
+  }
 
   int64_t steps() const override { return trainer_.steps(); }
 
  private:
+  // FAILED_PRECONDITION naming the first trained weight with a NaN or inf element: such weights
+  // are never served or written (Note [Skipped steps] keeps them finite unless a finite update
+  // overflows, e.g. a learning rate of 1e30).
+  void RequireFiniteWeights(const char* what) const {
+    at::NoGradGuard no_grad;
+    for (const auto& [name, master] : trainer_.master_weights()) {
+      if (!at::isfinite(master).all().item<bool>()) {
+        throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                          std::string("cannot ") + what + " the job's weights: " + name +
+                              " has NaN or infinite values (lower the learning rate or weight "
+                              "decay and start a new job)");
+      }
+    }
+  }
+
   // The trainer's float32 master weights of the trained parameters -> the engine's weights (their
   // dtype, rounded to nearest even for bf16, and device), in place: the serving tensors keep their
   // addresses, so captured inference graphs stay valid. Frozen parameters never change.
@@ -117,6 +179,7 @@ class GraphedTrainer final : public TrainBackend {
   VisionLanguageModel serving_;  // the engine's model (shared module)
   const TrainOptions options_;
   EngineObserver* observer_;
+  VisionLanguageModel source_;  // only while trainer_ is built
   vlmgraph::Trainer trainer_;
 };
 

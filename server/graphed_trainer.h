@@ -4,16 +4,18 @@
 // forward + backward is replayed from a CUDA graph (captured up front), then a captured clip +
 // fused AdamW step; with EXACT the batch runs at its own shape, eagerly. CPU or graphs off run the
 // same code eagerly. The Trainer keeps float32 master weights of its own (bf16 working weights
-// beside them when the server's dtype is bfloat16 on CUDA); after every step the masters of the
-// trained parameters are copied into the serving model in place (same tensors, so inference
-// graphs stay valid), so Generate and Forward see each step at once, as the Train RPC promises.
+// beside them when the server's dtype is bfloat16 on CUDA), copied from the serving model (or
+// from TrainOptions::resume_from, with its AdamW state and step count) when the job starts.
+// Publish() copies the masters of the trained parameters into the serving model in place (same
+// tensors, so inference graphs stay valid); nothing else changes what clients are served.
 // Save() writes the master weights (nanoVLM config.json + model.safetensors) and
-// optimizer.safetensors.
+// optimizer.safetensors. Publish() and Save() refuse weights with NaN or inf elements.
 //
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
 //
 // Thread rules and errors: as TrainBackend (server/train_session.h); bad examples throw
-// EngineError(kInvalidArgument), a batch beyond every bucket with oversize reject ServerError.
+// EngineError(kInvalidArgument), a batch beyond every bucket with oversize reject ServerError;
+// MakeTrainBackend: INVALID_ARGUMENT for a resume_from checkpoint that does not load or match.
 #pragma once
 
 #include <memory>

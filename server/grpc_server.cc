@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,6 +11,8 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+
+#include "server/auth.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -47,6 +50,21 @@ std::string BindError(const std::string& address) {
   return error;
 }
 
+// Plaintext, or TLS from tls.cert_file / key_file; with tls.client_ca_file every client must
+// present a certificate that CA signed (gRPC's REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY).
+std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerConfig& config) {
+  const ServerConfig::Tls& tls = config.tls;
+  if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(
+      tls.client_ca_file.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                 : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_key_cert_pairs.push_back({ReadPemFile(tls.key_file, "tls.key_file"),
+                                        ReadPemFile(tls.cert_file, "tls.cert_file")});
+  if (!tls.client_ca_file.empty())
+    options.pem_root_certs = ReadPemFile(tls.client_ca_file, "tls.client_ca_file");
+  return grpc::SslServerCredentials(options);
+}
+
 }  // namespace
 
 GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
@@ -55,7 +73,7 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &port_);
+  builder.AddListeningPort(address, Credentials(config), &port_);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.limits.max_request_bytes));
   // gRPC sets SO_REUSEPORT by default: a second server on the same address would then start and

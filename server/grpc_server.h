@@ -4,12 +4,15 @@
 //   GrpcServer server(config, &service);        // binds and starts; throws on a bad address
 //   server.SetServing(true);                     // health: SERVING
 //   ...
-//   server.Shutdown(30.0);                       // NOT_SERVING, stop accepting, drain, cancel
+//   server.SetServing(false);                    // draining: NOT_SERVING, still listening
+//   server.Shutdown(5.0);                        // stop listening, wait, cancel what is left
 //
-// Note [Graceful shutdown]: main() on SIGTERM calls Shutdown(shutdown_timeout_seconds): health
-// turns NOT_SERVING (load balancers stop routing), new calls are refused, in-flight calls get the
-// timeout to finish; then gRPC cancels the rest, whose handlers notice within
-// VlmGraphService::kPollInterval and cancel their sequences. Only then is the scheduler stopped.
+// Note [Graceful shutdown] (server/main.cc): on SIGTERM main() turns health NOT_SERVING and stops
+// the scheduler accepting new work while the port stays open, so probes and load balancers see
+// NOT_SERVING; calls in flight (Train streams included) run until none is left or
+// shutdown_timeout_seconds pass. Then Shutdown(time left) closes the port, and gRPC cancels the
+// rest, whose handlers notice within VlmGraphService::kPollInterval and cancel their sequences.
+// Only then is the scheduler stopped.
 //
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
 // Errors: the constructor throws std::runtime_error naming server.grpc_address and the reason when

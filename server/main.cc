@@ -15,10 +15,14 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <thread>
 
+#include "server/auth.h"
 #include "server/engine_factory.h"
 #include "server/flags.h"
 #include "server/grpc_server.h"
@@ -42,6 +46,11 @@ std::string Host(const std::string& address) { return address.substr(0, address.
 int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
   using namespace vlmgraph::server;
   LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
+  // Keys and the exposure rule first: a server that must not start fails before any work.
+  const ApiKeys keys = ApiKeys::Load(config);
+  CheckExposure(config, keys);
+  LogInfo(keys.enabled() ? "auth: " + std::to_string(keys.size()) + " API key(s)"
+                         : "auth: none (loopback only, or auth.allow_unauthenticated)");
   // Tokenizer and chat format first: a bad one fails in a second, not after the graph captures.
   const std::unique_ptr<TextModel> text = TextModel::Load(config, BuildModelConfig(config));
   if (text) {
@@ -63,12 +72,12 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   vlmgraph::Engine& engine = scheduler.engine();
   metrics.InitBuckets(engine.options().buckets);
   metrics.SetMemory(engine.Memory());
-  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get());
+  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get(), &keys);
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
   if (!config.server.http_address.empty())
-    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get());
+    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get(), &keys);
   const std::string metrics_address =
       Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
   LogInfo(std::string("serving: graphs ") + (engine.graphs_enabled() ? "on" : "off") +
@@ -85,10 +94,24 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   std::snprintf(drain, sizeof(drain), "received %s: draining for up to %g s",
                 signal_number == SIGTERM ? "SIGTERM" : "SIGINT", config.shutdown_timeout_seconds);
   LogInfo(drain);
+  // Note [Graceful shutdown]: health turns NOT_SERVING and new calls are refused (UNAVAILABLE /
+  // 503) while both listeners stay open, so probes and load balancers see the state; calls in
+  // flight (Train streams included) finish. Once none is left, or at the deadline, the listeners
+  // close and what still runs is cancelled.
+  const auto drain_start = std::chrono::steady_clock::now();
+  const auto deadline =
+      drain_start + std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_timeout_seconds * 1000));
+  grpc_server.SetServing(false);
   scheduler.StopAccepting();
-  if (http) http->StopAccepting();  // drains alongside gRPC: both timeouts start now
-  grpc_server.Shutdown(config.shutdown_timeout_seconds);  // every handler has returned after this
-  if (http) http->Shutdown(config.shutdown_timeout_seconds);
+  if (http) http->StopAccepting();
+  while (std::chrono::steady_clock::now() < deadline &&
+         (service.in_flight() > 0 || (http && http->in_flight() > 0))) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const double left_seconds = std::max(
+      0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
+  grpc_server.Shutdown(left_seconds);  // every handler has returned after this
+  if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
   const vlmgraph::EngineCounters counters = engine.Counters();
   scheduler.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engine
   LogInfo("stopped: " + std::to_string(counters.TotalReplays()) + " graph replays, " +

@@ -158,6 +158,16 @@ Metrics::Metrics(const std::string& metrics_address)
                       .Help("Optimizer steps taken by Train streams")
                       .Register(r)
                       .Add({});
+  train_skipped_steps_ = &BuildCounter()
+                              .Name("vlmgraph_train_skipped_steps_total")
+                              .Help("Training steps skipped for non-finite gradients")
+                              .Register(r)
+                              .Add({});
+  train_publishes_ = &BuildCounter()
+                          .Name("vlmgraph_train_publishes_total")
+                          .Help("Times a Train job's weights were published to the serving model")
+                          .Register(r)
+                          .Add({});
   train_tokens_ = &BuildCounter()
                        .Name("vlmgraph_train_tokens_total")
                        .Help("Target tokens trained on")
@@ -277,11 +287,18 @@ void Metrics::SetMemory(const MemoryStats& m) {
   kv_cache_->Set(static_cast<double>(m.kv_cache_bytes));
 }
 
-void Metrics::ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate) {
+void Metrics::ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate,
+                               bool skipped) {
   train_steps_->Increment();
+  if (skipped) {  // the loss of a skipped step is not finite: the gauge keeps the last real one
+    train_skipped_steps_->Increment();
+    return;
+  }
   train_tokens_->Increment(static_cast<double>(target_tokens));
   train_loss_->Set(loss);
   train_learning_rate_->Set(learning_rate);
 }
+
+void Metrics::AddTrainPublish() { train_publishes_->Increment(); }
 
 }  // namespace vlmgraph::server

@@ -81,7 +81,10 @@ class Metrics : public EngineObserver {
   void SetActiveSequences(int64_t sequences);
   void SetMemory(const MemoryStats& memory);
   // One optimizer step of a Train stream (its latency goes to OnStep with region train).
-  void ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate);
+  // Skipped steps (non-finite gradients) count in vlmgraph_train_skipped_steps_total too and leave
+  // the loss and learning-rate gauges as they were.
+  void ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate, bool skipped);
+  void AddTrainPublish();  // a Train job's weights became the serving weights
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -111,6 +114,8 @@ class Metrics : public EngineObserver {
   prometheus::Gauge* kv_cache_;
   prometheus::Counter* train_steps_;
   prometheus::Counter* train_tokens_;
+  prometheus::Counter* train_skipped_steps_;
+  prometheus::Counter* train_publishes_;
   prometheus::Gauge* train_loss_;
   prometheus::Gauge* train_learning_rate_;
 };

@@ -61,14 +61,6 @@ const Route* FindRoute(const std::string& path) {
   return nullptr;
 }
 
-// Compares in time that depends on the lengths only, not on where the texts differ.
-bool ConstantTimeEquals(const std::string& given, const std::string& key) {
-  if (given.size() != key.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < key.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ key[i]);
-  return diff == 0;
-}
-
 // "host:port" -> (host for bind, port); "[::1]:80" -> ("::1", 80).
 std::pair<std::string, int> SplitAddress(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -115,7 +107,8 @@ int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits) {
 }
 
 struct OpenAiHttpServer::Impl {
-  Impl(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics, const TextModel* text);
+  Impl(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics, const TextModel* text,
+       const ApiKeys* keys);
 
   // --- handlers (worker threads) ---
   using Body =
@@ -139,6 +132,7 @@ struct OpenAiHttpServer::Impl {
   Scheduler* const scheduler;
   Metrics* const metrics;
   const TextModel* const text;
+  const ApiKeys* const keys;  // may be null: no keys
   const RequestContext ctx;
   const int64_t created;  // Unix seconds: /v1/models' "created"
 
@@ -150,18 +144,20 @@ struct OpenAiHttpServer::Impl {
   Clock::time_point drain_start{};
   bool stopped = false;
 
-  httplib::Server server;
+  std::unique_ptr<httplib::Server> server;  // an httplib::SSLServer with tls.cert_file
   std::string host;  // as configured, for address()
   int port = 0;
   std::thread thread;
 };
 
 OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler_in,
-                             Metrics* metrics_in, const TextModel* text_in)
+                             Metrics* metrics_in, const TextModel* text_in,
+                             const ApiKeys* keys_in)
     : config(config_in),
       scheduler(scheduler_in),
       metrics(metrics_in),
       text(text_in),
+      keys(keys_in),
       ctx{config_in.served_model_name, config_in.limits},
       created(std::chrono::duration_cast<std::chrono::seconds>(
                   std::chrono::system_clock::now().time_since_epoch())
@@ -185,21 +181,18 @@ httplib::Server::Handler OpenAiHttpServer::Impl::Wrap(bool needs_auth, Body body
 }
 
 void OpenAiHttpServer::Impl::CheckAuth(const httplib::Request& req) const {
-  const std::string& key = config.server.api_key;
-  if (key.empty()) return;
-  const std::string header = req.get_header_value("Authorization");
-  const bool bearer = header.size() > 7 && (header.compare(0, 7, "Bearer ") == 0 ||
-                                            header.compare(0, 7, "bearer ") == 0);
-  if (bearer && ConstantTimeEquals(header.substr(7), key)) return;
-  ErrorInfo e;
-  e.http_status = 401;
-  e.type = "authentication_error";
-  e.code = "invalid_api_key";
-  e.message = header.empty()
-                  ? "missing API key: send it as the header `Authorization: Bearer <key>`"
-                  : "incorrect API key in the Authorization header (expected `Bearer <key>` with "
-                    "the server's server.api_key / VLMGRAPH_API_KEY)";
-  throw ApiError(std::move(e));
+  if (keys == nullptr || !keys->enabled()) return;
+  try {
+    keys->Authorize(req.get_header_value("Authorization"), Scope::kInference, req.path);
+  } catch (const ServerError& refused) {
+    ErrorInfo e;
+    const bool forbidden = refused.code() == grpc::StatusCode::PERMISSION_DENIED;
+    e.http_status = forbidden ? 403 : 401;
+    e.type = forbidden ? "permission_error" : "authentication_error";
+    e.code = forbidden ? "insufficient_scope" : "invalid_api_key";
+    e.message = refused.what();
+    throw ApiError(std::move(e));
+  }
 }
 
 const TextModel& OpenAiHttpServer::Impl::RequireText() const {
@@ -230,8 +223,8 @@ void OpenAiHttpServer::Impl::SendError(const httplib::Request& req, httplib::Res
   res.set_content(Dump(ErrorJson(e)), "application/json");
   const bool server_fault = e.http_status >= 500 && e.http_status != 503;
   Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-      "HTTP " + req.method + " " + req.path + " from " + req.remote_addr + " -> " +
-          std::to_string(e.http_status) + ": " + e.message);
+      "HTTP " + LogSafe(req.method, 16) + " " + LogSafe(req.path) + " from " + req.remote_addr +
+          " -> " + std::to_string(e.http_status) + ": " + LogSafe(e.message, 512));
 }
 
 void OpenAiHttpServer::Impl::HandleHealth(const httplib::Request& req, httplib::Response& res) {
@@ -356,7 +349,8 @@ void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Resp
           if (status != kClientClosedRequest) {
             const bool server_fault = status >= 500 && status != 503;
             Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-                "HTTP stream " + meta.id + " -> " + std::to_string(status) + ": " + e.message);
+                "HTTP stream " + meta.id + " -> " + std::to_string(status) + ": " +
+                    LogSafe(e.message, 512));
             send(SseEvent(ErrorJson(e)));
             send(kSseDone);
           }
@@ -369,10 +363,23 @@ void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Resp
 }
 
 OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler,
-                                   Metrics* metrics, const TextModel* text)
-    : impl_(std::make_unique<Impl>(config, scheduler, metrics, text)) {
+                                   Metrics* metrics, const TextModel* text, const ApiKeys* keys)
+    : impl_(std::make_unique<Impl>(config, scheduler, metrics, text, keys)) {
   Impl& m = *impl_;
-  httplib::Server& s = m.server;
+  if (config.tls.cert_file.empty()) {
+    m.server = std::make_unique<httplib::Server>();
+  } else {
+    auto tls = std::make_unique<httplib::SSLServer>(
+        config.tls.cert_file.c_str(), config.tls.key_file.c_str(),
+        config.tls.client_ca_file.empty() ? nullptr : config.tls.client_ca_file.c_str());
+    if (!tls->is_valid()) {
+      throw ServerConfigError("tls.cert_file",
+                              "the HTTP API cannot use " + config.tls.cert_file + " / " +
+                                  config.tls.key_file + " (not a matching PEM certificate and key?)");
+    }
+    m.server = std::move(tls);
+  }
+  httplib::Server& s = *m.server;
   const std::vector<int64_t>& batches = scheduler->engine().options().buckets.batch_sizes;
   const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
   const size_t workers =
@@ -497,6 +504,11 @@ OpenAiHttpServer::~OpenAiHttpServer() { Shutdown(0); }
 
 int OpenAiHttpServer::port() const { return impl_->port; }
 
+int64_t OpenAiHttpServer::in_flight() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->in_flight;
+}
+
 std::string OpenAiHttpServer::address() const {
   return impl_->host + ":" + std::to_string(impl_->port);
 }
@@ -524,7 +536,7 @@ void OpenAiHttpServer::Shutdown(double timeout_seconds) {
     }
   }
   m.cancel_all = true;  // running generations end within kGenerationPollInterval
-  m.server.stop();
+  m.server->stop();
   if (m.thread.joinable()) m.thread.join();  // after every worker has finished
   m.stopped = true;
 }

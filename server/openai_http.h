@@ -67,6 +67,7 @@
 #include <memory>
 #include <string>
 
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -85,9 +86,12 @@ class OpenAiHttpServer {
  public:
   // Listens on config.server.http_address (port 0: any free port) and serves. `scheduler` must be
   // started (its engine answers Validate and max_context); `metrics` may be null (tests); `text`
-  // may be null (no tokenizer: the text endpoints answer 400 saying so). All must outlive this.
+  // may be null (no tokenizer: the text endpoints answer 400 saying so); `keys` may be null (no
+  // API keys; otherwise every endpoint but /health needs a key with the inference scope: 401
+  // without a valid one, 403 without the scope). TLS when config.tls.cert_file is set
+  // (ServerConfigError when the files do not load). All must outlive this.
   OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics,
-                   const TextModel* text);
+                   const TextModel* text, const ApiKeys* keys = nullptr);
   ~OpenAiHttpServer();  // Shutdown(0) unless done
   OpenAiHttpServer(const OpenAiHttpServer&) = delete;
   OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
@@ -98,6 +102,8 @@ class OpenAiHttpServer {
 
   // New requests get 503 and /health turns 503; requests in flight continue. Idempotent.
   void StopAccepting();
+  // Requests being handled now.
+  int64_t in_flight() const;
   // StopAccepting, waits until `timeout_seconds` after the first StopAccepting for requests in
   // flight, cancels the rest, stops listening and joins the workers. Idempotent.
   void Shutdown(double timeout_seconds);

@@ -101,6 +101,10 @@ void Scheduler::Stop() {
 
 void Scheduler::CheckAccepting() const {
   if (!accepting_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
+  CheckQueueLimit();
+}
+
+void Scheduler::CheckQueueLimit() const {
   const int64_t depth = static_cast<int64_t>(pending_.size() + work_.size());
   if (depth >= options_.max_queue_size) {
     throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -133,15 +137,17 @@ void Scheduler::Cancel(const std::shared_ptr<GenerationStream>& stream) {
 }
 
 void Scheduler::RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
-                               Clock::time_point accepted, bool cleanup) {
+                               Clock::time_point accepted, Admission admission) {
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> result = done->get_future();
+  const bool cleanup = admission == Admission::kCleanup;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!cleanup) {
+    if (stopping_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
+    if (admission == Admission::kNew) {
       CheckAccepting();
-    } else if (stopping_) {
-      throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
+    } else if (admission == Admission::kInFlight) {
+      CheckQueueLimit();
     }
     work_.push_back(WorkItem{rpc, work, accepted, cleanup, done});
   }

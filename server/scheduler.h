@@ -122,13 +122,21 @@ class Scheduler {
   // Ends `stream` (queued or running) with CANCELLED; a finished stream is left alone.
   void Cancel(const std::shared_ptr<GenerationStream>& stream);
 
+  // How a work item is admitted to the queue.
+  enum class Admission {
+    kNew,       // a new call's work: RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE
+                // after StopAccepting()
+    kInFlight,  // the next step of a call already accepted (a running Train job): queue limit
+                // only, so it drains after StopAccepting()
+    kCleanup,   // releasing or saving a job's state: refused only once the GPU thread is stopping
+  };
+
   // Runs `work` on the GPU thread between decode steps and waits for it; rethrows what `work`
   // throws. Records vlmgraph_queue_time_seconds{rpc} from `accepted` (when the RPC or message
-  // arrived). Throws ServerError RESOURCE_EXHAUSTED or UNAVAILABLE like SubmitGenerate; a
-  // `cleanup` item (releasing a job's state) skips the queue limit and StopAccepting() and is
-  // refused only once the GPU thread is stopping.
+  // arrived), except for kCleanup items. Throws ServerError as `admission` says.
   void RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
-                      Clock::time_point accepted = Clock::now(), bool cleanup = false);
+                      Clock::time_point accepted = Clock::now(),
+                      Admission admission = Admission::kNew);
 
   int64_t QueueDepth() const;
 
@@ -144,6 +152,7 @@ class Scheduler {
   void Loop(const EngineFactory& make_engine, std::promise<void>* ready);
   void Serve();
   void CheckAccepting() const;                     // mu_ held
+  void CheckQueueLimit() const;                    // mu_ held
   bool ReadyToAdmit(Clock::time_point now) const;  // mu_ held, GPU thread
   void Admit(std::vector<std::shared_ptr<GenerationStream>> batch, std::vector<TokenEvent>* events);
   void Route(std::vector<TokenEvent>* events);

@@ -30,20 +30,44 @@ v1::FinishReason ToProto(FinishReason r) {
 }  // namespace
 
 VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
-                                 const ServerConfig& config, const TextModel* text)
-    : engine_(engine), scheduler_(scheduler), metrics_(metrics), config_(config), text_(text) {}
+                                 const ServerConfig& config, const TextModel* text,
+                                 const ApiKeys* keys)
+    : engine_(engine),
+      scheduler_(scheduler),
+      metrics_(metrics),
+      config_(config),
+      text_(text),
+      keys_(keys) {}
 
-grpc::Status VlmGraphService::RpcGuard(const char* rpc, grpc::ServerContext* context,
+void VlmGraphService::Authorize(grpc::ServerContext* context, Scope scope, const char* rpc) const {
+  if (keys_ == nullptr || !keys_->enabled()) return;
+  const auto& metadata = context->client_metadata();
+  const auto it = metadata.find("authorization");
+  const std::string_view value =
+      it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  keys_->Authorize(value, scope, rpc);
+}
+
+grpc::Status VlmGraphService::RpcGuard(const char* rpc, Scope scope, grpc::ServerContext* context,
                                        Clock::time_point accepted,
                                        const std::function<void()>& body) {
+  struct Count {
+    std::atomic<int64_t>* n;
+    explicit Count(std::atomic<int64_t>* c) : n(c) { ++*n; }
+    ~Count() { --*n; }
+  } count(&in_flight_);
   grpc::Status status;
   try {
+    Authorize(context, scope, rpc);
     body();
   } catch (...) {
     status = StatusFromException(std::current_exception());
   }
+  // A call the server itself cancelled keeps its reason (UNAVAILABLE at shutdown,
+  // DEADLINE_EXCEEDED for an idle Train stream).
   if (!status.ok() && context->IsCancelled() &&
-      status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      status.error_code() != grpc::StatusCode::UNAVAILABLE &&
+      status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
     const bool expired = context->deadline() <= std::chrono::system_clock::now();
     status =
         grpc::Status(expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
@@ -61,8 +85,13 @@ grpc::Status VlmGraphService::RpcGuard(const char* rpc, grpc::ServerContext* con
   return status;
 }
 
-grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
-                                           v1::ModelInfo* info) {
+grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext* context,
+                                           const v1::GetModelInfoRequest*, v1::ModelInfo* info) {
+  try {
+    Authorize(context, Scope::kInference, "GetModelInfo");
+  } catch (...) {
+    return StatusFromException(std::current_exception());
+  }
   const VlmConfig& m = engine_->model_config();
   const EngineOptions& o = engine_->options();
   const BucketSpec& b = o.buckets;
@@ -107,7 +136,7 @@ grpc::Status VlmGraphService::Generate(grpc::ServerContext* context,
                                        const v1::GenerateRequest* request,
                                        grpc::ServerWriter<v1::GenerateResponse>* writer) {
   const auto accepted = Clock::now();
-  return RpcGuard("Generate", context, accepted,
+  return RpcGuard("Generate", Scope::kInference, context, accepted,
                   [&] { RunGenerate(context, *request, writer, accepted); });
 }
 
@@ -156,7 +185,8 @@ grpc::Status VlmGraphService::Forward(grpc::ServerContext* context,
                                       const v1::ForwardRequest* request,
                                       v1::ForwardResponse* response) {
   const auto accepted = Clock::now();
-  return RpcGuard("Forward", context, accepted, [&] { RunForward(*request, response, accepted); });
+  return RpcGuard("Forward", Scope::kInference, context, accepted,
+                  [&] { RunForward(*request, response, accepted); });
 }
 
 void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,

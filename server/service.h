@@ -20,6 +20,7 @@
 #include <functional>
 
 #include "engine/engine.h"
+#include "server/auth.h"
 #include "server/config.h"
 #include "server/generation.h"
 #include "server/metrics.h"
@@ -33,9 +34,12 @@ class VlmGraphService final : public v1::VlmGraph::Service {
  public:
   static constexpr std::chrono::milliseconds kPollInterval = kGenerationPollInterval;
 
-  // `text` (tokenizer and chat format) may be null: then prompts must be token ids.
+  // `text` (tokenizer and chat format) may be null: then prompts must be token ids. `keys` (may
+  // be null = no keys) decides who may call what (server/auth.h): GetModelInfo, Generate and
+  // Forward need the inference scope, Train the train scope.
   VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
-                  const ServerConfig& config, const TextModel* text = nullptr);
+                  const ServerConfig& config, const TextModel* text = nullptr,
+                  const ApiKeys* keys = nullptr);
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
                             v1::ModelInfo* response) override;
@@ -47,11 +51,16 @@ class VlmGraphService final : public v1::VlmGraph::Service {
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) override;
 
+  // Generate, Forward and Train calls running now (main waits for 0 while draining).
+  int64_t in_flight() const { return in_flight_.load(); }
+
  private:
-  // Runs `body`; converts any exception to a status (StatusFromException), reports CANCELLED when
-  // the client cancelled, records the request metrics and logs failures.
-  grpc::Status RpcGuard(const char* rpc, grpc::ServerContext* context, Clock::time_point accepted,
-                        const std::function<void()>& body);
+  // Checks the caller's API key for `scope`, runs `body`; converts any exception to a status
+  // (StatusFromException), reports CANCELLED when the client cancelled, records the request
+  // metrics and logs failures.
+  grpc::Status RpcGuard(const char* rpc, Scope scope, grpc::ServerContext* context,
+                        Clock::time_point accepted, const std::function<void()>& body);
+  void Authorize(grpc::ServerContext* context, Scope scope, const char* rpc) const;
 
   void RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                    grpc::ServerWriter<v1::GenerateResponse>* writer, Clock::time_point accepted);
@@ -65,7 +74,9 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   Metrics* metrics_;
   const ServerConfig config_;
   const TextModel* text_;
+  const ApiKeys* keys_;
   std::atomic<bool> train_running_{false};
+  std::atomic<int64_t> in_flight_{0};
 };
 
 }  // namespace vlmgraph::server

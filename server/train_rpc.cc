@@ -1,8 +1,15 @@
 // The Train RPC of VlmGraphService (server/service.h): one training job per stream, its steps
 // and saves run on the scheduler's GPU thread by a TrainBackend on the engine's Trainer
 // (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT.
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <functional>
+#include <mutex>
 #include <system_error>
+#include <thread>
 
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
@@ -99,6 +106,96 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
   return o;
 }
 
+// What the Train RPC itself does with a job (the trainer never sees these).
+struct JobPolicy {
+  bool publish_on_end = false;
+  int64_t max_consecutive_skipped_steps = 5;
+  int64_t save_every_steps = 0;
+  std::string save_directory;  // absolute; "" = no autosave
+};
+
+JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_root) {
+  JobPolicy p;
+  p.publish_on_end = c.publish_on_end();
+  if (c.has_max_consecutive_skipped_steps()) {
+    if (c.max_consecutive_skipped_steps() < 1) {
+      throw InvalidArgument("config.max_consecutive_skipped_steps: must be >= 1, got " +
+                            std::to_string(c.max_consecutive_skipped_steps()));
+    }
+    p.max_consecutive_skipped_steps = c.max_consecutive_skipped_steps();
+  }
+  if (c.save_every_steps() < 0) {
+    throw InvalidArgument("config.save_every_steps: must be >= 0, got " +
+                          std::to_string(c.save_every_steps()));
+  }
+  p.save_every_steps = c.save_every_steps();
+  if (p.save_every_steps > 0 && c.save_directory().empty())
+    throw InvalidArgument("config.save_directory: required when save_every_steps is set");
+  if (!c.save_directory().empty()) {
+    p.save_directory =
+        ResolveCheckpointDir(checkpoint_root, c.save_directory(), "config.save_directory");
+  }
+  return p;
+}
+
+// Ends a Train stream that waits longer than `timeout` for its client's next message: a watchdog
+// thread cancels the call (grpc::ServerContext::TryCancel, which makes the blocked Read return
+// false). Time spent on the GPU thread does not count: only Wait() .. Got() does.
+class IdleWatchdog {
+ public:
+  IdleWatchdog(grpc::ServerContext* context, double timeout_seconds)
+      : context_(context), timeout_(std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(timeout_seconds))) {
+    if (timeout_seconds > 0) thread_ = std::thread([this] { Run(); });
+  }
+  ~IdleWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void Wait() {  // about to block on the client
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_since_ = Clock::now();
+    waiting_ = true;
+    cv_.notify_all();
+  }
+  void Got() {
+    std::lock_guard<std::mutex> lock(mu_);
+    waiting_ = false;
+  }
+  bool fired() const { return fired_.load(); }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      if (!waiting_) {
+        cv_.wait(lock);
+        continue;
+      }
+      const auto deadline = waiting_since_ + timeout_;
+      if (Clock::now() >= deadline) {
+        fired_ = true;
+        context_->TryCancel();
+        return;
+      }
+      cv_.wait_until(lock, deadline);
+    }
+  }
+
+  grpc::ServerContext* context_;
+  const Clock::duration timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, waiting_ = false;
+  Clock::time_point waiting_since_;
+  std::atomic<bool> fired_{false};
+  std::thread thread_;
+};
+
 // A save that the file system refused (no space, no permission, a name too long for it): the
 // server's state, not a bug, so never INTERNAL.
 ServerError SaveFailed(const std::string& dir, const std::string& what) {
@@ -124,7 +221,7 @@ grpc::Status VlmGraphService::Train(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) {
   const auto accepted = Clock::now();
-  return RpcGuard("Train", context, accepted, [&] { RunTrain(context, stream); });
+  return RpcGuard("Train", Scope::kTrain, context, accepted, [&] { RunTrain(context, stream); });
 }
 
 void VlmGraphService::RunTrain(
@@ -139,16 +236,32 @@ void VlmGraphService::RunTrain(
     ~Release() { *flag = false; }
   } release{&train_running_};
 
+  const double idle_seconds = config_.train.idle_timeout_seconds;
+  IdleWatchdog watchdog(context, idle_seconds);
+  auto idle_error = [&] {
+    char text[160];
+    std::snprintf(text, sizeof(text),
+                  "no TrainRequest for %g s (train.idle_timeout_seconds): the job ended", idle_seconds);
+    return ServerError(grpc::StatusCode::DEADLINE_EXCEEDED, text);
+  };
   v1::TrainRequest message;
+  watchdog.Wait();
   if (!stream->Read(&message)) {
+    if (watchdog.fired()) throw idle_error();
     if (context->IsCancelled())
       throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
     throw InvalidArgument(
         "the stream ended before its first message; send TrainRequest{config} first");
   }
+  watchdog.Got();
   if (!message.has_config())
     throw InvalidArgument("the first message must be TrainRequest{config}");
-  const TrainOptions options = ToTrainOptions(message.config());
+  TrainOptions options = ToTrainOptions(message.config());
+  const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
+  if (!message.config().resume_from().empty()) {
+    options.resume_from = ResolveCheckpointDir(config_.train.checkpoint_dir,
+                                               message.config().resume_from(), "config.resume_from");
+  }
 
   // The job lives on the GPU thread: created, stepped and destroyed there.
   std::unique_ptr<TrainBackend> job;
@@ -160,17 +273,69 @@ void VlmGraphService::RunTrain(
     ~Destroy() {
       try {
         scheduler->RunOnGpuThread(
-            "Train", [this](Engine&) { job->reset(); }, Clock::now(), /*cleanup=*/true);
+            "Train", [this](Engine&) { job->reset(); }, Clock::now(),
+            Scheduler::Admission::kCleanup);
       } catch (...) {
         job->reset();  // the GPU thread has stopped: nothing else touches the model now
       }
     }
   } destroy{scheduler_, &job};
-  LogInfo("Train job started by " + context->peer());
+  LogInfo("Train job started by " + context->peer() +
+          (options.resume_from.empty() ? "" : " from " + options.resume_from + " at step " +
+                                                  std::to_string(job->steps())));
 
-  while (stream->Read(&message)) {
+  // Saves run on the GPU thread; file-system refusals are the server's state, not a bug.
+  auto save = [&](const std::string& dir, Clock::time_point received,
+                  Scheduler::Admission admission) {
+    int64_t steps = 0;
+    scheduler_->RunOnGpuThread(
+        "Train",
+        [&](Engine&) {
+          try {
+            job->Save(dir);
+          } catch (const std::system_error& e) {  // std::filesystem_error included
+            throw SaveFailed(dir, e.what());
+          } catch (const CheckpointError& e) {
+            throw SaveFailed(dir, e.what());
+          } catch (const SafetensorsError& e) {
+            throw SaveFailed(dir, e.what());
+          }
+          steps = job->steps();
+        },
+        received, admission);
+    return steps;
+  };
+  int64_t saved_at_step = job->steps();  // a resumed job starts saved
+  // Note [Durable training]: with autosave on, a job that ends for any reason (client gone, idle
+  // timeout, ABORTED, shutdown) after unsaved steps saves once more, so a client loses at most the
+  // step in flight; the job resumes with TrainConfig.resume_from.
+  auto final_autosave = [&] {
+    if (policy.save_directory.empty() || !job || job->steps() == saved_at_step) return;
+    try {
+      save(policy.save_directory, Clock::now(), Scheduler::Admission::kCleanup);
+      LogInfo("Train job autosaved " + policy.save_directory + " at step " +
+              std::to_string(job->steps()) + " as it ended");
+    } catch (const std::exception& e) {
+      LogWarn("Train job could not autosave " + policy.save_directory + " as it ended: " +
+              LogSafe(e.what(), 512));
+    }
+  };
+  struct AutosaveOnExit {
+    std::function<void()> fn;
+    bool armed = true;
+    ~AutosaveOnExit() {
+      if (armed) fn();
+    }
+  } autosave_on_exit{final_autosave};
+
+  int64_t consecutive_skips = 0;
+  for (;;) {
+    watchdog.Wait();
+    if (!stream->Read(&message)) break;
+    watchdog.Got();
     const auto received = Clock::now();
     v1::TrainResponse response;
+    bool autosave_now = false;
     switch (message.kind_case()) {
       case v1::TrainRequest::kBatch: {
         const std::vector<TrainExampleData> batch = ToTrainBatch(
@@ -183,8 +348,10 @@ void VlmGraphService::RunTrain(
               queue_seconds = SecondsSince(received);
               stats = job->Step(batch);
             },
-            received);
-        metrics_->ObserveTrainStep(stats.loss_tokens, stats.loss, stats.learning_rate);
+            received, Scheduler::Admission::kInFlight);
+        metrics_->ObserveTrainStep(stats.loss_tokens, stats.loss, stats.learning_rate,
+                                   stats.skipped);
+        consecutive_skips = stats.skipped ? consecutive_skips + 1 : 0;
         v1::TrainStepResult* r = response.mutable_step();
         r->set_step(stats.step);
         r->set_loss(stats.loss);
@@ -195,27 +362,16 @@ void VlmGraphService::RunTrain(
         r->set_queue_seconds(queue_seconds);
         r->set_bucket(stats.bucket.Label());
         r->set_mode(ToProto(stats.mode));
+        r->set_skipped(stats.skipped);
+        r->set_consecutive_skipped_steps(consecutive_skips);
+        autosave_now = policy.save_every_steps > 0 && stats.step % policy.save_every_steps == 0;
         break;
       }
       case v1::TrainRequest::kSave: {
         const std::string dir =
             ResolveCheckpointDir(config_.train.checkpoint_dir, message.save().directory());
-        int64_t steps = 0;
-        scheduler_->RunOnGpuThread(
-            "Train",
-            [&](Engine&) {
-              try {
-                job->Save(dir);
-              } catch (const std::system_error& e) {  // std::filesystem_error included
-                throw SaveFailed(dir, e.what());
-              } catch (const CheckpointError& e) {
-                throw SaveFailed(dir, e.what());
-              } catch (const SafetensorsError& e) {
-                throw SaveFailed(dir, e.what());
-              }
-              steps = job->steps();
-            },
-            received);
+        const int64_t steps = save(dir, received, Scheduler::Admission::kInFlight);
+        if (dir == policy.save_directory) saved_at_step = steps;
         v1::CheckpointSaved* s = response.mutable_saved();
         s->set_directory(dir);
         s->set_step(steps);
@@ -224,16 +380,59 @@ void VlmGraphService::RunTrain(
                 " steps");
         break;
       }
+      case v1::TrainRequest::kPublish: {
+        int64_t steps = 0;
+        scheduler_->RunOnGpuThread(
+            "Train",
+            [&](Engine&) {
+              job->Publish();
+              steps = job->steps();
+            },
+            received, Scheduler::Admission::kInFlight);
+        metrics_->AddTrainPublish();
+        v1::WeightsPublished* p = response.mutable_published();
+        p->set_step(steps);
+        p->set_seconds(SecondsSince(received));
+        LogInfo("Train job published its weights after " + std::to_string(steps) + " steps");
+        break;
+      }
       case v1::TrainRequest::kConfig:
         throw InvalidArgument("config may only be sent once, as the first message");
       default:
-        throw InvalidArgument("empty TrainRequest; set batch or save");
+        throw InvalidArgument("empty TrainRequest; set batch, save or publish");
     }
     if (!stream->Write(response))
       throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+    if (autosave_now) {
+      v1::TrainResponse saved;
+      v1::CheckpointSaved* s = saved.mutable_saved();
+      const auto t0 = Clock::now();
+      s->set_step(save(policy.save_directory, t0, Scheduler::Admission::kInFlight));
+      s->set_directory(policy.save_directory);
+      s->set_seconds(SecondsSince(t0));
+      s->set_automatic(true);
+      saved_at_step = s->step();
+      if (!stream->Write(saved))
+        throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+    }
+    if (consecutive_skips >= policy.max_consecutive_skipped_steps) {
+      throw ServerError(grpc::StatusCode::ABORTED,
+                        std::to_string(consecutive_skips) +
+                            " steps in a row had NaN or infinite gradients and were skipped "
+                            "(config.max_consecutive_skipped_steps); the served weights are "
+                            "unchanged. Lower the learning rates or weight decay, or check the "
+                            "data, and start a new job");
+    }
   }
+  if (watchdog.fired()) throw idle_error();
   if (context->IsCancelled())
     throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
+  if (policy.publish_on_end) {
+    scheduler_->RunOnGpuThread(
+        "Train", [&](Engine&) { job->Publish(); }, Clock::now(), Scheduler::Admission::kInFlight);
+    metrics_->AddTrainPublish();
+    LogInfo("Train job published its weights as it ended");
+  }
   LogInfo("Train job ended after " + std::to_string(job ? job->steps() : 0) + " steps");
 }
 

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -363,7 +364,9 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
   metrics.SetQueueDepth(3);
   metrics.SetActiveSequences(2);
   metrics.SetMemory(MemoryStats{10, 20, 30, 40});
-  metrics.ObserveTrainStep(64, 2.5, 1e-3);
+  metrics.ObserveTrainStep(64, 2.5, 1e-3, /*skipped=*/false);
+  metrics.ObserveTrainStep(64, NAN, 1e-3, /*skipped=*/true);
+  metrics.AddTrainPublish();
   const std::string text = metrics.Render();
 
   std::set<std::string> exported;
@@ -378,6 +381,9 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
 
   EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xs64",region="prefill"} 1)"),
             std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_train_skipped_steps_total 1\n"), std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_train_steps_total 2\n"), std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_train_loss 2.5\n"), std::string::npos);
   EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b2xc128",region="decode"} 1)"),
             std::string::npos);
   EXPECT_NE(

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include "model/checkpoint.h"
@@ -238,6 +239,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   TrainOptions o;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   job->Step(Batch(2, 10));
+  job->Publish();  // the served weights are the job's from here on
   const auto dir = std::filesystem::temp_directory_path() / "vlmgraph_trainer_test_ckpt";
   job->Save(dir.string());
   VisionLanguageModel loaded = LoadModel(dir.string());
@@ -252,7 +254,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   EXPECT_THROW(MakeTrainBackend(*engine, none, nullptr), ServerError);
 }
 
-TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
+TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   auto engine = TinyEngine();
   ForwardRequest probe;
   probe.input_ids = Batch(1, 12)[0].input_ids;
@@ -262,18 +264,61 @@ TEST(ServerTrainer, GraphedTrainerUpdatesTheServingModel) {
   o.language_learning_rate = 3e-3;
   o.train_vision = o.train_projector = false;
   std::vector<double> losses;
-  {
-    auto job = MakeTrainBackend(*engine, o, nullptr);
-    for (int i = 0; i < 8; ++i) {
-      TrainStepStats s = job->Step(Batch(3, 12));
-      EXPECT_EQ(s.bucket.Label(), "b4xs16");
-      EXPECT_EQ(s.step, i + 1);
-      losses.push_back(s.loss);
-    }
+  auto job = MakeTrainBackend(*engine, o, nullptr);
+  for (int i = 0; i < 8; ++i) {
+    TrainStepStats s = job->Step(Batch(3, 12));
+    EXPECT_EQ(s.bucket.Label(), "b4xs16");
+    EXPECT_EQ(s.step, i + 1);
+    EXPECT_FALSE(s.skipped);
+    losses.push_back(s.loss);
   }
   EXPECT_LT(losses.back(), losses.front() - 0.5);
-  // The engine serves the trained weights (the probe is the batch's first example).
+  // The job trained its own copy: the engine still serves the weights it started with.
+  EXPECT_DOUBLE_EQ(engine->Forward(probe).loss, before);
+  job->Publish();
+  // Now it serves the trained weights (the probe is the batch's first example).
   EXPECT_LT(engine->Forward(probe).loss, before - 0.5);
+}
+
+TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
+  auto engine = TinyEngine();
+  ForwardRequest probe;
+  probe.input_ids = Batch(1, 12)[0].input_ids;
+  probe.target_ids = Batch(1, 12)[0].target_ids;
+  const double before = engine->Forward(probe).loss;
+  // A learning rate of 1e30 (a reported attack): the first update is finite but enormous, later
+  // steps see non-finite gradients and are skipped; serving never sees any of it.
+  TrainOptions o;
+  o.language_learning_rate = 1e30;
+  o.train_vision = o.train_projector = false;
+  {
+    auto job = MakeTrainBackend(*engine, o, nullptr);
+    int skipped = 0;
+    for (int i = 0; i < 4; ++i) skipped += job->Step(Batch(3, 12)).skipped;
+    EXPECT_GE(skipped, 2);
+    EXPECT_DOUBLE_EQ(engine->Forward(probe).loss, before);
+  }
+  // With weight decay 1e30 too, the decay term overflows and the weights become NaN / inf: they
+  // are neither published nor saved.
+  o.weight_decay = 1e30;
+  auto job = MakeTrainBackend(*engine, o, nullptr);
+  for (int i = 0; i < 2; ++i) job->Step(Batch(3, 12));
+  try {
+    job->Publish();
+    ADD_FAILURE() << "published non-finite weights";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(std::string(e.what()).find("NaN or infinite"), std::string::npos) << e.what();
+  }
+  const auto dir = std::filesystem::temp_directory_path() / "vlmgraph_trainer_test_nan_ckpt";
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors"})
+    ::unlink((dir / f).c_str());
+  EXPECT_THROW(job->Save(dir.string()), ServerError);
+  EXPECT_FALSE(std::filesystem::exists(dir / "model.safetensors"));
+  // Serving is untouched.
+  const double after = engine->Forward(probe).loss;
+  EXPECT_TRUE(std::isfinite(after));
+  EXPECT_DOUBLE_EQ(after, before);
 }
 
 }  // namespace

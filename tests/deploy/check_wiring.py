@@ -106,7 +106,7 @@ class Wiring:
         return out
 
     def check(self):
-        compose = self.load_yaml("compose.yaml")
+        compose = self.compose = self.load_yaml("compose.yaml")
         services = compose.get("services", {})
         for name in ("vlmgraph", "prometheus", "grafana"):
             if name not in services:
@@ -138,12 +138,16 @@ class Wiring:
                 self.error(f"compose.yaml (env {env or 'default'}): --config {cpath} is not a file "
                            f"of a mounted repository folder (got {host})")
 
-        grpc_ports, metrics_ports = set(), set()
+        grpc_ports, metrics_ports, http_ports = set(), set(), set()
         server_ports = self.published(server)
         for c in configs:
             cfg = self.load_yaml(f"deploy/{c}")
             srv = cfg.get("server", {}) or {}
-            for key, ports in (("grpc_address", grpc_ports), ("metrics_address", metrics_ports)):
+            self.check_auth(c, cfg, server, services)
+            addresses = [("grpc_address", grpc_ports), ("metrics_address", metrics_ports)]
+            if srv.get("http_address"):
+                addresses.append(("http_address", http_ports))
+            for key, ports in addresses:
                 host, port = split_address(srv.get(key, ""))
                 if port is None:
                     self.error(f"deploy/{c}: server.{key} missing or not HOST:PORT")
@@ -158,13 +162,31 @@ class Wiring:
             device = str(cfg.get("device", ""))
             if not device.startswith("cuda"):
                 self.error(f"deploy/{c}: device is '{device}'; compose reserves a GPU, use cuda")
-        if len(grpc_ports) > 1 or len(metrics_ports) > 1:
+        if len(grpc_ports) > 1 or len(metrics_ports) > 1 or len(http_ports) > 1:
             self.error(f"deploy/config*.yaml disagree on ports: gRPC {sorted(grpc_ports)}, "
                        f"metrics {sorted(metrics_ports)}")
         self.check_same_keys(configs)
         self.check_prometheus(services, metrics_ports)
         self.check_grafana(services)
         self.check_dockerfile(grpc_ports, metrics_ports)
+
+    def check_auth(self, c, cfg, server, services):
+        """A config that listens on all interfaces names API keys (the server refuses to start
+        otherwise), and a keys file under /run/secrets/ is a secret compose gives the server."""
+        auth = cfg.get("auth", {}) or {}
+        keys_file = auth.get("api_keys_file") or ""
+        if not keys_file and not (cfg.get("server", {}) or {}).get("api_key") \
+                and not auth.get("allow_unauthenticated"):
+            self.error(f"deploy/{c}: listens on all interfaces without auth.api_keys_file; the "
+                       f"server would refuse to start")
+        if keys_file.startswith("/run/secrets/"):
+            name = keys_file[len("/run/secrets/"):]
+            given = [s if isinstance(s, str) else s.get("source") for s in server.get("secrets", [])]
+            if name not in given:
+                self.error(f"deploy/{c}: auth.api_keys_file {keys_file} but compose.yaml gives the "
+                           f"vlmgraph service no secret '{name}'")
+            if name not in (self.compose.get("secrets") or {}):
+                self.error(f"compose.yaml: secret '{name}' is not declared under top-level secrets")
 
     def check_same_keys(self, configs):
         def keys(d, prefix=""):

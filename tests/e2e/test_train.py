@@ -48,10 +48,24 @@ class TrainTest(unittest.TestCase):
         c = self.client
         before = self.score(c, self.examples[0])
         batches = [c.train_batch(self.examples[:4]), c.train_batch(self.examples[4:])]
-        requests = batches * 8 + [c.train_save("run1/final")]
-        steps, saved = [], []
-        for r in c.train(self.config(), iter(requests)):
-            (steps if r.HasField("step") else saved).append(r.step if r.HasField("step") else r.saved)
+        requests = batches * 8
+        steps, saved, published = [], [], []
+        served_mid_job = []
+
+        def stream():
+            yield from requests
+            # The job trains its own copy: until it publishes, clients get the old weights.
+            served_mid_job.append(self.score(c, self.examples[0]))
+            yield c.train_publish()
+            yield c.train_save("run1/final")
+
+        for r in c.train(self.config(), stream()):
+            if r.HasField("published"):
+                published.append(r.published)
+            else:
+                (steps if r.HasField("step") else saved).append(r.step if r.HasField("step") else r.saved)
+        self.assertEqual(served_mid_job, [before])
+        self.assertEqual([p.step for p in published], [16])
         self.assertEqual([s.step for s in steps], list(range(1, 17)))
         losses = [s.loss for s in steps]
         first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
@@ -71,7 +85,7 @@ class TrainTest(unittest.TestCase):
             self.assertGreater(s.loss_tokens, 0)
             self.assertGreater(s.step_seconds, 0)
             self.assertRegex(s.bucket, r"^b\d+xs\d+$")
-        # The serving model is the trained one.
+        # After the publish the serving model is the trained one.
         after = self.score(c, self.examples[0])
         self.assertLess(after, before)
         # nanoVLM-format checkpoint under train.checkpoint_dir, loadable by a fresh server.

@@ -126,7 +126,7 @@ def main():
                 yield client.train_batch([example(info, *rng.choice(train)) for _ in range(args.batch)])
 
         config = client.train_config(language_learning_rate=args.lr, vision_learning_rate=args.lr,
-                                     projector_learning_rate=args.lr, max_grad_norm=1.0)
+                                     projector_learning_rate=args.lr, max_grad_norm=1.0, publish_on_end=True)
         losses, modes, t0 = [], {}, time.time()
         for resp in client.train(config, batches()):
             if resp.HasField("step"):

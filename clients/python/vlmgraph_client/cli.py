@@ -141,6 +141,8 @@ def cmd_train(client, args):
            "max_tiles_per_example": most_tiles}
     if args.parts:
         cfg["trainable_parts"] = args.parts.split(",")
+    if args.publish:
+        cfg["publish_on_end"] = True
 
     def requests():
         for _ in range(args.epochs):
@@ -153,7 +155,10 @@ def cmd_train(client, args):
         if r.HasField("step"):
             s = r.step
             print(f"step {s.step}: loss {s.loss:.4f} ({s.loss_tokens} tokens), grad norm {s.grad_norm:.3f}, "
-                  f"{s.step_seconds * 1e3:.1f} ms, bucket {s.bucket}", flush=True)
+                  f"{s.step_seconds * 1e3:.1f} ms, bucket {s.bucket}" + (" (skipped: non-finite gradients)"
+                                                                          if s.skipped else ""), flush=True)
+        elif r.HasField("published"):
+            print(f"published the weights after {r.published.step} steps", flush=True)
         else:
             print(f"saved {r.saved.directory} after {r.saved.step} steps", flush=True)
 
@@ -206,6 +211,8 @@ def main(argv=None):
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--parts", default="", help="vision,projector,language (default: all)")
     t.add_argument("--save", default="", help="checkpoint directory under the server's train.checkpoint_dir")
+    t.add_argument("--publish", action="store_true",
+                   help="serve the trained weights when the job ends (TrainConfig.publish_on_end)")
     t.set_defaults(fn=cmd_train)
     args = p.parse_args(argv)
     if args.command == "demo" and len(args.image) > 1:

@@ -14,6 +14,9 @@
 
 Errors are grpc.RpcError (`.code()`, `.details()`), as the server returns them.
 """
+import collections
+import os
+
 import grpc
 
 from . import protos
@@ -58,13 +61,52 @@ def chat_messages(messages):
     return out
 
 
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call (docs/security.md)."""
+
+    def __init__(self, key):
+        self.header = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details):
+        metadata = list(details.metadata or []) + [self.header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
+            details.method, details.timeout, metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._with_key(details), request_iterator)
+
+
+class _Details(collections.namedtuple("_Details", ["method", "timeout", "metadata", "credentials",
+                                                    "wait_for_ready", "compression"]),
+               grpc.ClientCallDetails):
+    pass
+
+
 class VlmGraphClient:
-    def __init__(self, address, timeout=None, max_message_bytes=256 << 20):
+    def __init__(self, address, timeout=None, max_message_bytes=256 << 20, api_key=None, root_certificates=None,
+                 private_key=None, certificate_chain=None):
+        """`api_key` (default: $VLMGRAPH_API_KEY) is sent as `authorization: Bearer KEY`.
+        `root_certificates` (PEM bytes) turns TLS on; `private_key` + `certificate_chain` (PEM bytes)
+        authenticate the client to a server that requires client certificates."""
         self.pb = protos.load()
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = self.pb.service_pb2_grpc.VlmGraphStub(self.channel)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        api_key = os.environ.get("VLMGRAPH_API_KEY") if api_key is None else api_key
+        channel = grpc.intercept_channel(self.channel, _BearerKey(api_key)) if api_key else self.channel
+        self.stub = self.pb.service_pb2_grpc.VlmGraphStub(channel)
         self.timeout = timeout
 
     def close(self):
@@ -169,6 +211,11 @@ class VlmGraphClient:
     def train_save(self, directory):
         t = self.pb.train_pb2
         return t.TrainRequest(save=t.SaveCheckpoint(directory=directory))
+
+    def train_publish(self):
+        """Makes the job's current weights the serving weights (TrainResponse{published})."""
+        t = self.pb.train_pb2
+        return t.TrainRequest(publish=t.PublishWeights())
 
     def train(self, config, requests, timeout=None):
         """Streams TrainRequest{config} then `requests` (TrainRequest messages); yields TrainResponses.

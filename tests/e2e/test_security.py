@@ -1,0 +1,245 @@
+"""End to end: API keys with scopes (gRPC and HTTP), the exposure rule, TLS and mutual TLS, and
+training that cannot hurt serving (skipped non-finite steps, publish, idle timeout, autosave and
+resume). Each refusal keeps the server serving."""
+import json
+import os
+import queue
+import ssl
+import subprocess
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import grpc
+
+from e2e_util import SERVER, Server, require, scratch_dir
+
+INFERENCE_KEY = "inference-key-0123456789abcdef"
+ALL_KEY = "all-scopes-key-0123456789abcdef"
+EXAMPLE = {"input_ids": [1, 2, 3, 4, 5, 6], "target_ids": [2, 3, 4, 5, 6, -100]}
+
+
+def http_get(url, key=None, context=None):
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30, context=context) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def code_of(fn):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+class ApiKeyTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = scratch_dir("keys")
+        keys = os.path.join(cls.dir, "api-keys")
+        with open(keys, "w") as fh:
+            fh.write(f"# scopes key\ninference {INFERENCE_KEY}\nall {ALL_KEY}\n")
+        cls.server = Server({"auth": {"api_keys_file": keys}}, name="auth").start()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        cls.server.cleanup()
+
+    def client(self, key):
+        from vlmgraph_client import VlmGraphClient
+        return VlmGraphClient(self.server.address, timeout=60, api_key=key)
+
+    def train_once(self, client):
+        cfg = client.train_config(language_learning_rate=1e-4)
+        return list(client.train(cfg, iter([client.train_batch([EXAMPLE])])))
+
+    def test_grpc_keys_and_scopes(self):
+        none, wrong, inference, full = (self.client(k) for k in ("", "x" * 30, INFERENCE_KEY, ALL_KEY))
+        code, details = code_of(none.model_info)
+        self.assertEqual(code, grpc.StatusCode.UNAUTHENTICATED)
+        self.assertIn("missing API key", details)
+        code, _ = code_of(lambda: list(none.generate([1, 2, 3], max_new_tokens=2)))
+        self.assertEqual(code, grpc.StatusCode.UNAUTHENTICATED)
+        code, details = code_of(wrong.model_info)
+        self.assertEqual((code, details), (grpc.StatusCode.UNAUTHENTICATED, "incorrect API key"))
+        code, details = code_of(lambda: self.train_once(inference))
+        self.assertEqual(code, grpc.StatusCode.PERMISSION_DENIED)
+        self.assertIn("'train' scope", details)
+        # The right keys work, and the refusals changed nothing.
+        self.assertGreater(inference.model_info().vocab_size, 0)
+        self.assertEqual(len(list(inference.generate([1, 2, 3], max_new_tokens=2))) > 0, True)
+        steps = self.train_once(full)
+        self.assertEqual(steps[0].step.step, 1)
+
+    def test_http_keys(self):
+        base = f"http://{self.server.http_address}"
+        status, body = http_get(base + "/v1/models")
+        self.assertEqual(status, 401)
+        self.assertEqual(body["error"]["code"], "invalid_api_key")
+        self.assertEqual(http_get(base + "/v1/models", "y" * 30)[0], 401)
+        self.assertEqual(http_get(base + "/v1/models", INFERENCE_KEY)[0], 200)
+        self.assertEqual(http_get(base + "/health")[0], 200)  # probes need no key
+
+
+class ExposureTest(unittest.TestCase):
+    def run_server(self, *args):
+        return subprocess.run([SERVER, "--grpc-address", "0.0.0.0:0", "--metrics-address", "127.0.0.1:0",
+                               "--http-address", "", *args], capture_output=True, text=True, timeout=60)
+
+    def test_public_address_without_keys_is_refused(self):
+        r = self.run_server()
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("server.grpc_address", r.stderr)
+        self.assertIn("auth.api_keys_file", r.stderr)
+
+    def test_open_on_purpose_starts(self):
+        s = Server(args=["--grpc-address", "0.0.0.0:0", "--allow-unauthenticated"], name="open").start()
+        try:
+            with s.client() as c:
+                self.assertGreater(c.model_info().vocab_size, 0)
+            self.assertEqual(s.stop(), 0)
+        finally:
+            s.cleanup()
+
+
+def openssl(*args):
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_pki(d):
+    """A CA, a server certificate for 127.0.0.1 / localhost, and a client certificate, all PEM."""
+    require(subprocess.run(["which", "openssl"], capture_output=True).returncode == 0, "openssl")
+    p = lambda n: os.path.join(d, n)  # noqa: E731
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", p("ca.key"), "-out", p("ca.pem"),
+            "-days", "2", "-subj", "/CN=vlmgraph test CA")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", p(f"{name}.key"), "-out", p(f"{name}.csr"),
+                "-subj", f"/CN={name}")
+        with open(p(f"{name}.ext"), "w") as fh:
+            fh.write(ext + "\n")
+        openssl("x509", "-req", "-in", p(f"{name}.csr"), "-CA", p("ca.pem"), "-CAkey", p("ca.key"),
+                "-CAcreateserial", "-out", p(f"{name}.pem"), "-days", "2", "-extfile", p(f"{name}.ext"))
+    return {n: open(p(n), "rb").read() for n in ("ca.pem", "client.key", "client.pem")}, p
+
+
+class TlsTest(unittest.TestCase):
+    def test_tls_and_client_certificates(self):
+        from vlmgraph_client import VlmGraphClient
+        d = scratch_dir("tls")
+        pem, p = make_pki(d)
+        tls = {"cert_file": p("server.pem"), "key_file": p("server.key")}
+        s = Server({"tls": tls}, name="tls").start()
+        try:
+            with VlmGraphClient(s.address, timeout=30, root_certificates=pem["ca.pem"]) as c:
+                self.assertGreater(c.model_info().vocab_size, 0)
+            with VlmGraphClient(s.address, timeout=5) as plain:
+                self.assertEqual(code_of(plain.model_info)[0], grpc.StatusCode.UNAVAILABLE)
+            ctx = ssl.create_default_context(cafile=p("ca.pem"))
+            self.assertEqual(http_get(f"https://{s.http_address}/v1/models", context=ctx)[0], 200)
+            with self.assertRaises((urllib.error.URLError, ConnectionError, OSError)):
+                urllib.request.urlopen(f"http://{s.http_address}/health", timeout=5).read()
+            self.assertEqual(s.stop(), 0)
+        finally:
+            s.cleanup()
+        # Mutual TLS: a client without a certificate signed by client_ca_file is refused.
+        s = Server({"tls": dict(tls, client_ca_file=p("ca.pem"))}, name="mtls").start()
+        try:
+            with VlmGraphClient(s.address, timeout=5, root_certificates=pem["ca.pem"]) as anonymous:
+                self.assertEqual(code_of(anonymous.model_info)[0], grpc.StatusCode.UNAVAILABLE)
+            with VlmGraphClient(s.address, timeout=30, root_certificates=pem["ca.pem"],
+                                private_key=pem["client.key"], certificate_chain=pem["client.pem"]) as c:
+                self.assertGreater(c.model_info().vocab_size, 0)
+            self.assertEqual(s.stop(), 0)
+        finally:
+            s.cleanup()
+
+
+class TrainingIsolationTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.ckpt = scratch_dir("durable")
+        cls.server = Server({"train": {"checkpoint_dir": cls.ckpt, "idle_timeout_seconds": 2}},
+                            name="isolation").start()
+        cls.client = cls.server.client()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.server.cleanup()
+
+    def loss(self):
+        return self.client.forward(EXAMPLE["input_ids"], target_ids=EXAMPLE["target_ids"]).loss
+
+    def test_a_poisonous_job_never_reaches_serving(self):
+        c = self.client
+        before = self.loss()
+        cfg = c.train_config(language_learning_rate=1e30, weight_decay=1e30, max_consecutive_skipped_steps=2,
+                             publish_on_end=True)
+        seen = []
+        with self.assertRaises(grpc.RpcError) as ctx:
+            for r in c.train(cfg, iter([c.train_batch([EXAMPLE])] * 6)):
+                seen.append(r.step)
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.ABORTED, ctx.exception.details())
+        self.assertIn("in a row", ctx.exception.details())
+        self.assertEqual([s.skipped for s in seen][-2:], [True, True])
+        self.assertEqual(seen[-1].consecutive_skipped_steps, 2)
+        after = self.loss()
+        self.assertEqual(after, before)  # bit-identical: nothing was published
+        self.assertGreaterEqual(self.server.metric("vlmgraph_train_skipped_steps_total"), 2)
+        # An explicit publish of such weights is refused; the job goes on being refused cleanly.
+        cfg = c.train_config(language_learning_rate=1e30, weight_decay=1e30, max_consecutive_skipped_steps=50)
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(c.train(cfg, iter([c.train_batch([EXAMPLE])] * 2 + [c.train_publish()])))
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("NaN or infinite", ctx.exception.details())
+        self.assertEqual(self.loss(), before)
+
+    def test_b_idle_job_times_out_and_frees_the_slot(self):
+        c = self.client
+        pending = queue.Queue()
+
+        def job():
+            yield c.pb.train_pb2.TrainRequest(config=c.train_config(language_learning_rate=1e-4))
+            item = pending.get(timeout=30)  # never sent: the server ends the idle job
+            if item is not None:
+                yield item
+
+        start = time.time()
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(c.stub.Train(job(), timeout=60))
+        pending.put(None)
+        # gRPC's synchronous server can only cancel a blocked read: the client sees CANCELLED; the
+        # server logs and counts the reason as DEADLINE_EXCEEDED.
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.CANCELLED, ctx.exception.details())
+        self.assertLess(time.time() - start, 20)
+        self.assertEqual(self.server.metric("vlmgraph_requests_total", rpc="Train", code="DEADLINE_EXCEEDED"), 1)
+        steps = list(c.train(c.train_config(language_learning_rate=1e-4), iter([c.train_batch([EXAMPLE])])))
+        self.assertEqual(steps[0].step.step, 1)
+
+    def test_c_autosave_and_resume(self):
+        c = self.client
+        cfg = c.train_config(language_learning_rate=1e-3, save_every_steps=2, save_directory="durable/run")
+        responses = list(c.train(cfg, iter([c.train_batch([EXAMPLE])] * 3)))
+        auto = [r.saved for r in responses if r.HasField("saved")]
+        self.assertEqual([(s.step, s.automatic) for s in auto], [(2, True)])
+        saved = os.path.join(self.ckpt, "durable", "run")
+        self.assertTrue(os.path.isfile(os.path.join(saved, "optimizer.safetensors")))
+        # The job ended after step 3: the final autosave holds it, and a new job resumes there.
+        cfg = c.train_config(language_learning_rate=1e-3, resume_from="durable/run")
+        steps = [r.step.step for r in c.train(cfg, iter([c.train_batch([EXAMPLE])] * 2))]
+        self.assertEqual(steps, [4, 5])
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(c.train(c.train_config(resume_from="durable/none"), iter([c.train_batch([EXAMPLE])])))
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("config.resume_from", ctx.exception.details())
+
+
+if __name__ == "__main__":
+    unittest.main()
