@@ -1,6 +1,6 @@
 # vlmgraph server image: `docker compose up` (compose.yaml) or
 #   docker build -t vlmgraph .
-#   docker run --gpus all -p 50051:50051 -p 9464:9464 vlmgraph            # deploy/config.yaml
+#   docker run --gpus all -p 50051:50051 -p 8000:8000 -v $PWD/deploy/api-keys:/run/secrets/vlmgraph_api_keys:ro vlmgraph   # deploy/config.yaml
 #
 # Two stages. `build` starts from NVIDIA's CUDA 13.0 devel image on Ubuntu 24.04, installs every
 # dependency with scripts/install-deps.sh (the script .ci/run runs: apt packages, LibTorch from
@@ -100,7 +100,7 @@ USER vlmgraph:vlmgraph
 # train.checkpoint_dir ("checkpoints" by default) is relative to this folder; compose mounts a
 # volume over /var/lib/vlmgraph/checkpoints so that saved checkpoints outlive the container.
 WORKDIR /var/lib/vlmgraph
-EXPOSE 50051 9464
+EXPOSE 50051 8000 9464
 # SERVING once the model is loaded and the buckets' CUDA graphs are captured (8 s for
 # deploy/config.yaml on an H200); the start period leaves room for big checkpoints and bucket
 # lists (failures during it do not count).
