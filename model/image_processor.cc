@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <sstream>
+#include <tuple>
 
 // stb_image: only the two formats the API documents, private to this file.
 #define STB_IMAGE_STATIC
@@ -105,13 +106,22 @@ DeclaredSize JpegSize(const std::string& b) {
   }
 }
 
-// Throws on a JPEG Huffman table (DHT) of more than 256 codes. stb_image 2.27 (Debian bookworm's
-// libstb-dev) does not check this: the code counts of such a table write past its arrays inside
-// the decoder's state (fixed upstream in stb_image 2.28). A DHT segment may also follow a scan
+// Throws on the two kinds of Huffman table that stb_image 2.27 (Debian bookworm's libstb-dev)
+// decodes with out-of-bounds memory accesses (upstream stb_image 2.28 checks the first and bounds
+// the symbol index of the second):
+//   - a table (DHT) of more than 256 codes: its code counts write past the table's arrays inside
+//     the decoder's state;
+//   - a scan (SOS) that selects a table no earlier DHT defined: stb_image decodes with the
+//     uninitialized table, whose symbol index then reads anywhere.
+// A scan uses its DC table (in a progressive JPEG: a first DC scan) and its AC table (in a
+// progressive JPEG: an AC scan, spectral start > 0). DHT segments may also follow a scan
 // (progressive JPEG), so every segment is checked; entropy-coded data between segments is skipped
-// as stb_image skips it (0xff 0x00 is a data byte, 0xff 0xd0..0xd7 a restart marker).
+// as stb_image skips it (0xff 0x00 is a data byte, 0xff 0xd0..0xd7 a restart marker), and bytes
+// past the end read as zeros, as stb_image reads them.
 void CheckJpegHuffmanTables(const std::string& b) {
-  auto byte = [&](size_t i) { return static_cast<unsigned char>(b[i]); };
+  auto byte = [&](size_t i) { return i < b.size() ? static_cast<unsigned char>(b[i]) : 0u; };
+  bool progressive = false;
+  bool defined[2][4] = {};  // [DC = 0 / AC = 1][table id]
   for (size_t i = 2; i < b.size();) {
     if (byte(i) != 0xff) {
       ++i;
@@ -124,20 +134,40 @@ void CheckJpegHuffmanTables(const std::string& b) {
     if (marker == 0xd9 || b.size() - i < 2) return;  // end of image, or cut (stb_image refuses it)
     const size_t length = Be16(b, i);
     if (length < 2) return;  // stb_image refuses it
+    if (marker == 0xc0 || marker == 0xc1 || marker == 0xc2) progressive = marker == 0xc2;
     if (marker == 0xc4) {
       // Tables as stb_image reads them: class/id byte, 16 code counts, then that many symbols,
-      // while the segment has bytes left. stb_image reads past the end of the data as zeros, so
-      // a cut table counts the bytes it has.
+      // while the segment has bytes left.
       for (size_t p = i + 2, left = length - 2; left > 0 && p < b.size();) {
+        const unsigned table_class = byte(p) >> 4, id = byte(p) & 15;
         size_t codes = 0;
-        for (size_t k = p + 1; k <= p + 16 && k < b.size(); ++k) codes += byte(k);
+        for (size_t k = p + 1; k <= p + 16; ++k) codes += byte(k);
         if (codes > 256) {
           throw ImageError("corrupt jpeg image: a Huffman table (DHT) has " +
                            std::to_string(codes) + " codes; at most 256 are allowed");
         }
+        if (table_class <= 1 && id <= 3) defined[table_class][id] = true;
         if (17 + codes >= left || b.size() - p < 17 + codes) break;
         left -= 17 + codes;
         p += 17 + codes;
+      }
+    }
+    if (marker == 0xda) {
+      // Components (id, DC table << 4 | AC table), then spectral start, end, approximation.
+      const size_t components = byte(i + 2), tail = i + 3 + 2 * components;
+      const unsigned spectral_start = byte(tail), approximation_high = byte(tail + 2) >> 4;
+      const bool uses_dc = !progressive || (spectral_start == 0 && approximation_high == 0);
+      const bool uses_ac = !progressive || spectral_start > 0;
+      for (size_t c = 0; c < components; ++c) {
+        const unsigned dc = byte(i + 4 + 2 * c) >> 4, ac = byte(i + 4 + 2 * c) & 15;
+        for (const auto& [used, table_class, id] :
+             {std::tuple{uses_dc, 0u, dc}, std::tuple{uses_ac, 1u, ac}}) {
+          if (used && id <= 3 && !defined[table_class][id]) {
+            throw ImageError(std::string("corrupt jpeg image: a scan uses Huffman table ") +
+                             (table_class == 0 ? "DC" : "AC") + std::to_string(id) +
+                             ", which no DHT segment before it defines");
+          }
+        }
       }
     }
     i += length;
