@@ -27,9 +27,6 @@ if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(docker-comp
 # The fuzz smoke of scripts/test.sh (scripts/fuzz.sh --smoke): clang with libFuzzer. Debian only, as
 # the deployment checks: CI runs it; the image build (Ubuntu) skips the smoke without clang.
 if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(clang-14 libclang-rt-14-dev); fi
-# The fuzz smoke of scripts/test.sh (scripts/fuzz.sh --smoke): clang with libFuzzer. Debian only, as
-# the deployment checks: CI runs it; the image build (Ubuntu) skips the smoke without clang.
-if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(clang-14 libclang-rt-14-dev); fi
 # Server end-to-end tests (tests/e2e): a real photo (chelsea.png from scikit-image's data) and a real
 # Prometheus server that scrapes the metrics endpoint.
 apt_pkgs+=(python3-skimage prometheus)
