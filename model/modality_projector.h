@@ -2,8 +2,10 @@
 // `models/modality_projector.py`): pixel shuffle of the ViT patch grid by `mp_pixel_shuffle_factor`
 // then a bias-free linear map into the language model's hidden size.
 //
-//   at::Tensor img = mp->forward(vit->forward(tiles));  // (N, P, Cv) -> (N, P / f^2,
-//   lm_hidden_dim)
+// clang-format off
+//   at::Tensor patches = vit->forward(tiles);  // (N, P, Cv)
+//   at::Tensor img = mp->forward(patches);     // (N, P / f^2, lm_hidden_dim)
+// clang-format on
 #pragma once
 
 #include <torch/nn/module.h>

@@ -2,12 +2,19 @@
 //
 // Every engine call happens on the scheduler's GPU thread (engine.h's thread rule). RPC handlers
 // (gRPC threads) validate and convert requests, then:
+// clang-format off
 //   Scheduler scheduler(&metrics, options);
-//   scheduler.Start([&] { auto e = BuildEngine(cfg); e->Warmup(); return e; });  // on the GPU
-//   thread auto stream = scheduler.SubmitGenerate(std::move(request), accepted);  // throws when
-//   full while (!(u = stream->Wait(50ms)).done) Send(u.tokens); ...       // tokens as they decode
-//   scheduler.Cancel(stream);                                        // the client went away
-//   scheduler.RunOnGpuThread("Forward", [&](Engine& e) { ... });     // Forward, Train steps
+//   scheduler.Start([&] {                                                  // on the GPU thread
+//     auto engine = BuildEngine(cfg);
+//     engine->Warmup();
+//     return engine;
+//   });
+//   auto stream = scheduler.SubmitGenerate(std::move(request), accepted);  // throws when full
+//   GenerationStream::Update u;
+//   while (!(u = stream->Wait(50ms)).done) Send(u.tokens);                 // tokens as they decode
+//   scheduler.Cancel(stream);                                              // the client went away
+//   scheduler.RunOnGpuThread("Forward", [&](Engine& e) { ... });           // Forward, Train steps
+// clang-format on
 //
 // Note [Batching policy]: the GPU thread loops over
 //   1. cancellations (Engine::Cancel frees the KV slot at once),

@@ -6,10 +6,12 @@
 // weights into the serving model (the only way training changes what clients are served).
 // MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer.
 //
+// clang-format off
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
-//   TrainStepStats s = job->Step(batch);                                               // GPU
-//   thread job->Save("/srv/checkpoints/run1");
-//   job->Publish();                                                                    // GPU
+//   TrainStepStats s = job->Step(batch);                                              // GPU thread
+//   job->Save("/srv/checkpoints/run1");                                               // GPU thread
+//   job->Publish();                                                                   // GPU thread
+// clang-format on
 //
 // Thread rules: create, use and destroy a backend on the GPU thread only (it touches the
 // engine's model). Errors: ServerError INVALID_ARGUMENT for batches no bucket accepts (oversize
