@@ -173,7 +173,8 @@ int main(int argc, char** argv) {
       {"lm head gemv (once per step)", false, [&](int) { Linear(x2, head); }},
       // One weight copy for every call, so the weights stay in L2: what is left is each kernel's
       // launch, dependency and reduction latency. (H100, batch 1: only 0.5-1.2 us below the rows
-      // above, so prefetching the next layer's weights into L2 does not pay; tried.)
+      // above, so prefetching the next layer's weights into L2 does not pay; measured in
+      // docs/design/decode-kernels.md, "Prefetching weights".)
       {"weights in L2: qkv", false,
        [&](int) { vlmgraph::ops::RmsNormLinear(x2, w_norm, 1e-5, w_qkv[0]); }},
       {"weights in L2: out", false, [&](int) { Linear(a, w_out[0], x2); }},

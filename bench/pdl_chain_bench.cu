@@ -1,5 +1,6 @@
 // bench/pdl_chain_bench.cu: what one dependent kernel costs in a chain, the floor under the
-// decode step's 5 kernels per decoder block (figures in docs/benchmarks.md, "Eleventh session").
+// decode step's 5 kernels per decoder block (figures and what they mean in
+// docs/design/decode-kernels.md, "The cost of a dependent kernel").
 //
 //   vlmgraph-pdl-chain-bench        (needs compute capability 9.0; plain CUDA, no LibTorch)
 //

@@ -184,9 +184,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   // stores before thread 0's release fence, which orders them before its increment (the
   // threadfence-reduction pattern with one fence per block); the block that makes the count
   // `active` acquires the others' partials with a fence after its increment, and its barrier
-  // passes that on to its threads. acq_rel fences (MEMBAR.ALL) instead of __threadfence (fence.sc,
-  // MEMBAR.SC) in every thread on both sides: H100, whole decoder 717-720 -> 710-712 us at
-  // batch 1, 797 -> 786 us at 701 keys, unchanged at batch 8.
+  // passes that on to its threads. One thread's acq_rel fence (MEMBAR.ALL) on each side, not
+  // __threadfence (fence.sc, MEMBAR.SC) in every thread, is the cheaper fence on the step's
+  // critical path (`vlmgraph-decode-ops-bench`, whole decoder; docs/design/decode-kernels.md,
+  // "Where the attention kernel's 6 us go").
   __syncthreads();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -205,10 +206,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   // With 256 threads (few (row, KV head) pairs, see DecodeAttentionThreads) the last block's
   // combine is on the step's critical path, so it issues its global loads in one round: each
   // thread's first output element's o for up to kCombineChunk splits together with the (m, l)
-  // pairs. Otherwise it loads m, then l, then o: about five dependent L2 round trips, which cost
-  // 1.8 us per block at batch 1 (whole decoder without the combine: 651 against 708 us). H100,
-  // whole decoder, one round against that: 713-715 -> 701-706 us at batch 1, 793 -> 769-771 us at
-  // 701 keys; at batch 8 (128 threads) the three rounds stayed faster (1047 against 1056 us).
+  // pairs. Otherwise it loads m, then l, then o (about five dependent L2 round trips), which
+  // measures faster with 128 threads. Bench: `vlmgraph-decode-ops-bench --batch 1`, `--batch 8`
+  // and `--context 1024 --length 700` (whole decoder); figures in docs/design/decode-kernels.md,
+  // "Where the attention kernel's 6 us go".
   constexpr bool kOneRound = kAttnThreads == 256;
   const int i0 = threadIdx.x;
   float o_first[kOneRound ? kCombineChunk : 1];
@@ -258,10 +259,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 
 // Threads per block: 256 when the launch has few (row, KV head) pairs, so that the extra warps
 // shorten each block's dependent chain (scores, softmax, weighted sum); 128 otherwise, where more
-// blocks share each SM. Measured on an H200, nanovlm-460m bf16 (5 KV heads), whole decoder of
-// 32 blocks at batch 1 (bench/decode_ops_bench.cc): 718 -> 709 us at 131 keys, 749 -> 732 us at
-// 201 keys, 820 -> 779 us at 701 keys of a 1024 window; at batch 8 (40 pairs) 256 threads were
-// slower (1122 -> 1153 us) and 512 slower still at both batches.
+// blocks share each SM. Bench: `vlmgraph-decode-ops-bench --batch 1` and `--batch 8` (whole
+// decoder); figures in docs/design/decode-kernels.md, "Threads per block".
 int DecodeAttentionThreads(int64_t batch, int64_t n_kv) { return batch * n_kv <= 8 ? 256 : 128; }
 
 template <typename T, int D>

@@ -141,10 +141,12 @@ at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq
       .first;
 }
 
-// H100, nanovlm-460m bf16, whole decoder of 32 blocks (bench/decode_ops_bench.cc), combine in
-// the attention kernel -> in the out projection: batch 1 701 -> 661 us (131 keys), 761 -> 743 us
-// (701 keys of 1024); batch 2 873 -> 848 us; batch 4 1111 -> 1162 us (slower: every one of the
-// projection's blocks combines all rows).
+// Up to 2 rows the out projection combines the attention's partial states, which takes the
+// attention kernel's counter, fence and combine off the step's critical path; at 4 rows it is
+// slower, because every one of the projection's blocks combines all rows. Bench:
+// `vlmgraph-decode-ops-bench --batch 1` / `--batch 2` / `--batch 4` (whole decoder, both
+// combines); figures in docs/design/decode-kernels.md, "The combine in the out projection (1 and
+// 2 rows)".
 bool DecodeAttentionCombinesInLinear(int64_t batch) { return batch <= 2; }
 
 DecodeAttentionPartials RopeDecodeAttentionPartials(

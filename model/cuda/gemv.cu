@@ -34,11 +34,12 @@ constexpr int kGemvWarps = 8;
 // ss_warp (kThreads / 32, M) is scratch for the per-warp sums of squares. kb and klen are
 // multiples of 16 / sizeof(T). For the norm each thread takes one 16-byte column vector of every
 // row per round, issuing all those loads before using any, and keeps one sum of squares per row
-// in registers; per-warp sums then meet in ss_warp. Against one shared-memory atomic per row and
-// warp and a dynamically indexed row sum: H200, qkv 3.05 -> 2.72 us at batch 1, 5.75 -> 4.96 us
-// at batch 8 (the same layout for the copy and the SiLU-multiply was slower at 8 rows: it leaves
-// most threads idle when k / 8 < the block's threads). Call after WaitForPrerequisites; returns
-// after a __syncthreads.
+// in registers; per-warp sums then meet in ss_warp, so the reduction needs no shared-memory
+// atomics. The copy and the SiLU-multiply spread (row, vector) pairs over all threads instead:
+// with one vector of every row per thread, most threads idle when k / 8 < the block's threads.
+// Bench: `vlmgraph-decode-ops-bench --batch 1` and `--batch 8` (qkv, gate_up and down rows);
+// figures in docs/design/decode-kernels.md ("The PDL wait and ptxas", "GEMV variants").
+// Call after WaitForPrerequisites; returns after a __syncthreads.
 template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void StageGemvInput(const T* __restrict__ x, float eps, int rows, int k,
                                                int kb, int klen, T* xs, const T* gs,
@@ -204,8 +205,9 @@ __device__ __forceinline__ void StageAttnCombine(const AttnCombineArgs& a, const
 // What both GEMV kernels do between issuing their first weight loads and the product: copy the
 // norm weight's slice [kb, kb + klen) into gs (kRmsNorm; it does not depend on the previous
 // kernel), wait for the previous kernel, stage f(x) (StageGemvInput), and let the next kernel
-// launch. (Copying gs with cp.async instead, waited for only before the normalisation pass, was
-// slower: H200, batch 1, qkv 3.05 -> 3.70 us, gate/up 5.58 -> 6.49 us.)
+// launch. gs is copied with plain loads: a cp.async copy waited for only before the
+// normalisation pass is slower (`vlmgraph-decode-ops-bench`, qkv and gate_up rows;
+// docs/design/decode-kernels.md, "Prefetching weights").
 template <typename T, int M, int P, int kThreads>
 __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
                                                       const T* __restrict__ norm_w, float eps,
@@ -239,7 +241,8 @@ __device__ __forceinline__ void WaitAndStageGemvInput(const T* __restrict__ x,
 // pass) or 12 (longer rows, fewer passes). For one row the 4-chunk kernel is held to 48 registers
 // so that 5 blocks fit on an SM and a 5120-column GEMV (640 blocks) runs in one wave on 132 SMs:
 // H200, nanovlm-460m's gate/up projection at batch 1 6.16 -> 5.58 us, whole decoder 698 -> 678 us
-// (bench/decode_ops_bench.cc); with more rows, or the SiLU-multiply, 48 registers would spill.
+// (`vlmgraph-decode-ops-bench`; docs/design/decode-kernels.md, "The PDL wait and ptxas"); with
+// more rows, or the SiLU-multiply, 48 registers would spill.
 constexpr int GemvMinBlocks(int rows, int prologue, int chunks) {
   return chunks > 4 || prologue == kGemvAttnCombine ? 2
          : rows == 1 && prologue != kGemvSiluMul    ? 5
@@ -316,7 +319,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, GemvMinBlocks(M, P, kGemvChun
 // y (rows, n) = f(x) W^T (+ residual) with mma.sync m16n8k16: a block's 16 output columns are the
 // MMA's M dimension and the (up to 8) input rows its N dimension, so each weight element meets all
 // rows in one tensor-core instruction where the CUDA-core GEMV spends a multiply-add per row per
-// element (which no longer hid behind the weight loads beyond 4 rows).
+// element (which do not hide behind the weight loads beyond 4 rows).
 // Grid (n / 16 column tiles, splits). Block (tile, s) = 8 warps owns 16 output columns and the s-th
 // of `splits` equal runs of 32-column chunks of k; its warps take the chunks in turn, kMmaChunks
 // in flight per lane (two 16-byte weight loads each, the first issued before the PDL wait). f(x)
@@ -460,10 +463,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 // Splits of k per column tile for the tensor-core GEMV: the fewest (a power of two, at most
 // kMaxMmaSplits) with which every block's chunks fit in one round of its warps' in-flight loads
 // (kGemvWarps * kMmaChunks chunks), so no block streams its weights in several dependent passes;
-// 1 before sm_90 (the splits meet in a thread block cluster). Measured on an H200, 8 rows
-// (bench/decode_ops_bench.cc): nanovlm-460m's down projection (k = 2560, 80 chunks, 60 tiles)
-// 11.98 us unsplit, 8.39 us in 2, 6.61 us in 4; splitting the one-pass out projection (k = 960)
-// in 2 made it slower (2.66 -> 3.37 us).
+// 1 before sm_90 (the splits meet in a thread block cluster). Rows that already fit one round
+// are not split: the two cluster barriers cost more than the shorter loop saves.
+// Bench: `vlmgraph-decode-ops-bench --batch 8` (down and out rows); figures in
+// docs/design/decode-kernels.md, "Tensor-core GEMV for 5 to 8 rows".
 int GemvMmaSplits(int64_t k) {
   if (ComputeCapabilityMajor() < 9) return 1;
   const int64_t chunks = (k + 31) / 32;
@@ -474,10 +477,9 @@ int GemvMmaSplits(int64_t k) {
 
 // Whether 5 to 8 rows take the tensor-core GEMV (else cuBLAS with the separate prologue kernel).
 // Every block stages and normalises all rows of its input, so with the RMSNorm prologue it pays
-// only while the column tiles fit one block per SM: H200, 8 rows, nanovlm-460m: qkv (100 tiles)
-// 5.76 us against 6.5 us for cuBLAS + RMSNorm kernel, gate/up (320 tiles) 8.99 against 7.42 us.
-// Without a norm it wins at every size measured: out 2.66 against 5.6 us, down 6.61 against
-// 9.17 us, the LM head (3072 tiles) 29.4 against 44.4 us.
+// only while the column tiles fit one block per SM (qkv, not gate/up); without a norm it wins at
+// every size measured. Bench: `vlmgraph-decode-ops-bench --batch 8`; figures in
+// docs/design/decode-kernels.md, "Tensor-core GEMV for 5 to 8 rows".
 bool UseMmaGemv(int P, int64_t n) {
   return P != kGemvRmsNorm || (n + 15) / 16 <= MultiprocessorCount();
 }
