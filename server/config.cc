@@ -218,7 +218,8 @@ RawConfig ParseConfig(const YAML::Node& root) {
   const YAML::Node l = Section(root, "limits",
                                {"max_image_bytes", "max_image_pixels", "max_images_per_request",
                                 "max_new_tokens", "default_max_new_tokens", "max_logits_positions",
-                                "max_train_batch_examples", "max_request_bytes"});
+                                "max_train_batch_examples", "max_train_batch_tokens",
+                                "max_request_bytes"});
   r.max_image_bytes = Int(l, "limits", "max_image_bytes");
   r.max_image_pixels = Int(l, "limits", "max_image_pixels");
   r.max_images_per_request = Int(l, "limits", "max_images_per_request");
@@ -227,6 +228,7 @@ RawConfig ParseConfig(const YAML::Node& root) {
   r.max_logits_positions = Int(l, "limits", "max_logits_positions");
   r.max_train_batch_examples = Int(l, "limits", "max_train_batch_examples");
   r.max_request_bytes = Int(l, "limits", "max_request_bytes");
+  r.max_train_batch_tokens = Int(l, "limits", "max_train_batch_tokens");
 
   const YAML::Node t = Section(root, "train", {"checkpoint_dir", "idle_timeout_seconds"});
   r.checkpoint_dir = Str(t, "train", "checkpoint_dir");
@@ -287,6 +289,13 @@ ServerConfig FillDefaults(const RawConfig& r) {
       Or<int64_t>(r.default_max_new_tokens, std::min<int64_t>(32, c.limits.max_new_tokens));
   c.limits.max_logits_positions = Or<int64_t>(r.max_logits_positions, 64);
   c.limits.max_train_batch_examples = Or<int64_t>(r.max_train_batch_examples, 64);
+  const auto& tb = c.buckets.train_batch_sizes;
+  const auto& ts = c.buckets.train_seq_lens;
+  const int64_t largest_train_bucket =
+      tb.empty() || ts.empty() ? 0
+                               : *std::max_element(tb.begin(), tb.end()) *
+                                     *std::max_element(ts.begin(), ts.end());
+  c.limits.max_train_batch_tokens = Or<int64_t>(r.max_train_batch_tokens, largest_train_bucket);
   const int64_t derived = std::min<int64_t>(
       INT_MAX, c.limits.max_images_per_request * c.limits.max_image_bytes + (4 << 20));
   c.limits.max_request_bytes = Or<int64_t>(r.max_request_bytes, derived);
@@ -360,6 +369,7 @@ void ValidateConfig(const ServerConfig& c) {
   CheckRange(c.limits.max_logits_positions, 0, 1 << 20, "limits.max_logits_positions");
   CheckRange(c.limits.max_train_batch_examples, 1, 1 << 20, "limits.max_train_batch_examples");
   CheckRange(c.limits.max_request_bytes, 1024, INT_MAX, "limits.max_request_bytes");
+  CheckRange(c.limits.max_train_batch_tokens, 0, int64_t{1} << 40, "limits.max_train_batch_tokens");
   if (c.train.checkpoint_dir.empty())
     throw ServerConfigError("train.checkpoint_dir", "must not be empty");
   if (!(c.train.idle_timeout_seconds >= 0 && c.train.idle_timeout_seconds <= 86400)) {
@@ -426,6 +436,7 @@ std::string ConfigToYaml(const ServerConfig& c) {
            {"default_max_new_tokens", l.default_max_new_tokens},
            {"max_logits_positions", l.max_logits_positions},
            {"max_train_batch_examples", l.max_train_batch_examples},
+           {"max_train_batch_tokens", l.max_train_batch_tokens},
            {"max_request_bytes", l.max_request_bytes}}) {
     e << YAML::Key << k << YAML::Value << v;
   }

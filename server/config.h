@@ -92,6 +92,9 @@ struct ServerConfig {
     int64_t default_max_new_tokens = 0;  // when a request leaves it unset
     int64_t max_logits_positions = 0;    // per Forward request
     int64_t max_train_batch_examples = 0;
+    // Examples x longest example of one Train batch (the padded step); 0 = no limit. Default:
+    // the largest train bucket, so no step runs eagerly for longer than that bucket would.
+    int64_t max_train_batch_tokens = 0;
     int64_t max_request_bytes = 0;  // gRPC message size cap (derived when unset)
   } limits;
 
@@ -120,7 +123,8 @@ struct RawConfig {
   std::optional<std::string> api_keys_file, tls_cert_file, tls_key_file, tls_client_ca_file;
   std::optional<bool> allow_unauthenticated;
   std::optional<int64_t> max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
-      default_max_new_tokens, max_logits_positions, max_train_batch_examples, max_request_bytes;
+      default_max_new_tokens, max_logits_positions, max_train_batch_examples, max_request_bytes,
+      max_train_batch_tokens;
   std::optional<std::string> checkpoint_dir;
   std::optional<double> train_idle_timeout_seconds;
   std::optional<double> shutdown_timeout_seconds;

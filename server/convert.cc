@@ -310,6 +310,20 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
                           " examples; at most " + std::to_string(limits.max_train_batch_examples) +
                           " (limits.max_train_batch_examples)");
   }
+  // The padded step: examples x the longest example. A step larger than every train bucket runs
+  // eagerly and holds the GPU thread (every Generate waits) for its whole length: bounded here.
+  int64_t longest = 0;
+  for (const v1::TrainExample& ex : batch.examples())
+    longest = std::max<int64_t>(longest, ex.input_ids_size());
+  const int64_t step_tokens = longest * batch.examples_size();
+  if (limits.max_train_batch_tokens > 0 && step_tokens > limits.max_train_batch_tokens) {
+    throw InvalidArgument(
+        "batch: " + std::to_string(batch.examples_size()) + " examples of up to " +
+        std::to_string(longest) + " tokens make a step of " + std::to_string(step_tokens) +
+        " tokens; at most " + std::to_string(limits.max_train_batch_tokens) +
+        " (limits.max_train_batch_tokens, by default the largest train bucket): send smaller "
+        "batches");
+  }
   std::vector<TrainExampleData> out;
   int64_t counted = 0;
   for (int i = 0; i < batch.examples_size(); ++i) {

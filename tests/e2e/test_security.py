@@ -2,6 +2,7 @@
 training that cannot hurt serving (skipped non-finite steps, publish, idle timeout, autosave and
 resume). Each refusal keeps the server serving."""
 import json
+import math
 import os
 import queue
 import ssl
@@ -222,6 +223,18 @@ class TrainingIsolationTest(unittest.TestCase):
         self.assertEqual(self.server.metric("vlmgraph_requests_total", rpc="Train", code="DEADLINE_EXCEEDED"), 1)
         steps = list(c.train(c.train_config(language_learning_rate=1e-4), iter([c.train_batch([EXAMPLE])])))
         self.assertEqual(steps[0].step.step, 1)
+
+    def test_d_oversize_batch_is_refused_before_it_holds_the_gpu_thread(self):
+        c = self.client
+        ids = [(7 * i) % 200 + 1 for i in range(300)]
+        big = [{"input_ids": ids, "target_ids": ids[1:] + [-100]}] * 64  # 64 x 300 > 8 x 256
+        start = time.time()
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(c.train(c.train_config(language_learning_rate=1e-4), iter([c.train_batch(big)])))
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("limits.max_train_batch_tokens", ctx.exception.details())
+        self.assertLess(time.time() - start, 10)
+        self.assertTrue(math.isfinite(c.forward(ids[:16], target_ids=ids[1:17]).loss))  # still serving
 
     def test_c_autosave_and_resume(self):
         c = self.client
