@@ -119,8 +119,9 @@ class Server:
         with open(self.log_path) as fh:
             return fh.read()
 
-    def client(self, timeout=60):
-        return VlmGraphClient(self.address, timeout=timeout)
+    def client(self, timeout=60, api_key=None):
+        """A gRPC client; `api_key`: the key to send (None: $VLMGRAPH_API_KEY, if set)."""
+        return VlmGraphClient(self.address, timeout=timeout, api_key=api_key)
 
     def stop(self, timeout=60):
         """SIGTERM, then wait; returns the exit status."""

@@ -16,7 +16,7 @@ import unittest
 from e2e_util import Server, chelsea, converted_model, require
 
 FRANCE = "What is the capital of France? Answer in one sentence."
-API_KEY = "test-key-123"
+API_KEY = "test-key-0123456789"
 
 
 def messages(content):
@@ -121,7 +121,7 @@ class OpenAiTest(unittest.TestCase):
         # usage: the prompt is transformers' rendering of the model's template; the completion
         # counts every generated token, the end-of-turn token included, as gRPC streams them.
         self.assertEqual(r.usage.prompt_tokens, len(self.chat_template_ids(messages(FRANCE))))
-        grpc_client = self.server.client()
+        grpc_client = self.server.client(api_key=API_KEY)
         try:
             tokens, _ = grpc_client.generate_all(messages=messages(FRANCE), max_new_tokens=48)
         finally:
@@ -360,7 +360,7 @@ class OpenAiTest(unittest.TestCase):
         kwargs = dict(temperature=0.8, seed=77)
         http = self.client.chat.completions.create(model=self.model, messages=messages(FRANCE), max_tokens=16,
                                                    **kwargs).choices[0].message.content
-        grpc_client = self.server.client()
+        grpc_client = self.server.client(api_key=API_KEY)
         try:
             text, _ = grpc_client.chat(messages(FRANCE), max_new_tokens=16, sample=True, **kwargs)
         finally:

@@ -77,6 +77,55 @@ class ShutdownTest(unittest.TestCase):
         finally:
             server.cleanup()
 
+    def test_draining_server_says_not_serving_and_lets_a_train_job_finish(self):
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        import urllib.error
+        import urllib.request
+        server = Server({"shutdown_timeout_seconds": 60}, name="drain-train").start()
+        try:
+            client = server.client()
+            health = health_pb2_grpc.HealthStub(client.channel)
+            t = client.pb.train_pb2
+            pending = queue.Queue()
+
+            def job():
+                yield t.TrainRequest(config=client.train_config(language_learning_rate=1e-3))
+                while True:
+                    item = pending.get(timeout=60)
+                    if item is None:
+                        return
+                    yield item
+
+            batch = client.train_batch([{"input_ids": [1, 2, 3], "target_ids": [2, 3, -100]}])
+            responses = client.stub.Train(job(), timeout=120)
+            pending.put(batch)
+            self.assertEqual(next(responses).step.step, 1)
+            server.proc.send_signal(15)
+            # Draining: the ports stay open and say NOT_SERVING; new work is refused...
+            deadline = time.time() + 10
+            status = None
+            while time.time() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest(service="vlmgraph.v1.VlmGraph"), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.05)
+            self.assertEqual(status, health_pb2.HealthCheckResponse.NOT_SERVING)
+            with self.assertRaises(urllib.error.HTTPError) as ctx:
+                urllib.request.urlopen(f"http://{server.http_address}/health", timeout=5)
+            self.assertEqual(ctx.exception.code, 503)
+            with self.assertRaises(grpc.RpcError) as ctx:
+                list(client.generate([1, 2, 3], max_new_tokens=2))
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.UNAVAILABLE)
+            # ...while the running job keeps training until its client ends it.
+            pending.put(batch)
+            self.assertEqual(next(responses).step.step, 2)
+            pending.put(None)
+            self.assertEqual(list(responses), [])
+            self.assertEqual(server.proc.wait(timeout=30), 0)
+            client.close()
+        finally:
+            server.cleanup()
+
     def test_bad_config_fails_at_start_with_the_key_path(self):
         server = Server({"buckets": {"batch_sizes": [1, 2, 0]}}, name="badcfg")
         try:
