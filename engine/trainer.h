@@ -18,6 +18,11 @@
 //   TrainStepResult r = trainer.Step(examples);
 //   trainer.SaveCheckpoint("out/");        // config.json, model.safetensors, optimizer.safetensors
 //
+// Data parallel (TrainOptions::data_parallel): one Trainer per rank, each given its rank's shard
+// of every global batch; the loss each Step reports is the global one, the token counts are the
+// rank's. Save checkpoints on rank 0 (every rank holds the same weights and optimizer state); they
+// load on any number of ranks.
+//
 // Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
 // computed in float32 from the logits, divided by the accumulation steps and summed over
 // micro-batches, as nanoVLM's train.py does; clipping as torch.nn.utils.clip_grad_norm_ (total L2
@@ -65,6 +70,7 @@
 #include <vector>
 
 #include "engine/bucket.h"
+#include "engine/data_parallel.h"
 #include "engine/engine_types.h"
 #include "engine/fused_optimizer.h"
 #include "engine/step_runner.h"
@@ -99,6 +105,19 @@ struct TrainOptions {
   // false, or CPU: ATen's _foreach_* ops and _fused_adamw_. Same formulas either way.
   bool fused_optimizer = true;
   bool log_captures = true;
+  // Receives OnCapture for each graph Warmup captures (the optimizer's as region train, batch 0):
+  // a Trainer's graphs are its own, captured when it first steps. May be null; not owned.
+  EngineObserver* observer = nullptr;
+  // Data parallelism (engine/data_parallel.h): this trainer is one rank of the group. Null or a
+  // group of one: a single rank. With more ranks the trainer starts from rank 0's weights
+  // (broadcast at construction), each Step takes this rank's shard of the global batch
+  // (ShardForRank), and between the backward and the optimizer the float32 gradients and the loss
+  // are averaged over the ranks (DataParallelGroup::AllReduceMean), so world_size ranks with
+  // grad_accum_steps a take the step one rank takes with grad_accum_steps world_size * a. The
+  // gradient norm (clipping, skipped steps) is taken after the average, on the global gradient,
+  // and the optimizer runs on the accumulators (the bf16 optimizer-inside-the-micro-step shortcut
+  // is off). Every rank must call Step the same number of times with the same shard sizes.
+  std::shared_ptr<DataParallelGroup> data_parallel;
 };
 
 struct TrainExample {
@@ -116,6 +135,11 @@ struct TrainStepResult {
   bool skipped = false;
   double lr = 0;          // base learning rate used
   double seconds = 0;     // wall time of the whole step
+  // Data parallel: bytes of gradients (and loss) averaged over the ranks, and the host time the
+  // all-reduce calls took (on the CPU the whole exchange; with NCCL the launch and wait, as the
+  // collectives run on their own stream). 0 with one rank.
+  int64_t all_reduce_bytes = 0;
+  double all_reduce_seconds = 0;
   std::vector<BucketKey> buckets;  // one per micro-batch
   RunKind kind = RunKind::kEager;  // kCaptureAndReplay / kReplay when graphed
   int64_t target_tokens = 0, real_tokens = 0, padded_tokens = 0;
@@ -217,6 +241,8 @@ class Trainer {
   bool warmed_up_ = false;
   int64_t steps_ = 0, skipped_steps_ = 0, captures_ = 0, replays_ = 0;
   double base_lr_ = 0;
+  // More than one rank (TrainOptions::data_parallel).
+  bool data_parallel_ = false;
 };
 
 }  // namespace vlmgraph

@@ -19,6 +19,9 @@ apt_pkgs=(
   libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
   libicu-dev
   openssl
+  # gloo's headers for c10d's ProcessGroupGloo (data-parallel training on the CPU,
+  # engine/data_parallel.h): the torch wheel ships c10d's headers and symbols but not gloo's.
+  libgloo-dev
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
 # only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image

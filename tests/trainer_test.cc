@@ -1,13 +1,24 @@
 // Training: AdamW steps reproduce upstream nanoVLM's losses; gradient accumulation, frozen groups,
 // learning-rate changes and checkpoint/resume behave; bf16 working weights track float32 masters;
-// *_CUDA: graphed steps equal eager steps.
+// *_CUDA: graphed steps equal eager steps. DataParallel: 2 gloo ranks (threads, loopback TCPStore)
+// equal 1 rank accumulating the same global batch; checkpoints move between rank counts; a lost
+// rank ends the step with kUnavailable.
 #include "engine/trainer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cmath>
+#include <exception>
 #include <filesystem>
+#include <functional>
+#include <thread>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -685,6 +696,242 @@ TEST(FusedOptimizer, TrainerStepsMatchATenOptimizer_CUDA) {
       for (const auto& p : fused.model()->parameters()) EXPECT_FALSE(p.grad().defined());
     }
   }
+}
+
+}  // namespace
+}  // namespace vlmgraph
+
+// --- Data parallelism (engine/data_parallel.h) over gloo on the CPU -------------------------------
+
+namespace vlmgraph {
+namespace {
+
+// A free loopback TCP port (bound, read, released) for a test's TCPStore.
+int64_t FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return 0;
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+DataParallelOptions GlooOptions(int64_t rank, int64_t world, int64_t port, double timeout_seconds) {
+  DataParallelOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.store_port = port;
+  o.timeout_seconds = timeout_seconds;
+  o.backend = "gloo";
+  return o;
+}
+
+// Runs body(rank) on `world` threads at once; rethrows the first exception a rank threw.
+void RunRanks(int64_t world, const std::function<void(int64_t)>& body) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int64_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// A global batch of 4 different examples (two fixture rows and their remapped variants), images
+// included.
+std::vector<TrainExample> GlobalBatch(const VlmConfig& cfg) {
+  std::vector<TrainExample> b = FixtureBatch();
+  b.push_back(Variant(cfg, 0));
+  b.push_back(Variant(cfg, 1));
+  return b;
+}
+
+#define SKIP_WITHOUT_GLOO()                                                               \
+  if (!DataParallelGroup::BackendAvailable("gloo"))                                       \
+  GTEST_SKIP() << "built without gloo (Debian libgloo-dev; scripts/install-deps.sh installs it)"
+
+TEST(DataParallel, ShardForRankSplitsAsGradientAccumulationDoes) {
+  const std::vector<int> batch = {0, 1, 2, 3, 4, 5, 6};
+  EXPECT_EQ(ShardForRank(batch, 0, 2), (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(ShardForRank(batch, 1, 2), (std::vector<int>{4, 5, 6}));
+  EXPECT_EQ(ShardForRank(batch, 0, 1), batch);
+  EXPECT_THROW(ShardForRank(std::vector<int>{0}, 0, 2), EngineError);
+  EXPECT_THROW(ShardForRank(std::vector<int>{0, 1, 2, 3, 4}, 3, 4), EngineError);  // 2,2,1,0
+  EXPECT_THROW(ShardForRank(batch, 2, 2), EngineError);
+}
+
+TEST(DataParallel, JoinRefusesBadOptions) {
+  EXPECT_THROW(DataParallelGroup::Join(GlooOptions(2, 2, 29500, 1)), EngineError);
+  EXPECT_THROW(DataParallelGroup::Join(GlooOptions(0, 0, 29500, 1)), EngineError);
+  EXPECT_THROW(DataParallelGroup::Join(GlooOptions(1, 2, 0, 1)), EngineError);  // port 0: rank 0
+  DataParallelOptions o = GlooOptions(0, 1, 0, 1);
+  o.backend = "mpi";
+  try {
+    DataParallelGroup::Join(o);
+    FAIL() << "backend mpi accepted";
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("gloo"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DataParallel, AllReduceMeanAveragesEveryBucket) {
+  SKIP_WITHOUT_GLOO();
+  const int64_t port = FreePort();
+  std::vector<std::vector<at::Tensor>> out(2);
+  RunRanks(2, [&](int64_t rank) {
+    DataParallelOptions o = GlooOptions(rank, 2, port, 60);
+    o.bucket_bytes = 64;  // 16 floats: the 40-float tensor goes alone, the small ones share
+    auto group = DataParallelGroup::Join(o);
+    const double base = rank == 0 ? 1.0 : 3.0;
+    std::vector<at::Tensor> t = {at::full({5}, base), at::full({40}, base * 10),
+                                 at::full({2, 3}, base * 100), at::full({}, base * 1000)};
+    EXPECT_EQ(group->AllReduceMean(t), (5 + 40 + 6 + 1) * 4);
+    out[rank] = t;
+  });
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    EXPECT_TRUE(at::equal(out[rank][0], at::full({5}, 2.0)));
+    EXPECT_TRUE(at::equal(out[rank][1], at::full({40}, 20.0)));
+    EXPECT_TRUE(at::equal(out[rank][2], at::full({2, 3}, 200.0)));
+    EXPECT_TRUE(at::equal(out[rank][3], at::full({}, 2000.0)));
+  }
+}
+
+// Ten float32 steps of two ranks, each on half of a global batch of 4, against one rank
+// accumulating the same 4 examples in two micro-batches: the same losses, gradient norms and
+// weights. Rank 1 starts from other weights: the trainer must broadcast rank 0's.
+TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
+  SKIP_WITHOUT_GLOO();
+  constexpr int kSteps = 10;
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
+  TrainOptions single_options = FixtureOptions(at::kCPU, false);
+  single_options.grad_accum_steps = 2;
+  single_options.max_grad_norm = 0.5;  // clipping must use the global norm
+  Trainer single(m, single_options);
+  std::vector<TrainStepResult> want;
+  for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
+
+  const int64_t port = FreePort();
+  std::vector<std::vector<TrainStepResult>> got(2);
+  std::vector<std::map<std::string, at::Tensor>> masters(2);
+  RunRanks(2, [&](int64_t rank) {
+    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
+    if (rank == 1) {
+      at::NoGradGuard ng;
+      for (auto& p : source->parameters()) p.add_(0.25);
+    }
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.max_grad_norm = 0.5;
+    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, 60));
+    Trainer t(source, o);
+    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
+    for (int s = 0; s < kSteps; ++s) got[rank].push_back(t.Step(shard));
+    masters[rank] = Masters(t);
+  });
+  for (int s = 0; s < kSteps; ++s) {
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      EXPECT_NEAR(got[rank][s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
+      EXPECT_NEAR(got[rank][s].grad_norm, want[s].grad_norm, 1e-6 * want[s].grad_norm)
+          << "rank " << rank << " step " << s;
+      EXPECT_GT(got[rank][s].all_reduce_bytes, 0);
+    }
+  }
+  const auto single_masters = Masters(single);
+  double worst = 0;
+  for (const auto& [name, w] : single_masters) {
+    worst = std::max(worst, testing::MaxAbsDiff(masters[0].at(name), w));
+    EXPECT_TRUE(at::equal(masters[0].at(name), masters[1].at(name))) << name;
+  }
+  EXPECT_LE(worst, 1e-6);
+}
+
+// A checkpoint rank 0 saves after 3 two-rank steps resumes on one rank (accumulating the same
+// global batch) with the loss the two ranks took next.
+TEST(DataParallel, CheckpointSavedAtTwoRanksResumesAtOne) {
+  SKIP_WITHOUT_GLOO();
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_dp_ckpt_" + std::to_string(::getpid()));
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
+  const int64_t port = FreePort();
+  double next_loss[2] = {0, 0};
+  RunRanks(2, [&](int64_t rank) {
+    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, 60));
+    Trainer t(source, o);
+    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
+    for (int s = 0; s < 3; ++s) t.Step(shard);
+    if (rank == 0) t.SaveCheckpoint(dir.string());
+    o.data_parallel->Barrier();
+    next_loss[rank] = t.Step(shard).loss;
+  });
+  VisionLanguageModel saved = LoadModel(dir.string());
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.grad_accum_steps = 2;
+  Trainer resumed(saved, o);
+  resumed.LoadOptimizerState((dir / "optimizer.safetensors").string());
+  EXPECT_EQ(resumed.steps(), 3);
+  EXPECT_NEAR(resumed.Step(batch).loss, next_loss[0], 1e-6);
+  EXPECT_EQ(next_loss[0], next_loss[1]);
+}
+
+// A rank that leaves mid-job: the other rank's next step ends with kUnavailable (not a hang), and
+// a rank whose peer never joins gives up after the timeout.
+TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
+  SKIP_WITHOUT_GLOO();
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
+  const int64_t port = FreePort();
+  const double timeout_seconds = 5;
+  EngineError::Code code = EngineError::Code::kInternal;
+  std::string message;
+  double seconds = -1;
+  RunRanks(2, [&](int64_t rank) {
+    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, timeout_seconds));
+    Trainer t(source, o);
+    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
+    t.Step(shard);
+    if (rank == 1) return;  // leaves: its trainer and group are destroyed
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      t.Step(shard);
+    } catch (const EngineError& e) {
+      code = e.code();
+      message = e.what();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
+  EXPECT_EQ(code, EngineError::Code::kUnavailable) << message;
+  EXPECT_NE(message.find("rank 0"), std::string::npos) << message;
+  EXPECT_LT(seconds, timeout_seconds + 10);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    DataParallelGroup::Join(GlooOptions(0, 2, FreePort(), 1.0));
+    FAIL() << "joined a group of 2 alone";
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.code(), EngineError::Code::kUnavailable) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 15);
 }
 
 }  // namespace

@@ -1,0 +1,227 @@
+// engine/data_parallel.cc: see data_parallel.h.
+#include "engine/data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#ifndef VLMGRAPH_HAVE_GLOO
+#define VLMGRAPH_HAVE_GLOO 0
+#endif
+#ifndef VLMGRAPH_HAVE_NCCL
+#define VLMGRAPH_HAVE_NCCL 0
+#endif
+
+#if VLMGRAPH_HAVE_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if VLMGRAPH_HAVE_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <utility>
+
+namespace vlmgraph {
+namespace {
+
+EngineError Invalid(const std::string& message) {
+  return EngineError(EngineError::Code::kInvalidArgument, message);
+}
+
+std::chrono::milliseconds Millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
+}
+
+}  // namespace
+
+struct DataParallelGroup::State {
+  c10::intrusive_ptr<c10d::TCPStore> tcp_store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+bool DataParallelGroup::BackendAvailable(const std::string& backend) {
+  if (backend == "gloo") return VLMGRAPH_HAVE_GLOO != 0;
+  if (backend == "nccl") return VLMGRAPH_HAVE_NCCL != 0;
+  return false;
+}
+
+DataParallelGroup::DataParallelGroup(DataParallelOptions options)
+    : options_(std::move(options)), state_(std::make_unique<State>()) {}
+
+DataParallelGroup::~DataParallelGroup() = default;
+
+std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOptions& options) {
+  if (options.world_size < 1) throw Invalid("data parallel: world_size must be >= 1");
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    throw Invalid("data parallel: rank " + std::to_string(options.rank) + " outside [0, " +
+                  std::to_string(options.world_size) + ")");
+  }
+  if (!(options.timeout_seconds > 0))
+    throw Invalid("data parallel: timeout_seconds must be > 0");
+  if (options.bucket_bytes <= 0) throw Invalid("data parallel: bucket_bytes must be > 0");
+  if (options.store_port < 0 || options.store_port > 65535 ||
+      (options.store_port == 0 && options.rank != 0)) {
+    throw Invalid("data parallel: store_port must lie in [1, 65535] (0 only on rank 0)");
+  }
+  if (options.backend != "gloo" && options.backend != "nccl")
+    throw Invalid("data parallel: backend must be \"gloo\" or \"nccl\", not \"" + options.backend +
+                  "\"");
+  if (!BackendAvailable(options.backend)) {
+    throw Invalid(
+        "data parallel: this build has no " + options.backend + " backend (" +
+        (options.backend == "gloo"
+             ? std::string("install Debian's libgloo-dev and rebuild")
+             : std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")) +
+        ")");
+  }
+  std::shared_ptr<DataParallelGroup> group(new DataParallelGroup(options));
+  const std::string where = "data parallel rank " + std::to_string(options.rank) + " of " +
+                            std::to_string(options.world_size) + " (store " + options.store_host +
+                            ":" + std::to_string(options.store_port) + ")";
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(options.store_port);
+    so.isServer = options.rank == 0;
+    so.numWorkers = static_cast<int>(options.world_size);
+    so.waitWorkers = false;  // the backend's rendezvous below waits for every rank
+    so.timeout = Millis(options.timeout_seconds);
+    group->state_->tcp_store = c10::make_intrusive<c10d::TCPStore>(options.store_host, so);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(options.group_name,
+                                                        group->state_->tcp_store);
+    const int rank = static_cast<int>(options.rank), size = static_cast<int>(options.world_size);
+#if VLMGRAPH_HAVE_GLOO
+    if (options.backend == "gloo") {
+      auto o = c10d::ProcessGroupGloo::Options::create();
+      o->timeout = Millis(options.timeout_seconds);
+      // A store on loopback means every rank is on this host: gloo talks over loopback too.
+      // Otherwise the address of this host's name, as c10d's default device.
+      const bool loopback = options.store_host == "127.0.0.1" ||
+                            options.store_host == "localhost" || options.store_host == "::1";
+      o->devices.push_back(loopback
+                               ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                               : c10d::ProcessGroupGloo::createDefaultDevice());
+      group->state_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, o);
+    }
+#endif
+#if VLMGRAPH_HAVE_NCCL
+    if (options.backend == "nccl") {
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(options.device_index));
+      auto o = c10d::ProcessGroupNCCL::Options::create();
+      o->timeout = Millis(options.timeout_seconds);
+      group->state_->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, o);
+    }
+#endif
+    group->Barrier();  // every rank has joined (or the timeout threw)
+  } catch (const EngineError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw EngineError(EngineError::Code::kUnavailable,
+                      where + ": joining failed: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw EngineError(EngineError::Code::kUnavailable, where + ": joining failed: " + e.what());
+  }
+  return group;
+}
+
+int64_t DataParallelGroup::store_port() const {
+  return state_->tcp_store ? state_->tcp_store->getPort() : options_.store_port;
+}
+
+namespace {
+
+// Runs one collective and waits for it; a failure or timeout becomes kUnavailable.
+void Wait(const std::string& what, int64_t rank, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  try {
+    c10::intrusive_ptr<c10d::Work> work = start();
+    work->wait();
+  } catch (const c10::Error& e) {
+    throw EngineError(EngineError::Code::kUnavailable,
+                      "data parallel rank " + std::to_string(rank) + ": " + what +
+                          " failed (a rank died, hangs or left): " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw EngineError(EngineError::Code::kUnavailable, "data parallel rank " +
+                                                           std::to_string(rank) + ": " + what +
+                                                           " failed: " + e.what());
+  }
+}
+
+// Packs `tensors` in order into buckets of at most `cap` bytes (one dtype and device each; a
+// tensor larger than `cap` alone) and calls `run` with each bucket's flat tensor, copying the
+// result back when the bucket was packed.
+int64_t ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
+                      const std::function<void(at::Tensor&)>& run) {
+  int64_t total = 0;
+  std::vector<at::Tensor> bucket;
+  int64_t bucket_bytes = 0;
+  auto flush = [&] {
+    if (bucket.empty()) return;
+    if (bucket.size() == 1) {
+      run(bucket[0]);  // in place
+    } else {
+      std::vector<at::Tensor> flat_parts;
+      flat_parts.reserve(bucket.size());
+      for (const auto& t : bucket) flat_parts.push_back(t.view(-1));
+      at::Tensor flat = at::cat(flat_parts);
+      run(flat);
+      int64_t offset = 0;
+      for (auto& t : bucket) {
+        t.view(-1).copy_(flat.narrow(0, offset, t.numel()));
+        offset += t.numel();
+      }
+    }
+    total += bucket_bytes;
+    bucket.clear();
+    bucket_bytes = 0;
+  };
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.is_contiguous())
+      throw Invalid("data parallel: collectives take defined, contiguous tensors");
+    const int64_t bytes = static_cast<int64_t>(t.nbytes());
+    if (!bucket.empty() && (bucket[0].scalar_type() != t.scalar_type() ||
+                            bucket[0].device() != t.device() || bucket_bytes + bytes > cap)) {
+      flush();
+    }
+    bucket.push_back(t);
+    bucket_bytes += bytes;
+  }
+  flush();
+  return total;
+}
+
+}  // namespace
+
+int64_t DataParallelGroup::AllReduceMean(const std::vector<at::Tensor>& tensors) {
+  if (options_.world_size == 1) return 0;
+  at::NoGradGuard no_grad;
+  const double world = static_cast<double>(options_.world_size);
+  return ForEachBucket(tensors, options_.bucket_bytes, [&](at::Tensor& flat) {
+    std::vector<at::Tensor> one{flat};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    Wait("all-reduce", rank(), [&] { return state_->backend->allreduce(one, o); });
+    flat.div_(world);  // exact for a power-of-two world size
+  });
+}
+
+void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_t root) {
+  if (options_.world_size == 1) return;
+  at::NoGradGuard no_grad;
+  ForEachBucket(tensors, options_.bucket_bytes, [&](at::Tensor& flat) {
+    std::vector<at::Tensor> one{flat};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    Wait("broadcast", rank(), [&] { return state_->backend->broadcast(one, o); });
+  });
+}
+
+void DataParallelGroup::Barrier() {
+  if (!state_->backend) return;
+  Wait("barrier", rank(), [&] { return state_->backend->barrier(); });
+}
+
+}  // namespace vlmgraph

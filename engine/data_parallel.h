@@ -1,0 +1,119 @@
+// engine/data_parallel.h: data-parallel ranks over c10d, PyTorch's distributed runtime.
+//
+// A DataParallelGroup is one rank's membership in a group of `world_size` ranks that train the
+// same model on different shards of each global batch (PyTorch DDP's scheme: Li et al. 2020,
+// "PyTorch Distributed: Experiences on Accelerating Data Parallel Training"). The ranks meet
+// through a c10d::TCPStore served by rank 0 (so ranks may live on different hosts) and talk
+// through a c10d backend:
+//   - "gloo": ProcessGroupGloo, CPU tensors (builds with Debian's libgloo-dev headers;
+//     VLMGRAPH_HAVE_GLOO);
+//   - "nccl": ProcessGroupNCCL, CUDA tensors, one GPU per rank (builds with the nccl.h of the
+//     nvidia-nccl wheel that torch installs; VLMGRAPH_HAVE_NCCL).
+// A backend the build lacks is refused by Join with a message naming the package.
+//
+//   DataParallelOptions o;  o.rank = r;  o.world_size = 2;  o.store_port = 29500;
+//   std::shared_ptr<DataParallelGroup> group = DataParallelGroup::Join(o);  // blocks for all ranks
+//   TrainOptions t;  t.data_parallel = group;                              // engine/trainer.h
+//   Trainer trainer(model, t);        // starts from rank 0's weights (broadcast)
+//   trainer.Step(ShardForRank(global_batch, group->rank(), group->world_size()));
+//
+// Gradient averaging (AllReduceMean): tensors are packed in order into buckets of at most
+// bucket_bytes (DDP's bucket_cap_mb, 25 MB by default), one flat tensor per bucket (a tensor
+// larger than a bucket goes alone, in place); each bucket is all-reduced with SUM and divided by
+// world_size. Every rank must pass tensors of the same shapes in the same order.
+//
+// Thread rules: a group is used by one thread at a time (the thread that drives its Trainer);
+// every rank must call the same collectives in the same order. Groups of one process may run on
+// different threads (the tests run 2 ranks as 2 threads).
+// Errors: EngineError(kUnavailable) when the store cannot be reached or a rank does not join
+// within timeout_seconds, and when a collective fails or times out (a rank died or hangs): the
+// group is then unusable; EngineError(kInvalidArgument) for bad options or a backend not built.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/engine_types.h"
+
+namespace vlmgraph {
+
+struct DataParallelOptions {
+  int64_t rank = 0;        // 0 .. world_size - 1
+  int64_t world_size = 1;  // >= 1
+  // The TCPStore: rank 0 serves it on store_host:store_port, the others connect there. Port 0 on
+  // rank 0 takes any free port (read it back with store_port()).
+  std::string store_host = "127.0.0.1";
+  int64_t store_port = 29500;
+  // Store rendezvous and each collective, seconds (> 0). A rank that dies or hangs makes the
+  // others fail with kUnavailable after this long.
+  double timeout_seconds = 300;
+  std::string backend = "gloo";  // "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+  int64_t device_index = 0;      // nccl: this rank's GPU
+  // Gradient all-reduce bucket, bytes (> 0): DDP's default bucket_cap_mb = 25.
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+  // Prefix of every store key, so several groups (jobs) can share one store.
+  std::string group_name = "vlmgraph";
+};
+
+class DataParallelGroup {
+ public:
+  // Connects to (rank 0: serves) the store and creates the backend; blocks until every rank has
+  // joined or timeout_seconds passed. Throws EngineError (see the file comment).
+  static std::shared_ptr<DataParallelGroup> Join(const DataParallelOptions& options);
+  ~DataParallelGroup();
+  DataParallelGroup(const DataParallelGroup&) = delete;
+  DataParallelGroup& operator=(const DataParallelGroup&) = delete;
+
+  int64_t rank() const { return options_.rank; }
+  int64_t world_size() const { return options_.world_size; }
+  // The store's port (the chosen one when rank 0 asked for port 0).
+  int64_t store_port() const;
+  const DataParallelOptions& options() const { return options_; }
+  // Whether this build has the backend ("gloo", "nccl").
+  static bool BackendAvailable(const std::string& backend);
+
+  // In place: every tensor becomes the mean of its values over the ranks. Tensors must be
+  // contiguous, on the backend's device, and the same shapes and dtypes in the same order on every
+  // rank. Buckets as in the file comment. Returns the bytes all-reduced.
+  int64_t AllReduceMean(const std::vector<at::Tensor>& tensors);
+  // In place: every tensor takes root's values (contiguous tensors).
+  void Broadcast(const std::vector<at::Tensor>& tensors, int64_t root = 0);
+  // Returns when every rank has called it.
+  void Barrier();
+
+ private:
+  struct State;
+  explicit DataParallelGroup(DataParallelOptions options);
+  DataParallelOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+// The contiguous shard of a global batch that `rank` of `world_size` trains: elements
+// [rank * p, min((rank + 1) * p, n)) with p = ceil(n / world_size), the split Trainer::Step uses
+// for gradient-accumulation micro-batches, so world_size ranks with grad_accum_steps a take the
+// step that one rank takes with grad_accum_steps world_size * a. Throws EngineError
+// (kInvalidArgument) when the split leaves a rank no example (n < world_size, or n such that the
+// last shards are empty, e.g. 5 over 4 ranks).
+template <typename T>
+std::vector<T> ShardForRank(const std::vector<T>& batch, int64_t rank, int64_t world_size) {
+  const int64_t n = static_cast<int64_t>(batch.size());
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw EngineError(EngineError::Code::kInvalidArgument, "rank must lie in [0, world_size)");
+  const int64_t per = (n + world_size - 1) / world_size;
+  const int64_t begin = rank * per, end = std::min(n, begin + per);
+  if (per == 0 || (world_size - 1) * per >= n) {
+    throw EngineError(EngineError::Code::kInvalidArgument,
+                      "a global batch of " + std::to_string(n) + " examples leaves a rank of " +
+                          std::to_string(world_size) +
+                          " none: send at least world_size examples, as many per rank "
+                          "(a multiple of world_size)");
+  }
+  return std::vector<T>(batch.begin() + begin, batch.begin() + end);
+}
+
+}  // namespace vlmgraph
