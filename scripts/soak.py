@@ -39,7 +39,9 @@ Verdict: PASS only if every check holds:
              (default: min(120, 20% of --duration)), the last one being the sample taken after
              the load stopped. S needs at least 2 samples, and (max(S) - S[0]) / S[0] <= 2%.
              (Skipped, not failed, when attached without --pid.)
-  captures   sum(vlmgraph_graph_captures_total) is the same at S[0] and at the end.
+  captures   the serving graphs' captures, sum(vlmgraph_graph_captures_total{region!="train"}), are
+             the same at S[0] and at the end. Each Train job captures graphs of its own when it
+             starts (it trains its own copy of the weights): reported, region train, not a failure.
   outcomes   zero UNEXPECTED outcomes (hangs included).
   answered   no request passed its deadline, no worker was stuck (a call running longer than
              --deadline + 30 s), the gauges vlmgraph_queue_depth and vlmgraph_active_sequences
@@ -636,7 +638,13 @@ class Soak:
         def total(name):
             return sum(v for n, _, v in samples if n == name)
 
-        s["captures"] = total("vlmgraph_graph_captures_total")
+        # Serving graphs (vision, prefill, decode) are captured once, at start-up; a Train job
+        # captures its own graphs (region train) when it starts, as it trains its own copy of the
+        # weights: counted apart.
+        s["captures"] = sum(v for n, l, v in samples
+                            if n == "vlmgraph_graph_captures_total" and l.get("region") != "train")
+        s["train_captures"] = sum(v for n, l, v in samples
+                                  if n == "vlmgraph_graph_captures_total" and l.get("region") == "train")
         s["queue_depth"] = total("vlmgraph_queue_depth")
         s["active_sequences"] = total("vlmgraph_active_sequences")
         s["generated_tokens"] = total("vlmgraph_generated_tokens_total")
@@ -786,8 +794,10 @@ def evaluate(args, soak, series, drained, alive, exit_info, started):
     if post:
         c0, c1 = post[0]["captures"], series[-1]["captures"]
         mem["captures_at_warmup"], mem["captures_at_end"] = c0, c1
+        t0c, t1c = post[0].get("train_captures", 0), series[-1].get("train_captures", 0)
         checks["captures"] = ("PASS" if c1 == c0 else "FAIL",
-                              f"{c1 - c0:.0f} graph captures after warm-up ({c0:.0f} at warm-up, {c1:.0f} at the end)")
+                              f"{c1 - c0:.0f} serving graph captures after warm-up ({c0:.0f} at warm-up, "
+                              f"{c1:.0f} at the end); Train jobs captured {t1c - t0c:.0f} graphs of their own")
     else:
         checks["captures"] = ("FAIL", "no sample after warm-up")
     n_unexp = len(soak.unexpected)
@@ -873,8 +883,8 @@ def markdown(args, soak, series, verdict, checks, mem, counts, log_info, meta):
     w("\n| endpoint status | vlmgraph_http_requests_total |\n|---|---|")
     for k, v in sorted(final["http_requests"].items()):
         w(f"| {k} | {v:.0f} |")
-    w(f"\nGraph captures: {final['captures']:.0f} in all; {mem.get('captures_at_end', 0) - mem.get('captures_at_warmup', 0):.0f} "
-      f"after warm-up. Generated tokens {final['generated_tokens']:.0f}, train steps {final['train_steps']:.0f}.")
+    w(f"\nServing graph captures: {final['captures']:.0f} in all; {mem.get('captures_at_end', 0) - mem.get('captures_at_warmup', 0):.0f} "
+      f"after warm-up. Train jobs' own graph captures: {final.get('train_captures', 0):.0f}. Generated tokens {final['generated_tokens']:.0f}, train steps {final['train_steps']:.0f}.")
     if soak.unexpected:
         w("\n## UNEXPECTED outcomes (first 30)\n")
         for r in soak.unexpected[:30]:

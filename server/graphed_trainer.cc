@@ -11,7 +11,8 @@
 namespace vlmgraph::server {
 namespace {
 
-vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOptions& o) {
+vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOptions& o,
+                                            EngineObserver* observer) {
   const bool vision = o.train_vision && o.vision_learning_rate > 0;
   const bool projector = o.train_projector && o.projector_learning_rate > 0;
   const bool language = o.train_language && o.language_learning_rate > 0;
@@ -49,6 +50,7 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   t.exact_shapes = o.padding == TrainPadding::kExact;
   t.recompute_vision = o.recompute_vision;
   t.recompute_language = o.recompute_language;
+  t.observer = observer;  // the job's graph captures (its own graphs, at its first step)
   return t;
 }
 
@@ -86,7 +88,7 @@ class GraphedTrainer final : public TrainBackend {
         options_(options),
         observer_(observer),
         source_(SourceModel(engine, options)),
-        trainer_(source_, ToEngineTrainOptions(engine, options)) {
+        trainer_(source_, ToEngineTrainOptions(engine, options, observer)) {
     source_ = VisionLanguageModel(nullptr);  // the trainer copied it; a loaded one is freed
     if (options.resume_from.empty()) return;
     const std::string state = options.resume_from + "/optimizer.safetensors";
