@@ -13,6 +13,7 @@
 
 #include "model/image_processor.h"
 #include "model/prompt_check.h"
+#include "server/image_workers.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -68,10 +69,8 @@ ImageTiles TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
   }
 }
 
-}  // namespace
-
-ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
-                        const std::string& field) {
+ImageTiles ImageToTilesHere(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
+                            const std::string& field) {
   switch (img.source_case()) {
     case v1::Image::kEncoded:
       try {
@@ -85,6 +84,14 @@ ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits
     default:
       throw InvalidArgument(field + ": empty image; set `encoded` (PNG/JPEG bytes) or `tensor`");
   }
+}
+
+}  // namespace
+
+ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
+                        const std::string& field) {
+  // On the image workers: ATen's intra-op threads stay bounded (server/image_workers.h).
+  return RunImageWork([&] { return ImageToTilesHere(img, cfg, limits, field); });
 }
 
 void CheckImageCount(int64_t images, const Limits& limits, const std::string& field) {

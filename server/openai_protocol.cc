@@ -11,6 +11,7 @@
 
 #include "model/image_processor.h"
 #include "model/tokenizer.h"
+#include "server/image_workers.h"
 
 namespace vlmgraph::server::openai {
 namespace {
@@ -393,7 +394,9 @@ std::vector<ImageTiles> PreprocessImages(const std::vector<EncodedImage>& images
   std::vector<ImageTiles> out;
   for (const EncodedImage& image : images) {
     try {
-      out.push_back(PreprocessEncodedImage(image.bytes, cfg, image_limits));
+      // On the image workers: ATen's intra-op threads stay bounded (server/image_workers.h).
+      out.push_back(
+          RunImageWork([&] { return PreprocessEncodedImage(image.bytes, cfg, image_limits); }));
     } catch (const ImageError& e) {
       throw BadRequest(image.param + ": " + e.what(), image.param);
     }

@@ -1,9 +1,20 @@
 // Image preprocessing (model/image_processor.h) as the server uses it: nanoVLM's resize rule,
-// tiling order, the global tile, RGB conversion and refusal of bad or oversized images.
+// tiling order, the global tile, RGB conversion and refusal of bad or oversized images; the
+// image workers that run it (server/image_workers.h).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
+#include <thread>
+#include <vector>
+
 #include "model/image_processor.h"
+#include "server/convert.h"
+#include "server/image_workers.h"
+#include "server/status.h"
 
 #define STB_IMAGE_WRITE_STATIC
 #define STB_IMAGE_WRITE_IMPLEMENTATION
@@ -252,3 +263,79 @@ TEST(ServerImage, DetectsFormatFromMagicBytes) {
 
 }  // namespace
 }  // namespace vlmgraph
+
+// --- Image workers (server/image_workers.h) -------------------------------------------------------
+
+namespace vlmgraph::server {
+namespace {
+
+int64_t ThreadsOfThisProcess() {
+  int64_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST(ImageWorkers, RunsWorkOnAPoolThreadAndReturnsItsValueOrError) {
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  EXPECT_EQ(RunImageWork([&] {
+              ran_on = std::this_thread::get_id();
+              return 42;
+            }),
+            42);
+  EXPECT_NE(ran_on, caller);
+  EXPECT_GE(image_worker_threads(), 1);
+  EXPECT_LE(image_worker_threads(), 4);
+  EXPECT_THROW(RunImageWork([]() -> int { throw InvalidArgument("images[0]: corrupt"); }),
+               ServerError);
+  // Nested use (from a pool thread) runs inline instead of waiting for itself.
+  EXPECT_EQ(RunImageWork([] { return RunImageWork([] { return 7; }); }), 7);
+}
+
+// Many handler threads preprocessing images at once: ATen's intra-op (OpenMP) teams belong to the
+// few pool threads, not to every caller, so the process holds at most callers + pool x intra-op
+// threads more while the callers live.
+TEST(ImageWorkers, ConcurrentCallersDoNotEachGetIntraOpThreads) {
+  if (at::get_num_threads() < 2) GTEST_SKIP() << "one intra-op thread: no team to bound";
+  const VlmConfig cfg = VlmConfig::Preset("nanovlm-tiny");
+  v1::Image image;
+  image.set_encoded(Encode(Gradient(480, 640)));
+  Limits limits;
+  limits.max_image_bytes = 1 << 24;
+  limits.max_image_pixels = 1 << 24;
+  limits.max_images_per_request = 4;
+  constexpr int kCallers = 24;
+  RunImageWork([] { return 0; });  // the pool exists before the baseline
+  const int64_t baseline = ThreadsOfThisProcess();
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  bool release = false;
+  std::vector<std::thread> callers;
+  for (int i = 0; i < kCallers; ++i) {
+    callers.emplace_back([&] {
+      const ImageTiles t = ImageToTiles(image, cfg, limits, "images[0]");
+      EXPECT_GT(t.tiles.size(0), 0);
+      std::unique_lock<std::mutex> lock(mu);
+      ++done;
+      cv.notify_all();
+      cv.wait(lock, [&] { return release; });  // alive while the threads are counted
+    });
+  }
+  int64_t during = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done == kCallers; });
+    during = ThreadsOfThisProcess();
+    release = true;
+  }
+  cv.notify_all();
+  for (auto& t : callers) t.join();
+  const int64_t bound = kCallers + int64_t{image_worker_threads()} * at::get_num_threads();
+  EXPECT_LE(during - baseline, bound)
+      << "threads " << baseline << " -> " << during << " with " << kCallers << " callers, "
+      << image_worker_threads() << " image workers, " << at::get_num_threads() << " intra-op";
+}
+
+}  // namespace
+}  // namespace vlmgraph::server
