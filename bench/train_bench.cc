@@ -21,8 +21,8 @@
 #include <string>
 
 #include "bench/profile_trace.h"
+#include "bench/synthetic.h"
 #include "engine/device.h"
-#include "engine/diagnose.h"
 #include "engine/trainer.h"
 
 namespace {

@@ -13,6 +13,7 @@
 #include "engine/engine_internal.h"
 #include "engine/sampler.h"
 #include "model/fused_ops.h"
+#include "model/log.h"
 #include "model/prompt_check.h"
 
 namespace vlmgraph {
@@ -34,6 +35,7 @@ std::string CounterKey(const BucketKey& k) {
 
 Engine::Engine(VisionLanguageModel model, EngineOptions options)
     : model_(std::move(model)), options_(std::move(options)) {
+  ops::SetProgrammaticDependentLaunch(options_.programmatic_dependent_launch);
   try {
     options_.buckets.Validate();
   } catch (const std::invalid_argument& e) {
@@ -242,18 +244,17 @@ void Engine::Warmup() {
     pool_before = pool_after;
     if (observer_) observer_->OnCapture(key, seconds);
     if (options_.log_captures) {
-      std::fprintf(stderr, "[vlmgraph] captured %-7s %-10s in %7.1f ms\n", RegionName(key.region),
-                   key.Label().c_str(), seconds * 1e3);
+      LogDebug(LogFormat("captured %-7s %-10s in %7.1f ms", RegionName(key.region),
+                         key.Label().c_str(), seconds * 1e3));
     }
   }
   SynchronizeDevice(options_.device);
   graph_pool_bytes_ = runner_->pool_bytes();
   if (options_.log_captures) {
-    std::fprintf(stderr,
-                 "[vlmgraph] capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache "
-                 "%.1f MiB\n",
-                 keys.size(), SecondsSince(t0), graph_pool_bytes_.load() / 1048576.0,
-                 buffers_->cache.bytes() / 1048576.0);
+    LogInfo(
+        LogFormat("capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache %.1f MiB",
+                  keys.size(), SecondsSince(t0), graph_pool_bytes_.load() / 1048576.0,
+                  buffers_->cache.bytes() / 1048576.0));
   }
 }
 

@@ -45,6 +45,9 @@ struct EngineOptions {
   BucketSpec buckets;
   bool cuda_graphs = true;    // replay CUDA graphs (CUDA builds and devices only)
   bool lazy_capture = false;  // capture a bucket on first use instead of in Warmup()
+  // Chain the fused decode kernels with programmatic dependent launch (Hopper and newer; process-
+  // wide, model/fused_ops.h): set by the constructor, before any capture.
+  bool programmatic_dependent_launch = true;
   int64_t max_tiles_per_request =
       0;                     // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
   bool log_captures = true;  // one log line per capture and a summary (stderr)

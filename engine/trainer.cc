@@ -10,6 +10,7 @@
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
+#include "model/log.h"
 #include "model/prompt_check.h"
 #include "model/safetensors.h"
 #include "model/weight_init.h"
@@ -357,7 +358,7 @@ void Trainer::Warmup() {
     ++captures_;
     if (options_.observer) options_.observer->OnCapture(kOptimizerKey, seconds);
     if (options_.log_captures)
-      std::fprintf(stderr, "[vlmgraph] captured train   optimizer  in %7.1f ms\n", seconds * 1e3);
+      LogDebug(LogFormat("captured train   optimizer  in %7.1f ms", seconds * 1e3));
   }
   // Micro-step graphs: warm-up inputs have every target -100, so the loss and its gradients are 0.
   for (const auto& key :
@@ -367,8 +368,7 @@ void Trainer::Warmup() {
     ++captures_;
     if (options_.observer) options_.observer->OnCapture(key, seconds);
     if (options_.log_captures) {
-      std::fprintf(stderr, "[vlmgraph] captured train   %-10s in %7.1f ms\n", key.Label().c_str(),
-                   seconds * 1e3);
+      LogDebug(LogFormat("captured train   %-10s in %7.1f ms", key.Label().c_str(), seconds * 1e3));
     }
   }
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -381,10 +381,10 @@ void Trainer::Warmup() {
   if (!master_grads_.empty()) at::_foreach_zero_(master_grads_);
   SynchronizeDevice(options_.device);
   if (options_.log_captures) {
-    std::fprintf(
-        stderr, "[vlmgraph] train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB\n",
-        static_cast<long long>(captures_), std::chrono::duration<double>(Clock::now() - t0).count(),
-        runner_->pool_bytes() / 1048576.0);
+    LogInfo(LogFormat("train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB",
+                      static_cast<long long>(captures_),
+                      std::chrono::duration<double>(Clock::now() - t0).count(),
+                      runner_->pool_bytes() / 1048576.0));
   }
 }
 

@@ -21,6 +21,11 @@ namespace vlmgraph::ops {
 // True when this build has the kernels and `like` is a CUDA float32/bfloat16 tensor.
 bool FusedKernelsAvailable(const at::Tensor& like);
 
+// Programmatic dependent launch between the decode kernels (compute capability >= 9.0; on by
+// default; VLMGRAPH_PDL=0 in the environment turns it off whatever this says). Process-wide, read
+// when a kernel launches: set it before graphs are captured. No effect in a build without CUDA.
+void SetProgrammaticDependentLaunch(bool enabled);
+
 // The decode attention kernel's limits: head_dim in {16, 32, 64, 128}, <= 16 query heads per KV
 // head.
 inline bool FusedDecoderSupports(int64_t head_dim, int64_t groups) {

@@ -6,6 +6,7 @@
 namespace vlmgraph::ops {
 
 bool FusedKernelsAvailable(const at::Tensor&) { return false; }
+void SetProgrammaticDependentLaunch(bool) {}
 at::Tensor RmsNorm(const at::Tensor&, const at::Tensor&, double) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }

@@ -69,11 +69,11 @@ for p in $PARTS; do
       for f in "$OUT"/train.*.json; do summarize "$f" 3; done
       ;;
     diagnose)  # the 460M preset with the engine's default buckets
-      part diagnose "$BIN/server/vlmgraph-diagnose" --set model=nanovlm-460m --set dtype=bfloat16 \
+      part diagnose "$BIN/tools/vlmgraph-diagnose" --set model=nanovlm-460m --set dtype=bfloat16 \
         --set device=cuda --json "$OUT/diagnose.json"
       ;;
     e2e | e2e460 | e2ebf16)
-      export VLMGRAPH_SERVER=$BIN/server/vlmgraph-server VLMGRAPH_GENERATE=$BIN/server/vlmgraph-generate
+      export VLMGRAPH_SERVER=$BIN/server/vlmgraph-server VLMGRAPH_GENERATE=$BIN/tools/vlmgraph-generate
       export PYTHONPATH=$ROOT/clients/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
       export VLMGRAPH_CLIENT_GEN_DIR=/tmp/vlmgraph-e2e-gen VLMGRAPH_E2E_TMP=/tmp/vlmgraph-e2e
       export VLMGRAPH_E2E_DEVICE=cuda

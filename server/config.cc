@@ -191,9 +191,11 @@ RawConfig ParseConfig(const YAML::Node& root) {
                                                     "'" + Where(b["oversize"]));
   }
 
-  const YAML::Node c = Section(root, "capture", {"enabled", "lazy"});
+  const YAML::Node c =
+      Section(root, "capture", {"enabled", "lazy", "programmatic_dependent_launch"});
   r.capture_enabled = Bool(c, "capture", "enabled");
   r.capture_lazy = Bool(c, "capture", "lazy");
+  r.capture_programmatic_dependent_launch = Bool(c, "capture", "programmatic_dependent_launch");
 
   const YAML::Node q = Section(root, "batching", {"max_queue_delay_us", "max_queue_size"});
   r.max_queue_delay_us = Int(q, "batching", "max_queue_delay_us");
@@ -215,11 +217,11 @@ RawConfig ParseConfig(const YAML::Node& root) {
   r.tls_key_file = Str(tls, "tls", "key_file");
   r.tls_client_ca_file = Str(tls, "tls", "client_ca_file");
 
-  const YAML::Node l = Section(root, "limits",
-                               {"max_image_bytes", "max_image_pixels", "max_images_per_request",
-                                "max_new_tokens", "default_max_new_tokens", "max_logits_positions",
-                                "max_train_batch_examples", "max_train_batch_tokens",
-                                "max_request_bytes"});
+  const YAML::Node l =
+      Section(root, "limits",
+              {"max_image_bytes", "max_image_pixels", "max_images_per_request", "max_new_tokens",
+               "default_max_new_tokens", "max_logits_positions", "max_train_batch_examples",
+               "max_train_batch_tokens", "max_request_bytes"});
   r.max_image_bytes = Int(l, "limits", "max_image_bytes");
   r.max_image_pixels = Int(l, "limits", "max_image_pixels");
   r.max_images_per_request = Int(l, "limits", "max_images_per_request");
@@ -269,6 +271,7 @@ ServerConfig FillDefaults(const RawConfig& r) {
 
   c.capture.enabled = Or(r.capture_enabled, true);
   c.capture.lazy = Or(r.capture_lazy, false);
+  c.capture.programmatic_dependent_launch = Or(r.capture_programmatic_dependent_launch, true);
   c.batching.max_queue_delay_us = Or<int64_t>(r.max_queue_delay_us, 2000);
   c.batching.max_queue_size = Or<int64_t>(r.max_queue_size, 256);
   c.server.grpc_address = Or<std::string>(r.grpc_address, "127.0.0.1:50051");
@@ -292,9 +295,9 @@ ServerConfig FillDefaults(const RawConfig& r) {
   const auto& tb = c.buckets.train_batch_sizes;
   const auto& ts = c.buckets.train_seq_lens;
   const int64_t largest_train_bucket =
-      tb.empty() || ts.empty() ? 0
-                               : *std::max_element(tb.begin(), tb.end()) *
-                                     *std::max_element(ts.begin(), ts.end());
+      tb.empty() || ts.empty()
+          ? 0
+          : *std::max_element(tb.begin(), tb.end()) * *std::max_element(ts.begin(), ts.end());
   c.limits.max_train_batch_tokens = Or<int64_t>(r.max_train_batch_tokens, largest_train_bucket);
   const int64_t derived = std::min<int64_t>(
       INT_MAX, c.limits.max_images_per_request * c.limits.max_image_bytes + (4 << 20));
@@ -411,7 +414,8 @@ std::string ConfigToYaml(const ServerConfig& c) {
   e << YAML::EndMap;
   e << YAML::Key << "capture" << YAML::Value << YAML::BeginMap << YAML::Key << "enabled"
     << YAML::Value << c.capture.enabled << YAML::Key << "lazy" << YAML::Value << c.capture.lazy
-    << YAML::EndMap;
+    << YAML::Key << "programmatic_dependent_launch" << YAML::Value
+    << c.capture.programmatic_dependent_launch << YAML::EndMap;
   e << YAML::Key << "batching" << YAML::Value << YAML::BeginMap << YAML::Key << "max_queue_delay_us"
     << YAML::Value << c.batching.max_queue_delay_us << YAML::Key << "max_queue_size" << YAML::Value
     << c.batching.max_queue_size << YAML::EndMap;
@@ -442,8 +446,8 @@ std::string ConfigToYaml(const ServerConfig& c) {
   }
   e << YAML::EndMap;
   e << YAML::Key << "train" << YAML::Value << YAML::BeginMap << YAML::Key << "checkpoint_dir"
-    << YAML::Value << c.train.checkpoint_dir << YAML::Key << "idle_timeout_seconds"
-    << YAML::Value << c.train.idle_timeout_seconds << YAML::EndMap;
+    << YAML::Value << c.train.checkpoint_dir << YAML::Key << "idle_timeout_seconds" << YAML::Value
+    << c.train.idle_timeout_seconds << YAML::EndMap;
   e << YAML::Key << "shutdown_timeout_seconds" << YAML::Value << c.shutdown_timeout_seconds;
   e << YAML::Key << "log_level" << YAML::Value << c.log_level;
   e << YAML::EndMap;

@@ -57,6 +57,9 @@ struct ServerConfig {
   struct Capture {
     bool enabled = true;  // capture CUDA graphs (ignored on CPU)
     bool lazy = false;    // capture each bucket on first use instead of at start-up
+    // Chain the fused decode kernels with programmatic dependent launch (Hopper and newer);
+    // VLMGRAPH_PDL=0 in the environment turns it off whatever this says.
+    bool programmatic_dependent_launch = true;
   } capture;
 
   struct Batching {
@@ -117,7 +120,7 @@ struct RawConfig {
   std::optional<std::vector<int64_t>> batch_sizes, seq_lens, context_lens, tile_counts,
       train_batch_sizes, train_seq_lens;
   std::optional<std::string> oversize;
-  std::optional<bool> capture_enabled, capture_lazy;
+  std::optional<bool> capture_enabled, capture_lazy, capture_programmatic_dependent_launch;
   std::optional<int64_t> max_queue_delay_us, max_queue_size;
   std::optional<std::string> grpc_address, metrics_address, http_address, api_key;
   std::optional<std::string> api_keys_file, tls_cert_file, tls_key_file, tls_client_ca_file;

@@ -22,11 +22,11 @@
 #include <memory>
 #include <thread>
 
+#include "model/log.h"
 #include "server/auth.h"
-#include "server/engine_factory.h"
+#include "server/engine_from_config.h"
 #include "server/flags.h"
 #include "server/grpc_server.h"
-#include "server/log.h"
 #include "server/metrics.h"
 #include "server/openai_http.h"
 #include "server/scheduler.h"
@@ -44,6 +44,7 @@ constexpr const char* kUsage =
 std::string Host(const std::string& address) { return address.substr(0, address.rfind(':')); }
 
 int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
+  using namespace vlmgraph;
   using namespace vlmgraph::server;
   LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
   // Keys and the exposure rule first: a server that must not start fails before any work.
@@ -100,7 +101,8 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   // close and what still runs is cancelled.
   const auto drain_start = std::chrono::steady_clock::now();
   const auto deadline =
-      drain_start + std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_timeout_seconds * 1000));
+      drain_start +
+      std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_timeout_seconds * 1000));
   grpc_server.SetServing(false);
   scheduler.StopAccepting();
   if (http) http->StopAccepting();
@@ -125,6 +127,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
 }  // namespace
 
 int main(int argc, char** argv) {
+  using namespace vlmgraph;
   using namespace vlmgraph::server;
   // SIGTERM/SIGINT are taken by sigwait() in main only: block them before any thread starts.
   sigset_t signals;

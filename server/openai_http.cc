@@ -11,8 +11,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "model/log.h"
 #include "server/generation.h"
-#include "server/log.h"
 #include "server/openai_protocol.h"
 #include "server/status.h"
 #include "server/text_stream.h"
@@ -145,14 +145,13 @@ struct OpenAiHttpServer::Impl {
   bool stopped = false;
 
   std::unique_ptr<httplib::Server> server;  // an httplib::SSLServer with tls.cert_file
-  std::string host;  // as configured, for address()
+  std::string host;                         // as configured, for address()
   int port = 0;
   std::thread thread;
 };
 
 OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler_in,
-                             Metrics* metrics_in, const TextModel* text_in,
-                             const ApiKeys* keys_in)
+                             Metrics* metrics_in, const TextModel* text_in, const ApiKeys* keys_in)
     : config(config_in),
       scheduler(scheduler_in),
       metrics(metrics_in),
@@ -373,9 +372,9 @@ OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, Scheduler* schedu
         config.tls.cert_file.c_str(), config.tls.key_file.c_str(),
         config.tls.client_ca_file.empty() ? nullptr : config.tls.client_ca_file.c_str());
     if (!tls->is_valid()) {
-      throw ServerConfigError("tls.cert_file",
-                              "the HTTP API cannot use " + config.tls.cert_file + " / " +
-                                  config.tls.key_file + " (not a matching PEM certificate and key?)");
+      throw ServerConfigError("tls.cert_file", "the HTTP API cannot use " + config.tls.cert_file +
+                                                   " / " + config.tls.key_file +
+                                                   " (not a matching PEM certificate and key?)");
     }
     m.server = std::move(tls);
   }

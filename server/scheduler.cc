@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "server/log.h"
+#include "model/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -72,7 +72,7 @@ Scheduler::Scheduler(Metrics* metrics, SchedulerOptions options)
 
 Scheduler::~Scheduler() { Stop(); }
 
-void Scheduler::Start(const EngineFactory& make_engine) {
+void Scheduler::Start(const EngineStartup& make_engine) {
   std::promise<void> ready;
   std::future<void> started = ready.get_future();
   thread_ = std::thread([this, make_engine, &ready] { Loop(make_engine, &ready); });
@@ -172,7 +172,7 @@ bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
          std::chrono::microseconds(options_.max_queue_delay_us);
 }
 
-void Scheduler::Loop(const EngineFactory& make_engine, std::promise<void>* ready) {
+void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready) {
   try {
     owned_engine_ = make_engine();
     engine_ = owned_engine_.get();

@@ -102,7 +102,8 @@ class GenerationStream {
 
 class Scheduler {
  public:
-  using EngineFactory = std::function<std::unique_ptr<Engine>()>;
+  // Builds and warms up the engine; called on the GPU thread by Start.
+  using EngineStartup = std::function<std::unique_ptr<Engine>()>;
 
   // `metrics` may be null (tests).
   Scheduler(Metrics* metrics, SchedulerOptions options);
@@ -112,7 +113,7 @@ class Scheduler {
 
   // Starts the GPU thread, which calls `make_engine` (build + warm-up) and then serves. Returns
   // when the engine is ready; rethrows what `make_engine` threw (the thread has then ended).
-  void Start(const EngineFactory& make_engine);
+  void Start(const EngineStartup& make_engine);
   // The engine, from Start() until Stop(). Other threads may only call its thread-safe methods
   // (Validate, Counters, Memory, accessors).
   Engine& engine() const { return *engine_; }
@@ -156,7 +157,7 @@ class Scheduler {
     std::shared_ptr<std::promise<void>> done;
   };
 
-  void Loop(const EngineFactory& make_engine, std::promise<void>* ready);
+  void Loop(const EngineStartup& make_engine, std::promise<void>* ready);
   void Serve();
   void CheckAccepting() const;                     // mu_ held
   void CheckQueueLimit() const;                    // mu_ held

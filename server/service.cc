@@ -2,9 +2,9 @@
 
 #include <exception>
 
+#include "model/log.h"
 #include "server/convert.h"
 #include "server/generation.h"
-#include "server/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -43,8 +43,9 @@ void VlmGraphService::Authorize(grpc::ServerContext* context, Scope scope, const
   if (keys_ == nullptr || !keys_->enabled()) return;
   const auto& metadata = context->client_metadata();
   const auto it = metadata.find("authorization");
-  const std::string_view value =
-      it == metadata.end() ? std::string_view() : std::string_view(it->second.data(), it->second.size());
+  const std::string_view value = it == metadata.end()
+                                     ? std::string_view()
+                                     : std::string_view(it->second.data(), it->second.size());
   keys_->Authorize(value, scope, rpc);
 }
 

@@ -12,9 +12,9 @@
 #include <thread>
 
 #include "model/checkpoint.h"
+#include "model/log.h"
 #include "model/safetensors.h"
 #include "server/graphed_trainer.h"
-#include "server/log.h"
 #include "server/service.h"
 #include "server/status.h"
 
@@ -144,8 +144,9 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
 class IdleWatchdog {
  public:
   IdleWatchdog(grpc::ServerContext* context, double timeout_seconds)
-      : context_(context), timeout_(std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(timeout_seconds))) {
+      : context_(context),
+        timeout_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(timeout_seconds))) {
     if (timeout_seconds > 0) thread_ = std::thread([this] { Run(); });
   }
   ~IdleWatchdog() {
@@ -241,7 +242,8 @@ void VlmGraphService::RunTrain(
   auto idle_error = [&] {
     char text[160];
     std::snprintf(text, sizeof(text),
-                  "no TrainRequest for %g s (train.idle_timeout_seconds): the job ended", idle_seconds);
+                  "no TrainRequest for %g s (train.idle_timeout_seconds): the job ended",
+                  idle_seconds);
     return ServerError(grpc::StatusCode::DEADLINE_EXCEEDED, text);
   };
   v1::TrainRequest message;
@@ -259,8 +261,8 @@ void VlmGraphService::RunTrain(
   TrainOptions options = ToTrainOptions(message.config());
   const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
   if (!message.config().resume_from().empty()) {
-    options.resume_from = ResolveCheckpointDir(config_.train.checkpoint_dir,
-                                               message.config().resume_from(), "config.resume_from");
+    options.resume_from = ResolveCheckpointDir(
+        config_.train.checkpoint_dir, message.config().resume_from(), "config.resume_from");
   }
 
   // The job lives on the GPU thread: created, stepped and destroyed there.
@@ -281,8 +283,9 @@ void VlmGraphService::RunTrain(
     }
   } destroy{scheduler_, &job};
   LogInfo("Train job started by " + context->peer() +
-          (options.resume_from.empty() ? "" : " from " + options.resume_from + " at step " +
-                                                  std::to_string(job->steps())));
+          (options.resume_from.empty()
+               ? ""
+               : " from " + options.resume_from + " at step " + std::to_string(job->steps())));
 
   // Saves run on the GPU thread; file-system refusals are the server's state, not a bug.
   auto save = [&](const std::string& dir, Clock::time_point received,
@@ -316,8 +319,8 @@ void VlmGraphService::RunTrain(
       LogInfo("Train job autosaved " + policy.save_directory + " at step " +
               std::to_string(job->steps()) + " as it ended");
     } catch (const std::exception& e) {
-      LogWarn("Train job could not autosave " + policy.save_directory + " as it ended: " +
-              LogSafe(e.what(), 512));
+      LogWarn("Train job could not autosave " + policy.save_directory +
+              " as it ended: " + LogSafe(e.what(), 512));
     }
   };
   struct AutosaveOnExit {

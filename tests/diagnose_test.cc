@@ -1,10 +1,11 @@
 // vlmgraph-diagnose's core: bucket advice maths, and a quick CPU run producing every section.
-#include "engine/diagnose.h"
+#include "tools/diagnose/diagnose.h"
 
 #include <gtest/gtest.h>
 
 #include <random>
 
+#include "bench/synthetic.h"
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
 
@@ -60,14 +61,14 @@ TEST(Diagnose, QuickCpuRunHasEverySectionWithSaneValues) {
   b.train_batch_sizes = {2};
   b.train_seq_lens = {16};
   b.Validate();
-  EngineFactory make_engine = [&](bool graphs) {
+  EngineByGraphs make_engine = [&](bool graphs) {
     EngineOptions o;
     o.buckets = b;
     o.cuda_graphs = graphs;
     o.log_captures = false;
     return std::make_unique<Engine>(LoadModel(testing::TinyCheckpointDir()), o);
   };
-  TrainerFactory make_trainer = [&](bool graphs) {
+  TrainerByGraphs make_trainer = [&](bool graphs) {
     VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
     TrainOptions o;
     o.buckets = b;

@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "server/config.h"
+#include "server/engine_from_config.h"
 #include "server/flags.h"
 
 namespace vlmgraph::server {
@@ -69,6 +70,16 @@ TEST(ServerConfig, KeysOverrideDefaults) {
   EXPECT_EQ(c.batching.max_queue_delay_us, 0);
   EXPECT_FALSE(c.capture.enabled);
   EXPECT_EQ(c.limits.max_new_tokens, 10);
+}
+
+TEST(ServerConfig, ProgrammaticDependentLaunchIsAConfigKey) {
+  EXPECT_TRUE(FromYaml("").capture.programmatic_dependent_launch);
+  EXPECT_TRUE(ToEngineOptions(FromYaml("")).programmatic_dependent_launch);
+  const ServerConfig off = FromYaml("capture: {programmatic_dependent_launch: false}\n");
+  EXPECT_FALSE(off.capture.programmatic_dependent_launch);
+  EXPECT_FALSE(ToEngineOptions(off).programmatic_dependent_launch);
+  EXPECT_EQ(ErrorPath("capture: {programmatic_dependent_launch: maybe}\n"),
+            "capture.programmatic_dependent_launch");
 }
 
 TEST(ServerConfig, ErrorsNameTheKeyPath) {

@@ -17,9 +17,9 @@
 #include "engine/engine.h"
 #include "engine/engine_types.h"
 #include "model/image_processor.h"
+#include "model/log.h"
 #include "server/config.h"
 #include "server/convert.h"
-#include "server/log.h"
 #include "server/metrics.h"
 #include "server/status.h"
 

@@ -182,7 +182,7 @@ TEST(ServerScheduler, StopFailsQueuedAndRunningWork) {
   EXPECT_THROW(scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now()), ServerError);
 }
 
-TEST(ServerScheduler, EngineFactoryErrorsReachStart) {
+TEST(ServerScheduler, EngineStartupErrorsReachStart) {
   Scheduler scheduler(nullptr, SchedulerOptions{});
   EXPECT_THROW(
       scheduler.Start([]() -> std::unique_ptr<Engine> { throw std::runtime_error("no model"); }),

@@ -2,6 +2,7 @@
 // used by prefill and as the fused GEMV's fallbacks. Decode attention is in decode_attention.cu,
 // the GEMV in gemv.cu; see model/fused_ops.h for the reference formulas.
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <type_traits>
 
@@ -540,5 +541,12 @@ cudaError_t LaunchArgmax(bool bf16, const void* x, int64_t ld, int64_t rows, int
                             static_cast<const float*>(x), ld, static_cast<int>(n), out);
   return e != cudaSuccess ? e : cudaGetLastError();
 }
+
+namespace {
+std::atomic<bool> g_pdl_requested{true};
+}  // namespace
+
+void SetProgrammaticDependentLaunch(bool enabled) { g_pdl_requested.store(enabled); }
+bool ProgrammaticDependentLaunchRequested() { return g_pdl_requested.load(); }
 
 }  // namespace vlmgraph::cuda

@@ -12,6 +12,14 @@
 
 namespace vlmgraph::cuda {
 
+// Programmatic dependent launch of the fused decode kernels (compute capability >= 9.0): each
+// kernel issues its first weight loads before waiting for the previous one. On unless
+// SetProgrammaticDependentLaunch(false) (config key capture.programmatic_dependent_launch) or the
+// environment variable VLMGRAPH_PDL=0, which wins. Read at each launch, so a captured graph keeps
+// what was set when it was captured. Process-wide; safe from any thread.
+void SetProgrammaticDependentLaunch(bool enabled);
+bool ProgrammaticDependentLaunchRequested();
+
 // out[r, :] = T(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)) * w, accumulated in float32.
 // x, out: (rows, hidden) with row strides; w: (hidden).
 cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t x_row_stride, const void* w, void* out,

@@ -28,6 +28,8 @@ const int64_t* OptionalLongPtr(const at::Tensor& t) {
 
 }  // namespace
 
+void SetProgrammaticDependentLaunch(bool enabled) { cuda::SetProgrammaticDependentLaunch(enabled); }
+
 bool FusedKernelsAvailable(const at::Tensor& like) {
   return like.defined() && like.is_cuda() &&
          (like.scalar_type() == at::kFloat || like.scalar_type() == at::kBFloat16);

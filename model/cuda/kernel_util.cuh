@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "model/cuda/fused_kernels.h"
+
 namespace vlmgraph::cuda {
 
 // Whether a pointer allows 16-byte vector loads and stores (host side, for the launchers).
@@ -162,14 +164,14 @@ inline int MultiprocessorCount() {
   return CachedDeviceAttribute<cudaDevAttrMultiProcessorCount>(1);
 }
 
-// Whether launches use programmatic stream serialization: compute capability >= 9.0 and
-// VLMGRAPH_PDL is not "0".
+// Whether launches use programmatic stream serialization: compute capability >= 9.0,
+// SetProgrammaticDependentLaunch (fused_kernels.h) left on, and VLMGRAPH_PDL is not "0".
 inline bool PdlEnabled() {
   static const bool disabled = [] {
     const char* e = std::getenv("VLMGRAPH_PDL");
     return e != nullptr && std::strcmp(e, "0") == 0;
   }();
-  return !disabled && ComputeCapabilityMajor() >= 9;
+  return !disabled && ProgrammaticDependentLaunchRequested() && ComputeCapabilityMajor() >= 9;
 }
 
 // Launches `kernel` with programmatic stream serialization when PdlEnabled(), a plain launch

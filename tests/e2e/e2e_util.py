@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 from vlmgraph_client import VlmGraphClient  # noqa: E402
 
 SERVER = os.environ.get("VLMGRAPH_SERVER", os.path.join(ROOT, "build", "server", "vlmgraph-server"))
-GENERATE = os.environ.get("VLMGRAPH_GENERATE", os.path.join(ROOT, "build", "server", "vlmgraph-generate"))
+GENERATE = os.environ.get("VLMGRAPH_GENERATE", os.path.join(ROOT, "build", "tools", "vlmgraph-generate"))
 CHELSEA = os.environ.get("VLMGRAPH_CHELSEA", "/usr/lib/python3/dist-packages/skimage/data/chelsea.png")
 IN_CI = os.environ.get("CI") == "true"
 # Device of every test server whose config names none (VLMGRAPH_E2E_DEVICE=cuda runs the suites on

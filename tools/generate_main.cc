@@ -18,7 +18,7 @@
 
 #include "model/image_processor.h"
 #include "model/safetensors.h"
-#include "server/engine_factory.h"
+#include "server/engine_from_config.h"
 #include "server/flags.h"
 
 namespace {

@@ -1,4 +1,6 @@
-// server/log.h: one-line, timestamped log messages on stderr, filtered by config's log_level.
+// model/log.h: the project's logger: one-line, timestamped messages on stderr, filtered by the
+// server config's log_level. In the lowest layer, so the model, the engine, the trainer and the
+// server all log through it.
 //
 //   SetLogLevel("info");
 //   LogInfo("listening on " + address);
@@ -14,7 +16,7 @@
 #include <string>
 #include <string_view>
 
-namespace vlmgraph::server {
+namespace vlmgraph {
 
 enum class LogLevel { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
@@ -28,6 +30,9 @@ inline void LogWarn(const std::string& m) { Log(LogLevel::kWarn, m); }
 inline void LogInfo(const std::string& m) { Log(LogLevel::kInfo, m); }
 inline void LogDebug(const std::string& m) { Log(LogLevel::kDebug, m); }
 
+// printf-style formatting for log messages: LogInfo(LogFormat("%zu graphs in %.2f s", n, s)).
+std::string LogFormat(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
 // `text` made safe for one log line: its first `max_bytes` bytes (cut back to a UTF-8 character
 // boundary) with '\n', '\r' and '\t' written as those two-character escapes, a backslash
 // doubled, and every other control byte (< 0x20, 0x7f) as \xNN; UTF-8 text is kept as it is.
@@ -36,4 +41,4 @@ inline void LogDebug(const std::string& m) { Log(LogLevel::kDebug, m); }
 //   LogSafe("a\nb") == "a\\nb";  LogSafe(std::string(1000, 'x'), 4) == "xxxx...(1000 bytes)"
 std::string LogSafe(std::string_view text, size_t max_bytes = 128);
 
-}  // namespace vlmgraph::server
+}  // namespace vlmgraph

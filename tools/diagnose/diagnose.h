@@ -1,6 +1,6 @@
-// engine/diagnose.h: the measurements behind `vlmgraph-diagnose`: do CUDA graphs pay off for this
-// model, these buckets and this device? Every section runs unless switched off (people forget
-// opt-in flags), and no figure compares a first step with an average.
+// tools/diagnose/diagnose.h: the measurements behind `vlmgraph-diagnose`: do CUDA graphs pay off
+// for this model, these buckets and this device? Every section runs unless switched off (people
+// forget opt-in flags), and no figure compares a first step with an average.
 //
 //   DiagnoseOptions opt;                              // all sections on
 //   nlohmann::json report = RunDiagnostics(make_engine, make_trainer, opt);
@@ -40,13 +40,13 @@ struct DiagnoseOptions {
   std::string shapes_source = "synthetic lognormal";
 };
 
-using EngineFactory = std::function<std::unique_ptr<Engine>(bool graphs)>;
-using TrainerFactory = std::function<std::unique_ptr<Trainer>(bool graphs)>;
+using EngineByGraphs = std::function<std::unique_ptr<Engine>(bool graphs)>;
+using TrainerByGraphs = std::function<std::unique_ptr<Trainer>(bool graphs)>;
 
 // `make_engine(graphs)` builds a fresh engine from the deployment's model and config, with or
 // without graphs; `make_trainer` likewise (may be empty: no training rows).
-nlohmann::json RunDiagnostics(const EngineFactory& make_engine, const TrainerFactory& make_trainer,
-                              const DiagnoseOptions& options);
+nlohmann::json RunDiagnostics(const EngineByGraphs& make_engine,
+                              const TrainerByGraphs& make_trainer, const DiagnoseOptions& options);
 
 // Human-readable tables of a RunDiagnostics report.
 std::string FormatDiagnostics(const nlohmann::json& report);
@@ -58,15 +58,5 @@ double PaddingWaste(const std::vector<int64_t>& lengths, const std::vector<int64
 // The k bucket sizes minimising total padded tokens for `lengths` (exact dynamic programme over the
 // distinct lengths; the largest bucket is the largest length). Sorted ascending.
 std::vector<int64_t> SuggestBuckets(std::vector<int64_t> lengths, int k);
-
-// `batch` training examples of exactly `seq` tokens: up to `tiles` random image tiles (their image
-// tokens first), then text with next-token targets (-100 on image tokens and the last position).
-// For benchmarks and diagnostics, where timing does not depend on the values.
-std::vector<TrainExample> SyntheticTrainBatch(const VlmConfig& cfg, int64_t batch, int64_t seq,
-                                              int64_t tiles);
-
-// `n` prompt lengths, deterministic: exp(N(log(median), sigma)), clamped to [1, max_len].
-std::vector<int64_t> SyntheticPromptLengths(int64_t n, double median, double sigma,
-                                            int64_t max_len);
 
 }  // namespace vlmgraph

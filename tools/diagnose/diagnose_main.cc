@@ -20,10 +20,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/diagnose.h"
+#include "bench/synthetic.h"
 #include "model/checkpoint.h"
-#include "server/engine_factory.h"
+#include "server/engine_from_config.h"
 #include "server/flags.h"
+#include "tools/diagnose/diagnose.h"
 
 namespace {
 
@@ -137,14 +138,14 @@ int main(int argc, char** argv) {
                           std::to_string(static_cast<int64_t>(median)) + ", sigma " +
                           std::to_string(sigma).substr(0, 4);
     }
-    EngineFactory make_engine = [&](bool graphs) {
+    EngineByGraphs make_engine = [&](bool graphs) {
       ServerConfig c = config;
       c.capture.enabled = graphs && config.capture.enabled;
       c.capture.lazy = false;
       auto engine = BuildEngine(c);
       return engine;
     };
-    TrainerFactory make_trainer = [&](bool graphs) {
+    TrainerByGraphs make_trainer = [&](bool graphs) {
       // The same weights the engine serves; the Trainer keeps a float32 master copy.
       VisionLanguageModel model = BuildModel(config);
       const EngineOptions e = ToEngineOptions(config);

@@ -1,4 +1,4 @@
-#include "server/engine_factory.h"
+#include "server/engine_from_config.h"
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
@@ -28,6 +28,7 @@ EngineOptions ToEngineOptions(const ServerConfig& config) {
   o.buckets = config.buckets;
   o.cuda_graphs = config.capture.enabled;
   o.lazy_capture = config.capture.lazy;
+  o.programmatic_dependent_launch = config.capture.programmatic_dependent_launch;
   return o;
 }
 

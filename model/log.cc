@@ -1,12 +1,13 @@
-#include "server/log.h"
+#include "model/log.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdarg>
 #include <cstdio>
 #include <ctime>
 
-namespace vlmgraph::server {
+namespace vlmgraph {
 namespace {
 
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
@@ -35,6 +36,19 @@ void SetLogLevel(const std::string& level) {
 }
 
 bool LogEnabled(LogLevel level) { return static_cast<int>(level) <= g_level.load(); }
+
+std::string LogFormat(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list copy;
+  va_copy(copy, args);
+  const int n = std::vsnprintf(nullptr, 0, format, copy);
+  va_end(copy);
+  std::string out(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), out.size() + 1, format, args);
+  va_end(args);
+  return out;
+}
 
 std::string LogSafe(std::string_view text, size_t max_bytes) {
   size_t keep = std::min(text.size(), max_bytes);
@@ -79,4 +93,4 @@ void Log(LogLevel level, const std::string& message) {
   std::fflush(stderr);
 }
 
-}  // namespace vlmgraph::server
+}  // namespace vlmgraph
