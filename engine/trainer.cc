@@ -31,8 +31,8 @@ const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
 
 struct Trainer::Group {
   std::string name;
-  double lr_ratio = 1;  // group rate / base rate
-  at::Tensor lr;        // device float32 scalar, read by the captured optimizer graph
+  double configured_lr = 0;  // TrainOptions' rate for this group
+  at::Tensor lr;             // device float32 scalar, read by the captured optimizer graph
   std::vector<std::string> names;
   // params/grads: float32 masters and gradient accumulators (the model's own parameters and
   // .grad in float32 mode); exp_avg, exp_avg_sq float32; steps device float32 scalars.
@@ -98,7 +98,6 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     }
   }
   model_->train();
-  base_lr_ = options_.lr;
   struct Spec {
     const char* name;
     const char* prefix;
@@ -124,8 +123,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   for (const auto& spec : specs) {
     Group g;
     g.name = spec.name;
-    g.lr_ratio = spec.lr >= 0 && options_.lr > 0 ? spec.lr / options_.lr : 1.0;
-    g.lr = at::full({}, options_.lr * g.lr_ratio, f32);
+    g.configured_lr = spec.lr >= 0 ? spec.lr : options_.lr;
+    g.lr = at::full({}, g.configured_lr, f32);
     for (auto& p : model_->named_parameters()) {
       if (p.key().rfind(spec.prefix, 0) != 0) continue;
       at::Tensor master = p.value();  // float32, on the device
@@ -444,10 +443,16 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
     MicroBuffers& buf = BuffersFor(*k);
     FillBuffers(buf, micro, target_tokens);
     std::vector<at::Tensor> out;
+    const auto t_run = Clock::now();
     *kind = runner_->Run(
         *k, [this, &buf] { return RunMicro(buf); }, /*capture_if_missing=*/runner_->captures(),
         &out);
-    if (*kind == RunKind::kCaptureAndReplay) ++captures_;
+    if (*kind == RunKind::kCaptureAndReplay) {
+      ++captures_;
+      if (options_.observer)
+        options_.observer->OnCapture(*k,
+                                     std::chrono::duration<double>(Clock::now() - t_run).count());
+    }
     if (*kind != RunKind::kEager) ++replays_;
     // The static outputs are overwritten by this bucket's next replay: clone them.
     if (out.size() > 2) *optimizer_out = {out[1].clone(), out[2].clone()};
@@ -455,6 +460,8 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   }
   // Exact shapes asked for, or no bucket fits: the micro-batch's own shape, eagerly.
   *key = BucketKey{Region::kTrain, n, max_len, 0};
+  if (!options_.exact_shapes && options_.observer)
+    options_.observer->OnEagerFallback(Region::kTrain, "no bucket fits " + key->Label());
   *kind = RunKind::kEager;
   std::unique_ptr<MicroBuffers> exact = MakeBuffers(*key);
   FillBuffers(*exact, micro, target_tokens);
@@ -469,7 +476,7 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
   Warmup();
   const auto t0 = Clock::now();
   TrainStepResult r;
-  r.lr = base_lr_;
+  for (const auto& g : groups_) r.learning_rates[g.name] = g.configured_lr * lr_scale_;
   const int64_t accum = options_.grad_accum_steps;
   const int64_t per_micro = (static_cast<int64_t>(examples.size()) + accum - 1) / accum;
   at::Tensor loss_sum =
@@ -520,12 +527,16 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
   r.skipped = v[2] != 0;
   if (r.skipped) ++skipped_steps_;
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (options_.observer) {  // one step of region train: its first micro-batch's bucket
+    options_.observer->OnStep(r.buckets.front(), r.kind != RunKind::kEager, r.seconds);
+    options_.observer->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
+  }
   return r;
 }
 
-void Trainer::SetLearningRate(double lr) {
-  base_lr_ = lr;
-  for (auto& g : groups_) g.lr.fill_(lr * g.lr_ratio);
+void Trainer::SetLearningRateScale(double scale) {
+  lr_scale_ = scale;
+  for (auto& g : groups_) g.lr.fill_(g.configured_lr * scale);
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir) {
@@ -548,7 +559,7 @@ void Trainer::SaveCheckpoint(const std::string& dir) {
   }
   std::map<std::string, std::string> meta = {
       {"optimizer", "adamw"},
-      {"lr", std::to_string(base_lr_)},
+      {"lr", std::to_string(options_.lr * lr_scale_)},
       {"betas", std::to_string(options_.beta1) + "," + std::to_string(options_.beta2)},
       {"eps", std::to_string(options_.eps)},
       {"weight_decay", std::to_string(options_.weight_decay)},

@@ -12,7 +12,7 @@
 // (ids, targets, tiles in the compute dtype) is staged in pinned host memory and copied
 // asynchronously.
 //
-//   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;
+//   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;  opt.lr_vision = 1e-5;
 //   Trainer trainer(LoadModel(dir), opt);  // keeps its own copy and float32 master weights
 //   trainer.Warmup();                      // captures every train bucket
 //   TrainStepResult r = trainer.Step(examples);
@@ -82,8 +82,9 @@ struct TrainOptions {
   at::Device device = at::kCPU;
   // kFloat, or kBFloat16 (bf16 working weights + float32 masters; see the file comment)
   at::ScalarType compute_dtype = at::kFloat;
-  double lr = 1e-4;       // base learning rate
-  double lr_vision = -1;  // per-group rates; < 0 = lr
+  // AdamW learning rate of each parameter group, as configured; a group's rate < 0 takes `lr`.
+  double lr = 1e-4;
+  double lr_vision = -1;
   double lr_projector = -1;
   double lr_language = -1;
   bool train_vision = true, train_projector = true, train_language = true;
@@ -105,8 +106,11 @@ struct TrainOptions {
   // false, or CPU: ATen's _foreach_* ops and _fused_adamw_. Same formulas either way.
   bool fused_optimizer = true;
   bool log_captures = true;
-  // Receives OnCapture for each graph Warmup captures (the optimizer's as region train, batch 0):
-  // a Trainer's graphs are its own, captured when it first steps. May be null; not owned.
+  // Reports the trainer's work as the engine reports its own: OnCapture for each graph it captures
+  // (its graphs are its own, captured when it first steps; the optimizer's as region train,
+  // batch 0), OnEagerFallback for a micro-batch no bucket fits, and per step one OnStep (the
+  // first micro-batch's bucket, the step's wall time) and OnTokens. May be null; not owned; called
+  // on the thread that drives the Trainer.
   EngineObserver* observer = nullptr;
   // Data parallelism (engine/data_parallel.h): this trainer is one rank of the group. Null or a
   // group of one: a single rank. With more ranks the trainer starts from rank 0's weights
@@ -127,14 +131,15 @@ struct TrainExample {
 };
 
 struct TrainStepResult {
-  int64_t step = 0;       // optimizer steps taken so far (1 after the first)
-  double loss = 0;        // as nanoVLM logs it: sum over micro-batches of mean loss / accum
-  double grad_norm = 0;   // global L2 norm of the gradients before clipping (NaN / inf: skipped)
+  int64_t step = 0;      // optimizer steps taken so far (1 after the first)
+  double loss = 0;       // as nanoVLM logs it: sum over micro-batches of mean loss / accum
+  double grad_norm = 0;  // global L2 norm of the gradients before clipping (NaN / inf: skipped)
   // True when the gradients were not all finite: no weight or optimizer state changed (Note
   // [Skipped steps] in trainer.cc); `step` still counts it.
   bool skipped = false;
-  double lr = 0;          // base learning rate used
-  double seconds = 0;     // wall time of the whole step
+  // The learning rate each trained group ("vision", "projector", "language") took this step.
+  std::map<std::string, double> learning_rates;
+  double seconds = 0;  // wall time of the whole step
   // Data parallel: bytes of gradients (and loss) averaged over the ranks, and the host time the
   // all-reduce calls took (on the CPU the whole exchange; with NCCL the launch and wait, as the
   // collectives run on their own stream). 0 with one rank.
@@ -161,8 +166,9 @@ class Trainer {
   // One optimizer step over `examples`, split in order into grad_accum_steps micro-batches.
   TrainStepResult Step(const std::vector<TrainExample>& examples);
 
-  // Sets the base learning rate (group rates keep their ratio to it). No recapture.
-  void SetLearningRate(double lr);
+  // A schedule's factor: every group's rate becomes its configured rate x `scale` (as PyTorch's
+  // LambdaLR multiplies each group's initial rate). The rates are device scalars: no recapture.
+  void SetLearningRateScale(double scale);
 
   // Writes config.json + model.safetensors (nanoVLM format, float32 master weights, tied head once)
   // and optimizer.safetensors (exp_avg.*, exp_avg_sq.*, step.* per trained parameter; metadata
@@ -240,7 +246,7 @@ class Trainer {
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;
   int64_t steps_ = 0, skipped_steps_ = 0, captures_ = 0, replays_ = 0;
-  double base_lr_ = 0;
+  double lr_scale_ = 1;  // SetLearningRateScale
   // More than one rank (TrainOptions::data_parallel).
   bool data_parallel_ = false;
 };

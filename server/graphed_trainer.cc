@@ -24,8 +24,8 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
   t.device = e.device;
   // bf16 working weights + float32 masters on the GPU; float32 on CPU, where bf16 is no faster.
   t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;
-  // The base rate must be positive for the per-group rates to apply (each is given explicitly).
-  t.lr = std::max({o.language_learning_rate, o.vision_learning_rate, o.projector_learning_rate});
+  // Each group's rate as configured.
+  t.lr = o.language_learning_rate;
   t.lr_language = o.language_learning_rate;
   t.lr_vision = o.vision_learning_rate;
   t.lr_projector = o.projector_learning_rate;
@@ -86,7 +86,6 @@ class GraphedTrainer final : public TrainBackend {
   GraphedTrainer(Engine& engine, const TrainOptions& options, EngineObserver* observer)
       : serving_(engine.model()),
         options_(options),
-        observer_(observer),
         source_(SourceModel(engine, options)),
         trainer_(source_, ToEngineTrainOptions(engine, options, observer)) {
     source_ = VisionLanguageModel(nullptr);  // the trainer copied it; a loaded one is freed
@@ -125,18 +124,14 @@ class GraphedTrainer final : public TrainBackend {
     s.loss_tokens = r.target_tokens;
     s.grad_norm = r.grad_norm;
     s.skipped = r.skipped;
-    s.learning_rate = options_.language_learning_rate;
+    // The rate the step took: the language model's, else the first trained group's.
+    s.learning_rate = r.learning_rates.count("language") ? r.learning_rates.at("language")
+                      : r.learning_rates.empty()         ? 0.0
+                                                         : r.learning_rates.begin()->second;
     s.seconds = r.seconds;
     s.bucket = r.buckets.empty() ? BucketKey{Region::kTrain, rows, longest, 0} : r.buckets.front();
     s.mode = r.kind;
-    if (observer_) {
-      if (!fits && !exact)
-        observer_->OnEagerFallback(Region::kTrain, "no bucket fits " + s.bucket.Label());
-      if (r.kind == RunKind::kCaptureAndReplay) observer_->OnCapture(s.bucket, r.seconds);
-      observer_->OnStep(s.bucket, r.kind != RunKind::kEager, r.seconds);
-      observer_->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
-    }
-    return s;
+    return s;  // the Trainer reported the step to the observer itself
   }
 
   void Save(const std::string& directory) override {
@@ -180,7 +175,6 @@ class GraphedTrainer final : public TrainBackend {
 
   VisionLanguageModel serving_;  // the engine's model (shared module)
   const TrainOptions options_;
-  EngineObserver* observer_;
   VisionLanguageModel source_;  // only while trainer_ is built
   vlmgraph::Trainer trainer_;
 };

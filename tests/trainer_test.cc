@@ -6,9 +6,8 @@
 #include "engine/trainer.h"
 
 #include <ATen/ATen.h>
-#include <gtest/gtest.h>
-
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -17,11 +16,11 @@
 #include <cmath>
 #include <exception>
 #include <filesystem>
-#include <functional>
-#include <thread>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
@@ -195,7 +194,7 @@ TEST(Trainer, FrozenGroupsStayUnchangedAndZeroLearningRateChangesNothing) {
   EXPECT_FALSE(at::equal(before.at("decoder.blocks.0.mlp.up_proj.weight"),
                          after.at("decoder.blocks.0.mlp.up_proj.weight")));
   EXPECT_FALSE(at::equal(before.at("MP.proj.weight"), after.at("MP.proj.weight")));
-  t.SetLearningRate(0.0);
+  t.SetLearningRateScale(0.0);
   t.Step(FixtureBatch());
   auto frozen = Params(t);
   for (const auto& [name, w] : after) EXPECT_TRUE(at::equal(w, frozen.at(name))) << name;
@@ -506,8 +505,8 @@ TEST(Trainer, GraphedMatchesEagerAfterTwentySteps_CUDA) {
   o.cuda_graphs = false;
   Trainer eager(m, o);
   for (int i = 0; i < 20; ++i) {
-    graphed.SetLearningRate(1e-3 * (1.0 - i / 40.0));  // a schedule: no recapture
-    eager.SetLearningRate(1e-3 * (1.0 - i / 40.0));
+    graphed.SetLearningRateScale(1.0 - i / 40.0);  // a schedule: no recapture
+    eager.SetLearningRateScale(1.0 - i / 40.0);
     auto g = graphed.Step(FixtureBatch());
     auto e = eager.Step(FixtureBatch());
     EXPECT_NEAR(g.loss, e.loss, 1e-5) << i;
@@ -701,7 +700,8 @@ TEST(FusedOptimizer, TrainerStepsMatchATenOptimizer_CUDA) {
 }  // namespace
 }  // namespace vlmgraph
 
-// --- Data parallelism (engine/data_parallel.h) over gloo on the CPU -------------------------------
+// --- Data parallelism (engine/data_parallel.h) over gloo on the CPU
+// -------------------------------
 
 namespace vlmgraph {
 namespace {
@@ -760,8 +760,8 @@ std::vector<TrainExample> GlobalBatch(const VlmConfig& cfg) {
   return b;
 }
 
-#define SKIP_WITHOUT_GLOO()                                                               \
-  if (!DataParallelGroup::BackendAvailable("gloo"))                                       \
+#define SKIP_WITHOUT_GLOO()                         \
+  if (!DataParallelGroup::BackendAvailable("gloo")) \
   GTEST_SKIP() << "built without gloo (Debian libgloo-dev; scripts/install-deps.sh installs it)"
 
 TEST(DataParallel, ShardForRankSplitsAsGradientAccumulationDoes) {
@@ -932,6 +932,69 @@ TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
     EXPECT_EQ(e.code(), EngineError::Code::kUnavailable) << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 15);
+}
+
+}  // namespace
+}  // namespace vlmgraph
+
+namespace vlmgraph {
+namespace {
+
+// Each group takes the rate configured for it (a group without one takes `lr`), the step reports
+// the rates it took, and a schedule's scale multiplies every group's configured rate.
+TEST(Trainer, StepReportsTheRateEachGroupTook) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.lr = 1e-3;
+  o.lr_projector = 4e-3;
+  o.lr_vision = 0;
+  Trainer t(m, o);
+  TrainStepResult r = t.Step(FixtureBatch());
+  EXPECT_DOUBLE_EQ(r.learning_rates.at("language"), 1e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.at("projector"), 4e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.at("vision"), 0.0);
+  t.SetLearningRateScale(0.5);
+  r = t.Step(FixtureBatch());
+  EXPECT_DOUBLE_EQ(r.learning_rates.at("language"), 5e-4);
+  EXPECT_DOUBLE_EQ(r.learning_rates.at("projector"), 2e-3);
+}
+
+// The trainer reports its own work to its observer, as the engine does.
+struct RecordingObserver : EngineObserver {
+  int steps = 0, fallbacks = 0;
+  int64_t real = 0, padded = 0;
+  void OnStep(const BucketKey& key, bool, double seconds) override {
+    EXPECT_EQ(key.region, Region::kTrain);
+    EXPECT_GT(seconds, 0);
+    ++steps;
+  }
+  void OnEagerFallback(Region region, const std::string&) override {
+    EXPECT_EQ(region, Region::kTrain);
+    ++fallbacks;
+  }
+  void OnTokens(Region, int64_t r, int64_t p) override {
+    real += r;
+    padded += p;
+  }
+};
+
+TEST(Trainer, ReportsStepsTokensAndFallbacksToItsObserver) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  RecordingObserver seen;
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.observer = &seen;
+  Trainer t(m, o);
+  const TrainStepResult r = t.Step(FixtureBatch());
+  EXPECT_EQ(seen.steps, 1);
+  EXPECT_EQ(seen.fallbacks, 0);
+  EXPECT_EQ(seen.real, r.real_tokens);
+  EXPECT_EQ(seen.padded, r.padded_tokens);
+  // A batch wider than every train bucket (batch sizes 2, 4) runs eagerly and says so.
+  std::vector<TrainExample> wide;
+  for (int i = 0; i < 5; ++i) wide.push_back(FixtureBatch()[i % 2]);
+  t.Step(wide);
+  EXPECT_EQ(seen.steps, 2);
+  EXPECT_EQ(seen.fallbacks, 1);
 }
 
 }  // namespace
