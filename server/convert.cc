@@ -308,8 +308,8 @@ ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfi
   return out;
 }
 
-std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
-                                           const Limits& limits, int64_t max_tokens) {
+std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
+                                       const Limits& limits, int64_t max_tokens) {
   if (batch.examples_size() == 0)
     throw InvalidArgument("batch.examples: is empty; send at least one example");
   if (batch.examples_size() > limits.max_train_batch_examples) {
@@ -331,20 +331,19 @@ std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const Vl
         " (limits.max_train_batch_tokens, by default the largest train bucket): send smaller "
         "batches");
   }
-  std::vector<TrainExampleData> out;
+  std::vector<TrainExample> out;
   int64_t counted = 0;
   for (int i = 0; i < batch.examples_size(); ++i) {
     const v1::TrainExample& ex = batch.examples(i);
     const std::string f = Index("batch.examples", i);
-    TrainExampleData d;
+    TrainExample d;
     d.input_ids.assign(ex.input_ids().begin(), ex.input_ids().end());
-    d.target_ids.assign(ex.target_ids().begin(), ex.target_ids().end());
+    d.targets.assign(ex.target_ids().begin(), ex.target_ids().end());
     d.tiles = ImagesToTiles(ex.images(), cfg, limits, f + ".images");
     CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".input_ids");
-    const std::string error =
-        CheckTargetIds(cfg, d.target_ids, d.input_ids.size(), f + ".target_ids");
+    const std::string error = CheckTargetIds(cfg, d.targets, d.input_ids.size(), f + ".target_ids");
     if (!error.empty()) throw InvalidArgument(error);
-    for (int64_t t : d.target_ids) counted += t != -100;
+    for (int64_t t : d.targets) counted += t != -100;
     out.push_back(std::move(d));
   }
   if (counted == 0)
@@ -421,8 +420,7 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
            c == '/';
   });
   if (!chars_ok)
-    throw InvalidArgument(
-        field + ": only letters, digits, '.', '_', '-' and '/' are allowed");
+    throw InvalidArgument(field + ": only letters, digits, '.', '_', '-' and '/' are allowed");
   if (name.front() == '/')
     throw InvalidArgument(field + ": must be relative to train.checkpoint_dir");
   std::vector<std::string> parts;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "engine/engine_types.h"
+#include "engine/trainer.h"
 #include "model/chat_format.h"
 #include "model/config.h"
 #include "model/image_processor.h"
@@ -72,16 +73,11 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
 ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfig& cfg,
                                const Limits& limits, const TextModel* text_model = nullptr);
 
-// One training example, checked: ids and targets in the vocabulary (targets may be -100), same
-// length, image tokens matching the tiles.
-struct TrainExampleData {
-  std::vector<int64_t> input_ids;
-  std::vector<int64_t> target_ids;
-  at::Tensor tiles;  // (N, 3, S, S) float32 CPU or undefined
-};
-// `max_tokens`: the longest example accepted (the engine's longest context).
-std::vector<TrainExampleData> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
-                                           const Limits& limits, int64_t max_tokens);
+// The batch's training examples (engine/trainer.h), checked: ids and targets in the vocabulary
+// (targets may be -100), same length, image tokens matching the tiles ((N, 3, S, S) float32 CPU
+// or undefined). `max_tokens`: the longest example accepted (the engine's longest context).
+std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
+                                       const Limits& limits, int64_t max_tokens);
 
 // Checks a prompt before any work: 1 .. max_tokens ids, each inside the vocabulary, and as many
 // image tokens as the tiles give embeddings; `field` names the ids in messages. Generate gets the

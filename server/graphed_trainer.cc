@@ -11,7 +11,7 @@
 namespace vlmgraph::server {
 namespace {
 
-vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOptions& o,
+vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJobOptions& o,
                                             EngineObserver* observer) {
   const bool vision = o.train_vision && o.vision_learning_rate > 0;
   const bool projector = o.train_projector && o.projector_learning_rate > 0;
@@ -56,7 +56,7 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainOpt
 
 // The weights a job starts from: the serving model's, or the checkpoint of options.resume_from,
 // which must have the serving model's parameters (names and shapes).
-VisionLanguageModel SourceModel(Engine& engine, const TrainOptions& options) {
+VisionLanguageModel SourceModel(Engine& engine, const TrainJobOptions& options) {
   if (options.resume_from.empty()) return engine.model();
   VisionLanguageModel loaded{nullptr};
   try {
@@ -83,7 +83,7 @@ VisionLanguageModel SourceModel(Engine& engine, const TrainOptions& options) {
 
 class GraphedTrainer final : public TrainBackend {
  public:
-  GraphedTrainer(Engine& engine, const TrainOptions& options, EngineObserver* observer)
+  GraphedTrainer(Engine& engine, const TrainJobOptions& options, EngineObserver* observer)
       : serving_(engine.model()),
         options_(options),
         source_(SourceModel(engine, options)),
@@ -99,14 +99,10 @@ class GraphedTrainer final : public TrainBackend {
     }
   }
 
-  TrainStepStats Step(const std::vector<TrainExampleData>& batch) override {
+  TrainStepResult Step(const std::vector<TrainExample>& batch) override {
     const BucketSpec& buckets = trainer_.options().buckets;
     int64_t longest = 0;
-    std::vector<vlmgraph::TrainExample> examples;
-    for (const auto& d : batch) {
-      longest = std::max<int64_t>(longest, d.input_ids.size());
-      examples.push_back(vlmgraph::TrainExample{d.input_ids, d.target_ids, d.tiles});
-    }
+    for (const auto& e : batch) longest = std::max<int64_t>(longest, e.input_ids.size());
     const int64_t rows = static_cast<int64_t>(batch.size());
     const bool exact = options_.padding == TrainPadding::kExact;
     const bool fits = !exact && buckets.PickTrain(rows, longest).has_value();
@@ -116,22 +112,7 @@ class GraphedTrainer final : public TrainBackend {
                             " tokens fit no train bucket (buckets.train_batch_sizes x "
                             "train_seq_lens) and buckets.oversize is reject; send smaller batches");
     }
-    const TrainStepResult r = trainer_.Step(examples);
-
-    TrainStepStats s;
-    s.step = r.step;
-    s.loss = r.loss;
-    s.loss_tokens = r.target_tokens;
-    s.grad_norm = r.grad_norm;
-    s.skipped = r.skipped;
-    // The rate the step took: the language model's, else the first trained group's.
-    s.learning_rate = r.learning_rates.count("language") ? r.learning_rates.at("language")
-                      : r.learning_rates.empty()         ? 0.0
-                                                         : r.learning_rates.begin()->second;
-    s.seconds = r.seconds;
-    s.bucket = r.buckets.empty() ? BucketKey{Region::kTrain, rows, longest, 0} : r.buckets.front();
-    s.mode = r.kind;
-    return s;  // the Trainer reported the step to the observer itself
+    return trainer_.Step(batch);  // the Trainer reports the step to the observer itself
   }
 
   void Save(const std::string& directory) override {
@@ -174,14 +155,14 @@ class GraphedTrainer final : public TrainBackend {
   }
 
   VisionLanguageModel serving_;  // the engine's model (shared module)
-  const TrainOptions options_;
+  const TrainJobOptions options_;
   VisionLanguageModel source_;  // only while trainer_ is built
   vlmgraph::Trainer trainer_;
 };
 
 }  // namespace
 
-std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainOptions& options,
+std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainJobOptions& options,
                                                EngineObserver* observer) {
   return std::make_unique<GraphedTrainer>(engine, options, observer);
 }

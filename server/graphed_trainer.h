@@ -5,7 +5,7 @@
 // fused AdamW step; with EXACT the batch runs at its own shape, eagerly. CPU or graphs off run the
 // same code eagerly. The Trainer keeps float32 master weights of its own (bf16 working weights
 // beside them when the server's dtype is bfloat16 on CUDA), copied from the serving model (or
-// from TrainOptions::resume_from, with its AdamW state and step count) when the job starts.
+// from TrainJobOptions::resume_from, with its AdamW state and step count) when the job starts.
 // Publish() copies the masters of the trained parameters into the serving model in place (same
 // tensors, so inference graphs stay valid); nothing else changes what clients are served.
 // Save() writes the master weights (nanoVLM config.json + model.safetensors) and
@@ -26,7 +26,7 @@
 namespace vlmgraph::server {
 
 // `observer` (may be null) receives OnStep, OnTokens (and OnCapture) for region train.
-std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainOptions& options,
+std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainJobOptions& options,
                                                EngineObserver* observer);
 
 }  // namespace vlmgraph::server

@@ -52,7 +52,7 @@ bool* PartFlag(int part, const char* field, int i, bool* vision, bool* projector
                              : "MODEL_PART_VISION or MODEL_PART_LANGUAGE"));
 }
 
-TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
+TrainJobOptions ToTrainOptions(const v1::TrainConfig& c) {
   if (c.optimizer() != v1::OPTIMIZER_UNSPECIFIED && c.optimizer() != v1::OPTIMIZER_ADAMW) {
     throw InvalidArgument("config.optimizer: only OPTIMIZER_ADAMW is supported");
   }
@@ -65,7 +65,7 @@ TrainOptions ToTrainOptions(const v1::TrainConfig& c) {
         "TRAIN_BUCKET_POLICY_EXACT, got " +
         std::to_string(c.bucket_policy()));
   }
-  TrainOptions o;
+  TrainJobOptions o;
   o.language_learning_rate = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
                                          o.language_learning_rate, "language_learning_rate");
   o.vision_learning_rate = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(),
@@ -136,6 +136,13 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
         ResolveCheckpointDir(checkpoint_root, c.save_directory(), "config.save_directory");
   }
   return p;
+}
+
+// The rate a step took, as the API reports it: the language model's, else the first trained
+// group's.
+double LanguageLearningRate(const TrainStepResult& r) {
+  if (auto it = r.learning_rates.find("language"); it != r.learning_rates.end()) return it->second;
+  return r.learning_rates.empty() ? 0.0 : r.learning_rates.begin()->second;
 }
 
 // Ends a Train stream that waits longer than `timeout` for its client's next message: a watchdog
@@ -258,7 +265,7 @@ void VlmGraphService::RunTrain(
   watchdog.Got();
   if (!message.has_config())
     throw InvalidArgument("the first message must be TrainRequest{config}");
-  TrainOptions options = ToTrainOptions(message.config());
+  TrainJobOptions options = ToTrainOptions(message.config());
   const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
   if (!message.config().resume_from().empty()) {
     options.resume_from = ResolveCheckpointDir(
@@ -341,9 +348,9 @@ void VlmGraphService::RunTrain(
     bool autosave_now = false;
     switch (message.kind_case()) {
       case v1::TrainRequest::kBatch: {
-        const std::vector<TrainExampleData> batch = ToTrainBatch(
+        const std::vector<TrainExample> batch = ToTrainBatch(
             message.batch(), engine_->model_config(), config_.limits, engine_->max_context());
-        TrainStepStats stats;
+        TrainStepResult stats;
         double queue_seconds = 0;
         scheduler_->RunOnGpuThread(
             "Train",
@@ -352,19 +359,19 @@ void VlmGraphService::RunTrain(
               stats = job->Step(batch);
             },
             received, Scheduler::Admission::kInFlight);
-        metrics_->ObserveTrainStep(stats.loss_tokens, stats.loss, stats.learning_rate,
-                                   stats.skipped);
+        const double learning_rate = LanguageLearningRate(stats);
+        metrics_->ObserveTrainStep(stats.target_tokens, stats.loss, learning_rate, stats.skipped);
         consecutive_skips = stats.skipped ? consecutive_skips + 1 : 0;
         v1::TrainStepResult* r = response.mutable_step();
         r->set_step(stats.step);
         r->set_loss(stats.loss);
-        r->set_loss_tokens(stats.loss_tokens);
+        r->set_loss_tokens(stats.target_tokens);
         r->set_grad_norm(stats.grad_norm);
-        r->set_learning_rate(stats.learning_rate);
+        r->set_learning_rate(learning_rate);
         r->set_step_seconds(stats.seconds);
         r->set_queue_seconds(queue_seconds);
-        r->set_bucket(stats.bucket.Label());
-        r->set_mode(ToProto(stats.mode));
+        r->set_bucket(stats.buckets.front().Label());
+        r->set_mode(ToProto(stats.kind));
         r->set_skipped(stats.skipped);
         r->set_consecutive_skipped_steps(consecutive_skips);
         autosave_now = policy.save_every_steps > 0 && stats.step % policy.save_every_steps == 0;

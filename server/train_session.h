@@ -8,7 +8,7 @@
 //
 // clang-format off
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
-//   TrainStepStats s = job->Step(batch);                                              // GPU thread
+//   TrainStepResult s = job->Step(batch);                                             // GPU thread
 //   job->Save("/srv/checkpoints/run1");                                               // GPU thread
 //   job->Publish();                                                                   // GPU thread
 // clang-format on
@@ -25,13 +25,16 @@
 
 #include "engine/bucket.h"
 #include "engine/step_runner.h"
+#include "engine/trainer.h"
 #include "server/convert.h"
 
 namespace vlmgraph::server {
 
 enum class TrainPadding { kPadToBucket, kExact };
 
-struct TrainOptions {
+// A Train job's settings as the RPC gives them (v1::TrainConfig); MakeTrainBackend turns them into
+// the trainer's vlmgraph::TrainOptions (engine/trainer.h) and the engine's buckets and dtype.
+struct TrainJobOptions {
   // Learning rate per part; 0 freezes the part (upstream nanoVLM: lr_backbones, lr_mp).
   double language_learning_rate = 5e-5;
   double vision_learning_rate = 5e-5;
@@ -48,22 +51,12 @@ struct TrainOptions {
   std::string resume_from;
 };
 
-struct TrainStepStats {
-  int64_t step = 0;  // 1-based
-  double loss = 0;   // before the update
-  int64_t loss_tokens = 0;
-  double grad_norm = 0;      // before clipping; NaN / inf when skipped
-  bool skipped = false;      // non-finite gradients: no weight or optimizer state changed
-  double learning_rate = 0;  // language part's
-  double seconds = 0;
-  BucketKey bucket;  // region kTrain; the exact shape when no bucket was used
-  RunKind mode = RunKind::kEager;
-};
-
 class TrainBackend {
  public:
   virtual ~TrainBackend() = default;
-  virtual TrainStepStats Step(const std::vector<TrainExampleData>& batch) = 0;
+  // One optimizer step over `batch` (checked by ToTrainBatch); the step as engine/Trainer reports
+  // it.
+  virtual TrainStepResult Step(const std::vector<TrainExample>& batch) = 0;
   virtual void Save(const std::string& directory) = 0;
   virtual void Publish() = 0;
   virtual int64_t steps() const = 0;

@@ -191,13 +191,13 @@ TEST(ServerScheduler, EngineStartupErrorsReachStart) {
 
 // --- eager trainer -------------------------------------------------------------------------------
 
-std::vector<TrainExampleData> Batch(int64_t rows, int64_t len) {
-  std::vector<TrainExampleData> out;
+std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
+  std::vector<TrainExample> out;
   for (int64_t r = 0; r < rows; ++r) {
-    TrainExampleData d;
+    TrainExample d;
     for (int64_t i = 0; i < len; ++i) d.input_ids.push_back((r * 31 + i * 7) % 200);
-    d.target_ids.assign(d.input_ids.begin() + 1, d.input_ids.end());
-    d.target_ids.push_back(-100);
+    d.targets.assign(d.input_ids.begin() + 1, d.input_ids.end());
+    d.targets.push_back(-100);
     out.push_back(d);
   }
   return out;
@@ -205,7 +205,7 @@ std::vector<TrainExampleData> Batch(int64_t rows, int64_t len) {
 
 TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
   auto engine = TinyEngine();
-  TrainOptions o;
+  TrainJobOptions o;
   o.language_learning_rate = 3e-3;
   o.train_vision = o.train_projector = false;
   std::vector<double> losses;
@@ -221,22 +221,22 @@ TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
 }
 
 TEST(ServerTrainer, PaddingToABucketDoesNotChangeTheLoss) {
-  TrainOptions padded, exact;
+  TrainJobOptions padded, exact;
   exact.padding = TrainPadding::kExact;
   auto e1 = TinyEngine();
   auto e2 = TinyEngine();
-  TrainStepStats a = MakeTrainBackend(*e1, padded, nullptr)->Step(Batch(3, 12));
-  TrainStepStats b = MakeTrainBackend(*e2, exact, nullptr)->Step(Batch(3, 12));
-  EXPECT_EQ(a.bucket.Label(), "b4xs16");
-  EXPECT_EQ(b.bucket.Label(), "b3xs12");
-  EXPECT_EQ(a.loss_tokens, b.loss_tokens);
+  TrainStepResult a = MakeTrainBackend(*e1, padded, nullptr)->Step(Batch(3, 12));
+  TrainStepResult b = MakeTrainBackend(*e2, exact, nullptr)->Step(Batch(3, 12));
+  EXPECT_EQ(a.buckets.front().Label(), "b4xs16");
+  EXPECT_EQ(b.buckets.front().Label(), "b3xs12");
+  EXPECT_EQ(a.target_tokens, b.target_tokens);
   EXPECT_NEAR(a.loss, b.loss, 1e-4);
   EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-3);
 }
 
 TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   auto engine = TinyEngine();
-  TrainOptions o;
+  TrainJobOptions o;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   job->Step(Batch(2, 10));
   job->Publish();  // the served weights are the job's from here on
@@ -249,7 +249,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   for (const char* f : {"config.json", "model.safetensors"}) ::unlink((dir / f).c_str());
   ::rmdir(dir.c_str());
   job.reset();
-  TrainOptions none;
+  TrainJobOptions none;
   none.train_language = none.train_vision = none.train_projector = false;
   EXPECT_THROW(MakeTrainBackend(*engine, none, nullptr), ServerError);
 }
@@ -258,16 +258,16 @@ TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   auto engine = TinyEngine();
   ForwardRequest probe;
   probe.input_ids = Batch(1, 12)[0].input_ids;
-  probe.target_ids = Batch(1, 12)[0].target_ids;
+  probe.target_ids = Batch(1, 12)[0].targets;
   const double before = engine->Forward(probe).loss;
-  TrainOptions o;
+  TrainJobOptions o;
   o.language_learning_rate = 3e-3;
   o.train_vision = o.train_projector = false;
   std::vector<double> losses;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   for (int i = 0; i < 8; ++i) {
-    TrainStepStats s = job->Step(Batch(3, 12));
-    EXPECT_EQ(s.bucket.Label(), "b4xs16");
+    TrainStepResult s = job->Step(Batch(3, 12));
+    EXPECT_EQ(s.buckets.front().Label(), "b4xs16");
     EXPECT_EQ(s.step, i + 1);
     EXPECT_FALSE(s.skipped);
     losses.push_back(s.loss);
@@ -284,11 +284,11 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   auto engine = TinyEngine();
   ForwardRequest probe;
   probe.input_ids = Batch(1, 12)[0].input_ids;
-  probe.target_ids = Batch(1, 12)[0].target_ids;
+  probe.target_ids = Batch(1, 12)[0].targets;
   const double before = engine->Forward(probe).loss;
   // A learning rate of 1e30 (a reported attack): the first update is finite but enormous, later
   // steps see non-finite gradients and are skipped; serving never sees any of it.
-  TrainOptions o;
+  TrainJobOptions o;
   o.language_learning_rate = 1e30;
   o.train_vision = o.train_projector = false;
   {
