@@ -19,9 +19,6 @@ apt_pkgs=(
   libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
   libicu-dev
   openssl
-  # gloo's headers for c10d's ProcessGroupGloo (data-parallel training on the CPU,
-  # engine/data_parallel.h): the torch wheel ships c10d's headers and symbols but not gloo's.
-  libgloo-dev
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian
 # only: Ubuntu 24.04's docker-compose 1.29.2 cannot start on Python 3.12 (no distutils), and the image
@@ -30,6 +27,11 @@ if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(docker-comp
 # The fuzz smoke of scripts/test.sh (scripts/fuzz.sh --smoke): clang with libFuzzer. Debian only, as
 # the deployment checks: CI runs it; the image build (Ubuntu) skips the smoke without clang.
 if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(clang-14 libclang-rt-14-dev); fi
+# gloo's headers for c10d's ProcessGroupGloo (data-parallel training on the CPU and its CI tests,
+# engine/data_parallel.h): the torch wheel ships c10d's headers and symbols but not gloo's.
+# Debian only (bookworm has libgloo-dev); without it the gloo backend is not built and its tests
+# skip, the NCCL backend of CUDA builds is unaffected.
+if grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then apt_pkgs+=(libgloo-dev); fi
 # Server end-to-end tests (tests/e2e): a real photo (chelsea.png from scikit-image's data) and a real
 # Prometheus server that scrapes the metrics endpoint.
 apt_pkgs+=(python3-skimage prometheus)
