@@ -107,6 +107,8 @@ CommandLine ParseCommandLine(int argc, const char* const* argv,
       cl.help = true;
     } else if (arg == "--print-config") {
       cl.print_config = true;
+    } else if (arg == "--print-config-documented") {
+      cl.print_config_documented = true;
     } else if (arg == "--config") {
       cl.config_path = take_value();
     } else if (arg == "--set") {
@@ -132,7 +134,8 @@ CommandLine ParseCommandLine(int argc, const char* const* argv,
   return cl;
 }
 
-ServerConfig LoadServerConfig(const CommandLine& cl) {
+ConfigSource ReadServerConfig(const CommandLine& cl) {
+  ConfigSource source;
   YAML::Node root(YAML::NodeType::Map);
   if (!cl.config_path.empty()) {
     // A directory opens and reads as empty, which would start on the defaults: refuse it first.
@@ -152,6 +155,7 @@ ServerConfig LoadServerConfig(const CommandLine& cl) {
     }
     std::stringstream text;
     text << in.rdbuf();
+    source.header = LeadingComment(text.str());
     root = LoadYaml(text.str(), cl.config_path);
     if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
     if (!root.IsMap()) throw ServerConfigError(cl.config_path, "must be a YAML mapping of keys");
@@ -159,7 +163,12 @@ ServerConfig LoadServerConfig(const CommandLine& cl) {
   for (const auto& [path, value] : cl.overrides) {
     SetPath(root, path, LoadYaml(value, "--set " + path));
   }
-  ServerConfig config = FillDefaults(ParseConfig(root));
+  source.raw = ParseConfig(root);
+  return source;
+}
+
+ServerConfig LoadServerConfig(const CommandLine& cl) {
+  ServerConfig config = FillDefaults(ReadServerConfig(cl).raw);
   if (const char* key = std::getenv("VLMGRAPH_API_KEY"); key && *key) config.server.api_key = key;
   ValidateConfig(config);
   return config;
@@ -176,6 +185,8 @@ std::string FlagsHelp() {
   o << "  --set KEY=VALUE              set any config key (YAML value), e.g. --set "
        "buckets.batch_sizes=[1,2]\n"
     << "  --print-config               print the effective config as YAML and exit\n"
+    << "  --print-config-documented    print the config file with every key documented and exit\n"
+    << "                               (values of --config and flags, else the defaults)\n"
     << "  --help                       this text\n";
   return o.str();
 }

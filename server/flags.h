@@ -2,9 +2,9 @@
 // the YAML file key by key: each flag names a key path, and `--set key.path=value` reaches any
 // key (the value is YAML: `--set buckets.batch_sizes=[1,2]`).
 //
-//   CommandLine cl = ParseCommandLine(argc, argv);     // throws ServerConfigError("--flag", ...)
-//   ServerConfig cfg = LoadServerConfig(cl);           // file -> overrides -> parse -> defaults ->
-//   validate
+//   CommandLine cl = ParseCommandLine(argc, argv);  // throws ServerConfigError("--flag", ...)
+//   ServerConfig cfg = LoadServerConfig(cl);        // file -> overrides -> parse -> defaults ->
+//                                                   // VLMGRAPH_API_KEY -> validate
 //
 // Thread rules: pure functions.
 #pragma once
@@ -21,6 +21,7 @@ struct CommandLine {
   std::string config_path;  // --config; empty = built-in defaults
   std::vector<std::pair<std::string, std::string>> overrides;  // (key path, YAML value), in order
   bool print_config = false;                                   // --print-config: print and exit
+  bool print_config_documented = false;  // --print-config-documented: print with docs and exit
   bool help = false;
   std::vector<std::string> positional;                     // arguments that are not flags
   std::vector<std::pair<std::string, std::string>> extra;  // flags in `extra_flags` (name, value)
@@ -31,7 +32,19 @@ struct CommandLine {
 CommandLine ParseCommandLine(int argc, const char* const* argv,
                              const std::vector<std::string>& extra_flags = {});
 
-// Reads the file (if any), applies the overrides, then ParseConfig, FillDefaults, ValidateConfig.
+// The configuration as read, before defaults.
+struct ConfigSource {
+  RawConfig raw;       // the file (if any) with the overrides applied, parsed
+  std::string header;  // the file's leading comment block (LeadingComment), "" without one
+};
+
+// Reads the file (if any), applies the overrides in order, then ParseConfig. Throws
+// ServerConfigError naming the file (unreadable, a directory, not YAML, not a mapping), the
+// override, or the key.
+ConfigSource ReadServerConfig(const CommandLine& command_line);
+
+// ReadServerConfig, FillDefaults, the VLMGRAPH_API_KEY environment variable (server.api_key when
+// set and not empty), then ValidateConfig.
 ServerConfig LoadServerConfig(const CommandLine& command_line);
 
 // The --help text of the shared flags.

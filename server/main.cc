@@ -4,6 +4,7 @@
 //   vlmgraph-server                                  # built-in nanovlm-tiny on CPU (quick start)
 //   vlmgraph-server --config deploy/config.yaml      # a deployment
 //   vlmgraph-server --config c.yaml --device cuda:1 --grpc-address 0.0.0.0:50051
+//   vlmgraph-server --config c.yaml --print-config-documented  # every key documented, then exit
 //
 // Only wiring lives here: config -> metrics -> engine (on the scheduler's GPU thread) -> gRPC and
 // the OpenAI-compatible HTTP API (server/openai_http.h) -> wait for SIGTERM/SIGINT -> graceful
@@ -145,6 +146,13 @@ int main(int argc, char** argv) {
     }
     if (!cl.positional.empty())
       throw ServerConfigError(cl.positional[0], "unexpected argument; see --help");
+    if (cl.print_config_documented) {
+      // The values the file and flags set (not VLMGRAPH_API_KEY), checked like a start would.
+      const ConfigSource source = ReadServerConfig(cl);
+      ValidateConfig(FillDefaults(source.raw));
+      std::cout << DocumentedConfigYaml(source.raw, source.header);
+      return 0;
+    }
     config = LoadServerConfig(cl);
     if (cl.print_config) {
       std::cout << ConfigToYaml(config) << std::endl;

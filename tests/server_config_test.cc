@@ -1,12 +1,17 @@
-// Server config: parse -> defaults -> validate, key paths in errors, flag overrides, and the
-// shipped deploy/config*.yaml files.
+// Server config: parse -> defaults -> validate, key paths in errors, flag overrides, the key
+// table (server/config_schema.h) against ServerConfig, and the shipped deploy/config*.yaml files
+// (deploy/config.yaml must be the documented YAML the table generates).
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 
 #include "server/config.h"
+#include "server/config_schema.h"
 #include "server/engine_from_config.h"
 #include "server/flags.h"
 
@@ -41,6 +46,142 @@ std::string ErrorMessage(const std::string& text) {
 ServerConfig FromArgs(std::vector<const char*> args) {
   args.insert(args.begin(), "vlmgraph-server");
   return LoadServerConfig(ParseCommandLine(static_cast<int>(args.size()), args.data()));
+}
+
+std::filesystem::path DeployDir() {
+  return std::filesystem::path(VLMGRAPH_FIXTURES_DIR) / ".." / ".." / "deploy";
+}
+
+std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string Text(const std::string& v) { return v; }
+std::string Text(bool v) { return v ? "true" : "false"; }
+std::string Text(int64_t v) { return std::to_string(v); }
+std::string Text(uint64_t v) { return std::to_string(v); }
+std::string Text(double v) { return std::to_string(v); }
+std::string Text(OversizePolicy v) { return v == OversizePolicy::kReject ? "reject" : "eager"; }
+std::string Text(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (int64_t x : v) out += std::to_string(x) + ",";
+  return out + "]";
+}
+
+// Every field of a ServerConfig as text, in declaration order. The structured bindings stop
+// compiling when a field is added to ServerConfig or one of its parts: then extend this list and
+// NonDefaultConfig below, and give the field a key in server/config_schema.cc.
+std::vector<std::string> FieldValues(const ServerConfig& c) {
+  const auto& [model, seed, dtype, device, stop_ids, tokenizer, served_model_name, buckets, capture,
+               batching, endpoints, auth, tls, limits, train, shutdown_timeout_seconds, log_level] =
+      c;
+  const auto& [batch_sizes, seq_lens, context_lens, tile_counts, train_batch_sizes, train_seq_lens,
+               oversize] = buckets;
+  const auto& [enabled, lazy, pdl] = capture;
+  const auto& [max_queue_delay_us, max_queue_size] = batching;
+  const auto& [grpc_address, metrics_address, http_address, api_key] = endpoints;
+  const auto& [api_keys_file, allow_unauthenticated] = auth;
+  const auto& [cert_file, key_file, client_ca_file] = tls;
+  const auto& [max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
+               default_max_new_tokens, max_logits_positions, max_train_batch_examples,
+               max_train_batch_tokens, max_request_bytes] = limits;
+  const auto& [checkpoint_dir, idle_timeout_seconds] = train;
+  return {Text(model),
+          Text(seed),
+          Text(dtype),
+          Text(device),
+          Text(stop_ids),
+          Text(tokenizer),
+          Text(served_model_name),
+          Text(batch_sizes),
+          Text(seq_lens),
+          Text(context_lens),
+          Text(tile_counts),
+          Text(train_batch_sizes),
+          Text(train_seq_lens),
+          Text(oversize),
+          Text(enabled),
+          Text(lazy),
+          Text(pdl),
+          Text(max_queue_delay_us),
+          Text(max_queue_size),
+          Text(grpc_address),
+          Text(metrics_address),
+          Text(http_address),
+          Text(api_key),
+          Text(api_keys_file),
+          Text(allow_unauthenticated),
+          Text(cert_file),
+          Text(key_file),
+          Text(client_ca_file),
+          Text(max_image_bytes),
+          Text(max_image_pixels),
+          Text(max_images_per_request),
+          Text(max_new_tokens),
+          Text(default_max_new_tokens),
+          Text(max_logits_positions),
+          Text(max_train_batch_examples),
+          Text(max_train_batch_tokens),
+          Text(max_request_bytes),
+          Text(checkpoint_dir),
+          Text(idle_timeout_seconds),
+          Text(shutdown_timeout_seconds),
+          Text(log_level)};
+}
+
+// A valid configuration whose every field differs from its default.
+ServerConfig NonDefaultConfig() {
+  ServerConfig c;
+  c.model = "nanovlm-460m";
+  c.seed = 7;
+  c.dtype = "bfloat16";
+  c.device = "cuda:1";
+  c.model_stop_token_ids = {0, 2};
+  c.tokenizer = "none";
+  c.served_model_name = "my-vlm";
+  c.buckets.batch_sizes = {1, 3};
+  c.buckets.seq_lens = {16, 48};
+  c.buckets.context_lens = {64, 96};
+  c.buckets.tile_counts = {1, 5};
+  c.buckets.train_batch_sizes = {2, 6};
+  c.buckets.train_seq_lens = {24};
+  c.buckets.oversize = OversizePolicy::kReject;
+  c.capture.enabled = false;
+  c.capture.lazy = true;
+  c.capture.programmatic_dependent_launch = false;
+  c.batching.max_queue_delay_us = 123;
+  c.batching.max_queue_size = 45;
+  c.server.grpc_address = "127.0.0.1:1";
+  c.server.metrics_address = "127.0.0.1:2";
+  c.server.http_address = "";
+  c.server.api_key = "k";
+  c.auth.api_keys_file = "/keys";
+  c.auth.allow_unauthenticated = true;
+  c.tls.cert_file = "/c.pem";
+  c.tls.key_file = "/k.pem";
+  c.tls.client_ca_file = "/ca.pem";
+  c.limits.max_image_bytes = 1000;
+  c.limits.max_image_pixels = 2000;
+  c.limits.max_images_per_request = 3;
+  c.limits.max_new_tokens = 40;
+  c.limits.default_max_new_tokens = 4;
+  c.limits.max_logits_positions = 5;
+  c.limits.max_train_batch_examples = 6;
+  c.limits.max_train_batch_tokens = 7;
+  c.limits.max_request_bytes = 5000;
+  c.train.checkpoint_dir = "ckpt";
+  c.train.idle_timeout_seconds = 1.5;
+  c.shutdown_timeout_seconds = 2.5;
+  c.log_level = "debug";
+  return c;
+}
+
+// The documented YAML of `text` with its own header, and the same after loading it back.
+std::string Documented(const std::string& text) {
+  return DocumentedConfigYaml(ParseConfig(LoadYaml(text, "test.yaml")), LeadingComment(text));
 }
 
 TEST(ServerConfig, EmptyFileIsTheCpuQuickStart) {
@@ -171,8 +312,7 @@ TEST(ServerConfig, PrintedConfigLoadsBackUnchanged) {
 }
 
 TEST(ServerConfig, ShippedDeployConfigsLoad) {
-  const std::filesystem::path deploy =
-      std::filesystem::path(VLMGRAPH_FIXTURES_DIR) / ".." / ".." / "deploy";
+  const std::filesystem::path deploy = DeployDir();
   int found = 0;
   for (const auto& entry : std::filesystem::directory_iterator(deploy)) {
     const std::string name = entry.path().filename().string();
@@ -182,6 +322,174 @@ TEST(ServerConfig, ShippedDeployConfigsLoad) {
     EXPECT_NO_THROW(FromArgs(args)) << name;
   }
   EXPECT_GE(found, 1);
+}
+
+TEST(ServerConfig, UnknownKeysListTheKeysOfTheirLevel) {
+  EXPECT_EQ(ErrorMessage("tls: {cert: a.pem}\n"),
+            "tls.cert: unknown key (line 1); known keys here: cert_file, key_file, client_ca_file");
+  EXPECT_EQ(ErrorMessage("modle: x\n"),
+            "modle: unknown key (line 1); known keys here: model, seed, dtype, device, "
+            "model_stop_token_ids, tokenizer, served_model_name, buckets, capture, batching, "
+            "server, auth, tls, limits, train, shutdown_timeout_seconds, log_level");
+  EXPECT_EQ(ErrorMessage("buckets: 3\n"), "buckets: must be a mapping of keys (line 1)");
+}
+
+TEST(ServerConfig, RangesComeFromTheTable) {
+  EXPECT_EQ(ErrorMessage("batching: {max_queue_size: 0}\n"),
+            "batching.max_queue_size: must lie in [1, 1000000], got 0");
+  EXPECT_EQ(ErrorMessage("model_stop_token_ids: [1, -1]\n"),
+            "model_stop_token_ids[1]: must be >= 0, got -1");
+  EXPECT_EQ(ErrorMessage("train: {idle_timeout_seconds: 90000}\n"),
+            "train.idle_timeout_seconds: must lie in [0, 86400], got 90000");
+  EXPECT_EQ(ErrorMessage("buckets: {seq_lens: []}\n"), "buckets.seq_lens: must not be empty");
+  EXPECT_EQ(ErrorMessage("dtype: float16\n"),
+            "dtype: must be 'float32' or 'bfloat16', got 'float16' (line 1)");
+  EXPECT_EQ(ErrorMessage("log_level: loud\n"),
+            "log_level: must be one of error, warn, info, debug; got 'loud' (line 1)");
+  EXPECT_EQ(ErrorMessage("seed: -3\n"), "seed: must be >= 0, got -3 (line 1)");
+  // Also for a config built in code, without a file.
+  ServerConfig c = FillDefaults(RawConfig{});
+  c.log_level = "loud";
+  EXPECT_THROW(ValidateConfig(c), ServerConfigError);
+}
+
+TEST(ServerConfig, TableKeysAreUniqueDocumentedAndGroupedBySection) {
+  std::set<std::string> names;
+  std::vector<std::string> sections;
+  for (const ConfigKey& key : ConfigKeys()) {
+    EXPECT_TRUE(names.insert(key.name).second) << key.name;
+    EXPECT_FALSE(key.doc.empty()) << key.name;
+    EXPECT_FALSE(key.default_text.empty()) << key.name;
+    if (!key.section().empty() && (sections.empty() || sections.back() != key.section())) {
+      EXPECT_EQ(std::count(sections.begin(), sections.end(), key.section()), 0)
+          << key.section() << "'s keys are not contiguous";
+      sections.push_back(key.section());
+    }
+  }
+  std::vector<std::string> documented;
+  for (const ConfigSection& s : ConfigSections()) documented.push_back(s.name);
+  EXPECT_EQ(documented, sections);
+}
+
+// Every ServerConfig field has a key: a config with every field changed prints, parses and fills
+// back to itself (a field without a key would come back as its default).
+TEST(ServerConfig, EveryFieldRoundTripsThroughTheTable) {
+  const ServerConfig c = NonDefaultConfig();
+  ValidateConfig(c);
+  const std::vector<std::string> defaults = FieldValues(FillDefaults(RawConfig{}));
+  const std::vector<std::string> values = FieldValues(c);
+  ASSERT_EQ(values.size(), defaults.size());
+  EXPECT_EQ(values.size(), ConfigKeys().size())
+      << "a key without a field, or a field without a key";
+  for (size_t i = 0; i < values.size(); ++i) EXPECT_NE(values[i], defaults[i]) << "field " << i;
+
+  const std::string yaml = ConfigToYaml(c);
+  const RawConfig raw = ParseConfig(LoadYaml(yaml, "printed"));
+  EXPECT_EQ(raw.set_keys.size(), ConfigKeys().size());
+  const ServerConfig back = FillDefaults(raw);
+  ServerConfig expected = c;
+  expected.server.api_key = "<set>";  // a secret prints masked
+  EXPECT_EQ(FieldValues(back), FieldValues(expected));
+  EXPECT_EQ(ConfigToYaml(back), yaml);
+}
+
+TEST(ServerConfig, SecretsArePrintedMaskedAndNeverDocumented) {
+  EXPECT_NE(ConfigToYaml(FromYaml("")).find("api_key: \"\""), std::string::npos);
+  EXPECT_NE(ConfigToYaml(FromYaml("server: {api_key: hunter2}\n")).find("api_key: <set>"),
+            std::string::npos);
+  EXPECT_EQ(ConfigToYaml(FromYaml("server: {api_key: hunter2}\n")).find("hunter2"),
+            std::string::npos);
+  try {
+    Documented("server: {api_key: hunter2}\n");
+    FAIL() << "documented a secret";
+  } catch (const ServerConfigError& e) {
+    EXPECT_EQ(e.key_path(), "server.api_key");
+    EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos);
+  }
+}
+
+TEST(ServerConfig, DocumentedYamlWritesSetValuesDefaultsAndLiveDerivations) {
+  const std::string doc = Documented("device: cuda\nlimits: {max_images_per_request: 2}\n");
+  EXPECT_EQ(doc.rfind(DefaultConfigHeader(), 0), 0u) << "no header of its own: the default";
+  EXPECT_NE(doc.find("\ndevice: cuda\n"), std::string::npos);
+  EXPECT_NE(doc.find("\n  max_images_per_request: 2\n"), std::string::npos);
+  EXPECT_NE(doc.find("\n  max_queue_delay_us: 2000\n"), std::string::npos);  // a default
+  EXPECT_NE(doc.find("\n  batch_sizes: ~\n"), std::string::npos);            // derived from device
+  EXPECT_NE(doc.find("\n  max_request_bytes: ~\n"), std::string::npos);
+  EXPECT_NE(doc.find("\nserved_model_name: ~\n"), std::string::npos);
+  EXPECT_NE(doc.find("  # Range 1 .. 1000000. Default 256.\n  max_queue_size: 256\n"),
+            std::string::npos);
+  // Loaded back, the derivations follow the values: CUDA buckets, 2 images' bytes + 4 MiB.
+  const ServerConfig c = FromYaml(doc);
+  EXPECT_EQ(c.buckets.batch_sizes, BucketSpec{}.batch_sizes);
+  EXPECT_EQ(c.limits.max_request_bytes, 2 * c.limits.max_image_bytes + (4 << 20));
+  EXPECT_EQ(ConfigToYaml(c), ConfigToYaml(FromYaml("device: cuda\nlimits: "
+                                                   "{max_images_per_request: 2}\n")));
+  std::istringstream lines(doc);
+  for (std::string line; std::getline(lines, line);) EXPECT_LE(line.size(), 100u) << line;
+}
+
+TEST(ServerConfig, DocumentedYamlRegeneratesItself) {
+  ServerConfig every = NonDefaultConfig();
+  every.server.api_key = "";
+  for (const std::string& text :
+       {std::string(""), std::string("# my header\n#\n\nseed: 4\nbuckets: {oversize: reject}\n"),
+        ConfigToYaml(every)}) {
+    const std::string once = Documented(text);
+    EXPECT_EQ(Documented(once), once);
+    EXPECT_EQ(ConfigToYaml(FromYaml(once)), ConfigToYaml(FromYaml(text)));
+  }
+  EXPECT_EQ(Documented("# my header\n\nseed: 4\n").rfind("# my header\n\n# Preset name", 0), 0u);
+}
+
+TEST(ServerConfig, LeadingCommentIsTheHeaderBeforeABlankLine) {
+  EXPECT_EQ(LeadingComment("# a\n#\n# b\n\nmodel: x\n"), "# a\n#\n# b\n");
+  EXPECT_EQ(LeadingComment("# only\n"), "# only\n");
+  EXPECT_EQ(LeadingComment("# the model's comment\nmodel: x\n"), "");
+  EXPECT_EQ(LeadingComment("model: x\n# b\n\n"), "");
+  EXPECT_EQ(LeadingComment(""), "");
+}
+
+TEST(ServerConfig, ReadServerConfigKeepsTheHeaderAndTheSetKeys) {
+  const auto path = std::filesystem::temp_directory_path() / "vlmgraph_read_config_test.yaml";
+  std::ofstream(path) << "# header\n\nseed: 2\nbuckets: {oversize: ~}\n";
+  std::vector<const char*> args = {"vlmgraph-server",           "--config", path.c_str(),
+                                   "--print-config-documented", "--dtype",  "bfloat16"};
+  const CommandLine cl = ParseCommandLine(static_cast<int>(args.size()), args.data());
+  EXPECT_TRUE(cl.print_config_documented);
+  EXPECT_FALSE(cl.print_config);
+  const ConfigSource source = ReadServerConfig(cl);
+  EXPECT_EQ(source.header, "# header\n");
+  EXPECT_EQ(source.raw.set_keys, (std::set<std::string>{"seed", "dtype"}));  // ~ is unset
+  EXPECT_EQ(source.raw.values.seed, 2u);
+  std::filesystem::remove(path);
+}
+
+// deploy/config.yaml is generated from the key table: a key's doc, default or range changed in
+// server/config_schema.cc (or a value edited by hand out of format) must be regenerated.
+TEST(ServerConfig, DeployConfigYamlIsTheDocumentedSchema) {
+  const std::filesystem::path path = DeployDir() / "config.yaml";
+  const std::string text = ReadFile(path);
+  ASSERT_FALSE(text.empty()) << path;
+  const std::string generated = Documented(text);
+  if (generated == text) return;
+  std::istringstream want(generated), have(text);
+  std::string want_line, have_line;
+  int line = 0;
+  while (true) {
+    ++line;
+    const bool more_want = static_cast<bool>(std::getline(want, want_line));
+    const bool more_have = static_cast<bool>(std::getline(have, have_line));
+    if (!more_want && !more_have) break;
+    if (!more_want || !more_have || want_line != have_line) break;
+  }
+  ADD_FAILURE() << "deploy/config.yaml differs from the key table (server/config_schema.cc), "
+                   "first at line "
+                << line << ":\n  file:      " << have_line << "\n  generated: " << want_line
+                << "\nRegenerate it from the repository root:\n"
+                   "  build/server/vlmgraph-server --config deploy/config.yaml "
+                   "--print-config-documented > /tmp/config.yaml && mv /tmp/config.yaml "
+                   "deploy/config.yaml";
 }
 
 }  // namespace

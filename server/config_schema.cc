@@ -1,0 +1,622 @@
+#include "server/config_schema.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+
+namespace vlmgraph::server {
+namespace {
+
+using IntList = std::vector<int64_t>;
+
+// A bound or a number of seconds in a message: "86400", "0.5", "2147483647".
+std::string Number(double v) {
+  std::ostringstream o;
+  o.precision(15);
+  o << v;
+  return o.str();
+}
+
+// "must be 'a' or 'b', got 'x'" for two values, "must be one of a, b, c; got 'x'" for more.
+std::string OneOfMessage(const std::vector<std::string>& allowed, const std::string& got) {
+  if (allowed.size() == 2) {
+    return "must be '" + allowed[0] + "' or '" + allowed[1] + "', got '" + got + "'";
+  }
+  std::string names;
+  for (const std::string& a : allowed) names += (names.empty() ? "" : ", ") + a;
+  return "must be one of " + names + "; got '" + got + "'";
+}
+
+std::string RangeMessage(const std::optional<double>& min, const std::optional<double>& max,
+                         const std::string& got) {
+  if (min && max) return "must lie in [" + Number(*min) + ", " + Number(*max) + "], got " + got;
+  if (min) return "must be >= " + Number(*min) + ", got " + got;
+  return "must be <= " + Number(*max) + ", got " + got;
+}
+
+template <typename N>
+bool InRange(N v, const std::optional<double>& min, const std::optional<double>& max) {
+  if constexpr (std::is_floating_point_v<N>) {
+    if (std::isnan(v)) return !min && !max;
+    return (!min || v >= *min) && (!max || v <= *max);
+  } else {  // integer bounds compare exactly in the key's own type
+    return (!min || v >= static_cast<N>(*min)) && (!max || v <= static_cast<N>(*max));
+  }
+}
+
+template <typename N>
+std::string NumberText(N v) {
+  if constexpr (std::is_floating_point_v<N>) {
+    return Number(v);
+  } else {
+    return std::to_string(v);
+  }
+}
+
+template <typename T>
+T ScalarAs(const YAML::Node& n, const std::string& path, const char* type_name) {
+  if (!n.IsScalar())
+    throw ServerConfigError(path, std::string("must be ") + type_name + YamlLine(n));
+  try {
+    return n.as<T>();
+  } catch (const YAML::BadConversion&) {
+    throw ServerConfigError(
+        path, std::string("must be ") + type_name + ", got '" + n.Scalar() + "'" + YamlLine(n));
+  }
+}
+
+IntList ParseIntList(const YAML::Node& n, const std::string& path) {
+  if (!n.IsSequence()) {
+    throw ServerConfigError(path, "must be a list of integers, like [1, 2, 4]" + YamlLine(n));
+  }
+  IntList out;
+  for (size_t i = 0; i < n.size(); ++i) {
+    out.push_back(ScalarAs<int64_t>(n[i], path + "[" + std::to_string(i) + "]", "an integer"));
+  }
+  return out;
+}
+
+// A default computed from keys earlier in the table, and how, in words.
+template <typename T>
+struct Derivation {
+  std::string how;
+  std::function<T(const ServerConfig&)> value;
+};
+
+// Builds one ConfigKey for a ServerConfig field of type T; the typed operations come from T.
+template <typename T>
+class KeyBuilder {
+ public:
+  KeyBuilder(std::string name, std::function<T&(ServerConfig&)> field,
+             std::function<const T&(const ServerConfig&)> read)
+      : name_(std::move(name)), field_(std::move(field)), read_(std::move(read)) {}
+
+  KeyBuilder& Doc(std::string doc) {
+    doc_ = std::move(doc);
+    return *this;
+  }
+  KeyBuilder& Default(T value) {
+    default_ = std::move(value);
+    has_default_ = true;
+    return *this;
+  }
+  KeyBuilder& Derived(Derivation<T> derivation) {
+    derived_ = std::move(derivation);
+    return *this;
+  }
+  KeyBuilder& Range(double min, double max) {
+    min_ = min;
+    max_ = max;
+    return *this;
+  }
+  KeyBuilder& AtLeast(double min) {
+    min_ = min;
+    return *this;
+  }
+  KeyBuilder& NonEmpty() {
+    non_empty_ = true;
+    return *this;
+  }
+  KeyBuilder& Secret() {
+    secret_ = true;
+    return *this;
+  }
+  // A string key limited to `values`.
+  KeyBuilder& OneOf(const std::vector<std::string>& values) {
+    static_assert(std::is_same_v<T, std::string>, "OneOf is for string keys; enums use Names");
+    for (const std::string& v : values) names_.emplace_back(v, v);
+    return *this;
+  }
+  // An enum key: each value's YAML name, in documentation order.
+  KeyBuilder& Names(std::vector<std::pair<std::string, T>> names) {
+    names_ = std::move(names);
+    return *this;
+  }
+
+  operator ConfigKey() const {  // NOLINT(google-explicit-constructor): the table's element type
+    if (!has_default_ && !derived_.value)
+      throw std::logic_error("config key " + name_ + ": no default");
+    ConfigKey k;
+    k.name = name_;
+    k.type = Type();
+    k.doc = doc_;
+    k.derived_default = static_cast<bool>(derived_.value);
+    k.default_text = k.derived_default ? derived_.how : Text(default_);
+    k.min = min_;
+    k.max = max_;
+    k.non_empty = non_empty_;
+    for (const auto& entry : names_) k.allowed.push_back(entry.first);
+    k.secret = secret_;
+    k.parse = [b = *this](const YAML::Node& n, ServerConfig& c) { b.field_(c) = b.Parse(n); };
+    k.set_default = [b = *this](ServerConfig& c) {
+      b.field_(c) = b.derived_.value ? b.derived_.value(c) : b.default_;
+    };
+    k.check_range = [b = *this](const ServerConfig& c) { b.Check(b.read_(c)); };
+    k.emit = [b = *this](const ServerConfig& c, YAML::Emitter& out) { b.Emit(b.read_(c), out); };
+    return k;
+  }
+
+ private:
+  ConfigType Type() const {
+    if (!names_.empty()) return ConfigType::kEnum;
+    if constexpr (std::is_same_v<T, bool>) return ConfigType::kBool;
+    if constexpr (std::is_same_v<T, int64_t>) return ConfigType::kInteger;
+    if constexpr (std::is_same_v<T, uint64_t>) return ConfigType::kUnsigned;
+    if constexpr (std::is_same_v<T, double>) return ConfigType::kSeconds;
+    if constexpr (std::is_same_v<T, IntList>) return ConfigType::kIntegerList;
+    return ConfigType::kString;
+  }
+
+  T Parse(const YAML::Node& n) const {
+    if constexpr (std::is_same_v<T, IntList>) {
+      return ParseIntList(n, name_);
+    } else if constexpr (std::is_same_v<T, bool>) {
+      return ScalarAs<bool>(n, name_, "true or false");
+    } else if constexpr (std::is_same_v<T, int64_t>) {
+      return ScalarAs<int64_t>(n, name_, "an integer");
+    } else if constexpr (std::is_same_v<T, uint64_t>) {
+      const int64_t v = ScalarAs<int64_t>(n, name_, "an integer");
+      if (v < 0)
+        throw ServerConfigError(name_, "must be >= 0, got " + std::to_string(v) + YamlLine(n));
+      return static_cast<uint64_t>(v);
+    } else if constexpr (std::is_same_v<T, double>) {
+      return ScalarAs<double>(n, name_, "a number of seconds");
+    } else {  // a string, or an enum by name
+      const std::string s = ScalarAs<std::string>(n, name_, "a string");
+      if constexpr (std::is_same_v<T, std::string>) {
+        if (names_.empty()) return s;
+      }
+      for (const auto& [name, value] : names_) {
+        if (name == s) return value;
+      }
+      throw ServerConfigError(name_, OneOfMessage(AllowedNames(), s) + YamlLine(n));
+    }
+  }
+
+  void Check(const T& v) const {
+    if constexpr (std::is_same_v<T, IntList>) {
+      if (non_empty_ && v.empty()) throw ServerConfigError(name_, "must not be empty");
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (!InRange(v[i], min_, max_)) {
+          throw ServerConfigError(name_ + "[" + std::to_string(i) + "]",
+                                  RangeMessage(min_, max_, std::to_string(v[i])));
+        }
+      }
+    } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
+      if (!InRange(v, min_, max_))
+        throw ServerConfigError(name_, RangeMessage(min_, max_, NumberText(v)));
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (non_empty_ && v.empty()) throw ServerConfigError(name_, "must not be empty");
+      const auto allowed = AllowedNames();
+      if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+        throw ServerConfigError(name_, OneOfMessage(allowed, v));
+    }
+    // bool and enum fields hold only valid values.
+  }
+
+  void Emit(const T& v, YAML::Emitter& out) const {
+    if constexpr (std::is_same_v<T, IntList>) {
+      out << YAML::Flow << v;
+    } else if constexpr (std::is_enum_v<T>) {
+      for (const auto& [name, value] : names_) {
+        if (value == v) {
+          out << name;
+          return;
+        }
+      }
+      throw std::logic_error("config key " + name_ + ": a value without a name");
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      out << (secret_ && !v.empty() ? std::string("<set>") : v);
+    } else {
+      out << v;
+    }
+  }
+
+  std::string Text(const T& v) const {
+    YAML::Emitter out;
+    Emit(v, out);
+    return out.c_str();
+  }
+
+  std::vector<std::string> AllowedNames() const {
+    std::vector<std::string> names;
+    for (const auto& entry : names_) names.push_back(entry.first);
+    return names;
+  }
+
+  std::string name_;
+  std::function<T&(ServerConfig&)> field_;
+  std::function<const T&(const ServerConfig&)> read_;
+  std::string doc_;
+  T default_{};
+  bool has_default_ = false;
+  Derivation<T> derived_;
+  std::optional<double> min_, max_;
+  bool non_empty_ = false;
+  bool secret_ = false;
+  std::vector<std::pair<std::string, T>> names_;
+};
+
+// A top-level key: Key("model", &ServerConfig::model).
+template <typename T>
+KeyBuilder<T> Key(std::string name, T ServerConfig::*field) {
+  return KeyBuilder<T>(
+      std::move(name), [field](ServerConfig& c) -> T& { return c.*field; },
+      [field](const ServerConfig& c) -> const T& { return c.*field; });
+}
+
+// A key of a section: Key("capture.lazy", &ServerConfig::capture, &ServerConfig::Capture::lazy).
+template <typename S, typename T>
+KeyBuilder<T> Key(std::string name, S ServerConfig::*section, T S::*field) {
+  return KeyBuilder<T>(
+      std::move(name), [section, field](ServerConfig& c) -> T& { return c.*section.*field; },
+      [section, field](const ServerConfig& c) -> const T& { return c.*section.*field; });
+}
+
+// The last path component of a checkpoint directory ("/models/smollm2-135m/" -> "smollm2-135m"),
+// or the preset name.
+std::string DefaultServedModelName(const std::string& model) {
+  std::filesystem::path p(model);
+  // "/" is its own parent: stop there (model "/" is then refused by ValidateConfig).
+  while (p.has_parent_path() && p.filename().empty() && p.parent_path() != p) p = p.parent_path();
+  const std::string name = p.filename().string();
+  return name.empty() ? model : name;
+}
+
+// CPU runs every region eagerly, so small buckets waste the least padding; on CUDA the engine's
+// defaults (engine/bucket.h, sized for nanovlm-460m) apply.
+const BucketSpec& CpuBuckets() {
+  static const BucketSpec spec = [] {
+    BucketSpec b;
+    b.batch_sizes = {1, 2, 4, 8};
+    b.seq_lens = {32, 64, 128, 256};
+    b.context_lens = {128, 256, 512};
+    b.tile_counts = {1, 2, 4, 8, 17};
+    b.train_batch_sizes = {1, 2, 4, 8};
+    b.train_seq_lens = {64, 128, 256};
+    return b;
+  }();
+  return spec;
+}
+
+Derivation<IntList> BucketDefault(IntList BucketSpec::*list) {
+  auto text = [](const IntList& v) {
+    YAML::Emitter out;
+    out << YAML::Flow << v;
+    return std::string(out.c_str());
+  };
+  static const BucketSpec kCuda;
+  return {text(CpuBuckets().*list) + " on CPU, " + text(kCuda.*list) + " on CUDA",
+          [list](const ServerConfig& c) {
+            return c.device == "cpu" ? CpuBuckets().*list : BucketSpec{}.*list;
+          }};
+}
+
+// a * b + c, saturated to [.., INT_MAX] (the inputs are validated only later).
+int64_t SaturatedMulAdd(int64_t a, int64_t b, int64_t c) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out) || __builtin_add_overflow(out, c, &out)) return INT_MAX;
+  return std::min<int64_t>(INT_MAX, out);
+}
+
+int64_t LargestTrainBucket(const ServerConfig& c) {
+  const IntList& batch = c.buckets.train_batch_sizes;
+  const IntList& seq = c.buckets.train_seq_lens;
+  if (batch.empty() || seq.empty()) return 0;
+  int64_t out = 0;
+  if (__builtin_mul_overflow(*std::max_element(batch.begin(), batch.end()),
+                             *std::max_element(seq.begin(), seq.end()), &out)) {
+    return INT64_MAX;
+  }
+  return out;
+}
+
+constexpr double kTwoTo20 = 1 << 20;
+constexpr double kTwoTo30 = 1 << 30;
+constexpr double kTwoTo40 = static_cast<double>(int64_t{1} << 40);
+
+using SC = ServerConfig;
+
+std::vector<ConfigKey> BuildKeys() {
+  return {
+      Key("model", &SC::model)
+          .Doc("Preset name (nanovlm-tiny: 2+2 blocks, 64 px tiles, CPU demos; nanovlm-460m: "
+               "upstream nanoVLM's SigLIP2-B/16-512 + SmolLM2-360M) with random weights, or a "
+               "checkpoint directory holding nanoVLM's config.json + model.safetensors (what "
+               "upstream's save_pretrained and the Train RPC's SaveCheckpoint write).")
+          .Default("nanovlm-tiny")
+          .NonEmpty(),
+      Key("seed", &SC::seed)
+          .Doc("Random-init seed of preset models: the same seed gives the same weights (and "
+               "outputs).")
+          .Default(0)
+          .AtLeast(0),
+      Key("dtype", &SC::dtype)
+          .Doc("Weights and activations.")
+          .OneOf({"float32", "bfloat16"})
+          .Default("float32"),
+      Key("device", &SC::device)
+          .Doc("cpu, cuda (device 0) or cuda:N. CUDA graphs need a CUDA device; on CPU every "
+               "region runs eagerly.")
+          .Default("cpu"),
+      Key("model_stop_token_ids", &SC::model_stop_token_ids)
+          .Doc("End-of-sequence token ids that GetModelInfo suggests to clients as "
+               "stop_token_ids; [] = the tokenizer's (the chat format's end of turn and the "
+               "checkpoint's eos tokens), none without a tokenizer. For SmolLM2 tokenizers "
+               "<|endoftext|> = 0 and <|im_end|> = 2.")
+          .Default({})
+          .AtLeast(0),
+      Key("tokenizer", &SC::tokenizer)
+          .Doc("Hugging Face tokenizer.json of the model; \"\" = <model>/tokenizer.json when the "
+               "checkpoint directory has one, none = no tokenizer (requests must send token "
+               "ids). Text prompts, chat and the OpenAI-compatible API need one.")
+          .Default(""),
+      Key("served_model_name", &SC::served_model_name)
+          .Doc("Model id that GetModelInfo and the OpenAI-compatible /v1/models report, and the "
+               "only `model` value the OpenAI-compatible API accepts.")
+          .Derived({"the preset name, or the checkpoint directory's last path component",
+                    [](const SC& c) { return DefaultServedModelName(c.model); }})
+          .NonEmpty(),
+
+      Key("buckets.batch_sizes", &SC::buckets, &BucketSpec::batch_sizes)
+          .Doc("Sequences per prefill and decode step. The largest entry is the number of "
+               "KV-cache slots: how many sequences decode together (continuous batching).")
+          .Derived(BucketDefault(&BucketSpec::batch_sizes))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.seq_lens", &SC::buckets, &BucketSpec::seq_lens)
+          .Doc("Prompt tokens per prefill row (image tokens included: 64 per tile for "
+               "nanovlm-460m). The largest entry must not exceed the largest context_lens "
+               "entry.")
+          .Derived(BucketDefault(&BucketSpec::seq_lens))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.context_lens", &SC::buckets, &BucketSpec::context_lens)
+          .Doc("Attention window of a decode step. The largest entry is the KV cache length, so "
+               "prompt + generated tokens of one sequence must fit it; it must be >= "
+               "max(seq_lens) and at most the model's lm_max_position_embeddings.")
+          .Derived(BucketDefault(&BucketSpec::context_lens))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.tile_counts", &SC::buckets, &BucketSpec::tile_counts)
+          .Doc("Image tiles per vision run (a 4x4-tile image plus its global tile is 17 for "
+               "nanovlm-460m).")
+          .Derived(BucketDefault(&BucketSpec::tile_counts))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.train_batch_sizes", &SC::buckets, &BucketSpec::train_batch_sizes)
+          .Doc("Training step buckets (Train RPC): examples per batch.")
+          .Derived(BucketDefault(&BucketSpec::train_batch_sizes))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.train_seq_lens", &SC::buckets, &BucketSpec::train_seq_lens)
+          .Doc("Training step buckets (Train RPC): tokens per example.")
+          .Derived(BucketDefault(&BucketSpec::train_seq_lens))
+          .AtLeast(1)
+          .NonEmpty(),
+      Key("buckets.oversize", &SC::buckets, &BucketSpec::oversize)
+          .Doc("A shape larger than every bucket: eager runs it without a graph (counted in "
+               "vlmgraph_eager_fallbacks_total), reject refuses the request (INVALID_ARGUMENT).")
+          .Names({{"eager", OversizePolicy::kEager}, {"reject", OversizePolicy::kReject}})
+          .Default(OversizePolicy::kEager),
+
+      Key("capture.enabled", &SC::capture, &SC::Capture::enabled)
+          .Doc("Capture CUDA graphs (ignored on CPU, where every region runs eagerly).")
+          .Default(true),
+      Key("capture.lazy", &SC::capture, &SC::Capture::lazy)
+          .Doc("true: capture each bucket on its first use instead of at start-up (faster start, "
+               "a one-time stall per new shape under load).")
+          .Default(false),
+      Key("capture.programmatic_dependent_launch", &SC::capture,
+          &SC::Capture::programmatic_dependent_launch)
+          .Doc("Chain the fused decode kernels with programmatic dependent launch (Hopper and "
+               "newer): each kernel starts loading weights before the previous one ends "
+               "(docs/design/decode-kernels.md). The environment variable VLMGRAPH_PDL=0 turns it "
+               "off whatever this says.")
+          .Default(true),
+
+      Key("batching.max_queue_delay_us", &SC::batching, &SC::Batching::max_queue_delay_us)
+          .Doc("Longest time a new request waits to be grouped with others into one prefill "
+               "batch, in microseconds. Requests also start as soon as enough arrive to fill the "
+               "free decode slots. Larger values batch better but delay the first token.")
+          .Default(2000)
+          .Range(0, 10000000),
+      Key("batching.max_queue_size", &SC::batching, &SC::Batching::max_queue_size)
+          .Doc("Requests (all RPCs) waiting for the GPU thread; beyond this new requests get "
+               "RESOURCE_EXHAUSTED.")
+          .Default(256)
+          .Range(1, 1000000),
+
+      Key("server.grpc_address", &SC::server, &SC::Endpoints::grpc_address)
+          .Doc("gRPC API (vlmgraph.v1.VlmGraph, grpc.health.v1.Health, reflection), host:port. "
+               "Port 0 picks a free port (printed at start). In a container use 0.0.0.0.")
+          .Default("127.0.0.1:50051"),
+      Key("server.metrics_address", &SC::server, &SC::Endpoints::metrics_address)
+          .Doc("Prometheus /metrics (docs/metrics.md), host:port, its own port (0 picks a free "
+               "one).")
+          .Default("127.0.0.1:9464"),
+      Key("server.http_address", &SC::server, &SC::Endpoints::http_address)
+          .Doc("OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+               "/tokenize, /detokenize, /health), host:port (port 0 picks a free one); \"\" turns "
+               "it off.")
+          .Default("127.0.0.1:8000"),
+      Key("server.api_key", &SC::server, &SC::Endpoints::api_key)
+          .Doc("One API key with every scope, required as `authorization: Bearer KEY` by gRPC "
+               "and HTTP when set; \"\" = none. Prefer auth.api_keys_file, or the "
+               "VLMGRAPH_API_KEY environment variable, which overrides this and keeps the key "
+               "out of files. Printed as <set>.")
+          .Default("")
+          .Secret(),
+
+      Key("auth.api_keys_file", &SC::auth, &SC::Auth::api_keys_file)
+          .Doc("API keys with scopes (docs/security.md); \"\" = no keys. One \"SCOPES KEY\" line "
+               "per key, scopes inference, train or all, comma-separated: "
+               "\"inference,train 9a8b7c6d5e4f3a2b1c0d\". Clients send `authorization: Bearer "
+               "KEY`. compose.yaml mounts the secret file deploy/api-keys at "
+               "/run/secrets/vlmgraph_api_keys.")
+          .Default(""),
+      Key("auth.allow_unauthenticated", &SC::auth, &SC::Auth::allow_unauthenticated)
+          .Doc("A gRPC or HTTP address that is not loopback needs keys unless this is true (an "
+               "open server on purpose).")
+          .Default(false),
+
+      Key("tls.cert_file", &SC::tls, &SC::Tls::cert_file)
+          .Doc("PEM certificate chain; with key_file it turns TLS on for gRPC and HTTP. Both or "
+               "neither.")
+          .Default(""),
+      Key("tls.key_file", &SC::tls, &SC::Tls::key_file)
+          .Doc("PEM private key of cert_file.")
+          .Default(""),
+      Key("tls.client_ca_file", &SC::tls, &SC::Tls::client_ca_file)
+          .Doc("PEM CA certificates: when set, every client must present a certificate signed by "
+               "one of them (mutual TLS). Needs cert_file and key_file.")
+          .Default(""),
+
+      Key("limits.max_image_bytes", &SC::limits, &SC::Limits::max_image_bytes)
+          .Doc("Encoded size of one image, bytes. Larger: INVALID_ARGUMENT.")
+          .Default(20 << 20)
+          .Range(1, INT_MAX),
+      Key("limits.max_image_pixels", &SC::limits, &SC::Limits::max_image_pixels)
+          .Doc("Width x height of one image, checked from the header before decoding.")
+          .Default(40000000)
+          .Range(1, kTwoTo40),
+      Key("limits.max_images_per_request", &SC::limits, &SC::Limits::max_images_per_request)
+          .Doc("Images per request.")
+          .Default(8)
+          .Range(0, 1024),
+      Key("limits.max_new_tokens", &SC::limits, &SC::Limits::max_new_tokens)
+          .Doc("max_new_tokens of one Generate request.")
+          .Default(1024)
+          .Range(1, kTwoTo30),
+      Key("limits.default_max_new_tokens", &SC::limits, &SC::Limits::default_max_new_tokens)
+          .Doc("Used when a request leaves max_new_tokens unset; at most max_new_tokens.")
+          .Derived({"min(32, max_new_tokens)",
+                    [](const SC& c) { return std::min<int64_t>(32, c.limits.max_new_tokens); }})
+          .Range(1, kTwoTo30),
+      Key("limits.max_logits_positions", &SC::limits, &SC::Limits::max_logits_positions)
+          .Doc("logits_positions of one Forward request (each row is vocab_size floats).")
+          .Default(64)
+          .Range(0, kTwoTo20),
+      Key("limits.max_train_batch_examples", &SC::limits, &SC::Limits::max_train_batch_examples)
+          .Doc("Examples in one Train batch.")
+          .Default(64)
+          .Range(1, kTwoTo20),
+      Key("limits.max_train_batch_tokens", &SC::limits, &SC::Limits::max_train_batch_tokens)
+          .Doc("Examples x longest example of one Train batch, tokens; 0 = no limit. A step "
+               "larger than every train bucket runs eagerly and holds the GPU thread, so every "
+               "Generate waits for it.")
+          .Derived({"the largest train bucket (max train_batch_sizes x max train_seq_lens)",
+                    LargestTrainBucket})
+          .Range(0, kTwoTo40),
+      Key("limits.max_request_bytes", &SC::limits, &SC::Limits::max_request_bytes)
+          .Doc("Largest gRPC request message, bytes.")
+          .Derived({"max_images_per_request x max_image_bytes + 4 MiB (at most 2^31-1)",
+                    [](const SC& c) {
+                      return SaturatedMulAdd(c.limits.max_images_per_request,
+                                             c.limits.max_image_bytes, 4 << 20);
+                    }})
+          .Range(1024, INT_MAX),
+
+      Key("train.checkpoint_dir", &SC::train, &SC::Train::checkpoint_dir)
+          .Doc("Root directory of the Train RPC's SaveCheckpoint (clients name a subdirectory; "
+               "\"..\" and absolute paths are refused). Relative paths are relative to the "
+               "working directory.")
+          .Default("checkpoints")
+          .NonEmpty(),
+      Key("train.idle_timeout_seconds", &SC::train, &SC::Train::idle_timeout_seconds)
+          .Doc("A Train stream that sends nothing for this long is cancelled by the server "
+               "(counted as DEADLINE_EXCEEDED), which frees the one-job slot; 0 = never.")
+          .Default(600)
+          .Range(0, 86400),
+
+      Key("shutdown_timeout_seconds", &SC::shutdown_timeout_seconds)
+          .Doc("On SIGTERM/SIGINT: health turns NOT_SERVING (gRPC health and HTTP /health answer "
+               "it while the ports stay open), new calls are refused with UNAVAILABLE / 503, "
+               "running calls (Train streams included) get this long to finish, then the rest are "
+               "cancelled.")
+          .Default(30)
+          .Range(0, 3600),
+      Key("log_level", &SC::log_level)
+          .Doc("Log verbosity; debug also logs every refused request.")
+          .OneOf({"error", "warn", "info", "debug"})
+          .Default("info"),
+  };
+}
+
+}  // namespace
+
+std::string YamlLine(const YAML::Node& node) {
+  const YAML::Mark m = node.Mark();
+  return m.line >= 0 ? " (line " + std::to_string(m.line + 1) + ")" : "";
+}
+
+std::string ConfigKey::section() const {
+  const size_t dot = name.find('.');
+  return dot == std::string::npos ? "" : name.substr(0, dot);
+}
+
+std::string ConfigKey::leaf() const { return name.substr(name.find('.') + 1); }
+
+const std::vector<ConfigKey>& ConfigKeys() {
+  static const std::vector<ConfigKey> keys = BuildKeys();
+  return keys;
+}
+
+const std::vector<ConfigSection>& ConfigSections() {
+  static const std::vector<ConfigSection> sections = {
+      {"buckets",
+       "Shape buckets (docs: engine/bucket.h). Every region runs at a padded shape from these "
+       "lists, so each shape is captured into a CUDA graph once, at start-up. A request pads up "
+       "to the smallest bucket that fits; padded positions are masked, so results equal an "
+       "unpadded run. More buckets = less padding but longer start-up and more graph memory. "
+       "Lists are sorted and de-duplicated. The defaults depend on the device: small buckets on "
+       "CPU, where every region runs eagerly and padding is pure waste; on CUDA the engine's "
+       "(sized for nanovlm-460m)."},
+      {"capture", ""},
+      {"batching", ""},
+      {"server", ""},
+      {"auth", ""},
+      {"tls", ""},
+      {"limits", ""},
+      {"train", ""},
+  };
+  return sections;
+}
+
+const std::string& DefaultConfigHeader() {
+  static const std::string header =
+      "# vlmgraph server configuration: every key with what it does, its range and its default.\n"
+      "# Printed by `vlmgraph-server [--config FILE] --print-config-documented`. A key left out "
+      "(or set\n"
+      "# to ~) takes its default; `--print-config` shows the effective values.\n";
+  return header;
+}
+
+}  // namespace vlmgraph::server
