@@ -11,12 +11,13 @@
 //                                            top-p 0.9, a seed each; default greedy)
 //
 // Method: each figure is the median over `--iters` timed runs after `--warmup` untimed runs.
-// TTFT = Admit() of N requests, each one 512x512 image tile + 64 text tokens (vision, prefill and
-// the first token copied to the host), divided by nothing: it is the time until every request of
-// the batch has its first token. Decode = one Step() over N active sequences (embedding, all
-// blocks over the KV cache, head, sampling, token copied to the host). With overlapped decode steps
-// (the default on CUDA) a Step() queues the next step before waiting for its own tokens, so in a
-// steady run its time is the step's device time or the host's work per step, whichever is longer.
+// TTFT = Validate() + Admit() of N requests, each one 512x512 image tile + 64 text tokens (vision,
+// prefill and the first token copied to the host), divided by nothing: it is the time until every
+// request of the batch has its first token. Decode = one Step() over N active sequences (embedding,
+// all blocks over the KV cache, head, sampling, token copied to the host). With overlapped decode
+// steps (the default on CUDA) a Step() queues the next step before waiting for its own tokens, so
+// in a steady run its time is the step's device time or the host's work per step, whichever is
+// longer.
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
@@ -88,7 +89,9 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
       std::vector<GenerateRequest> reqs(batch,
                                         ImagePrompt(cfg, 64, 1));  // finish at once: slots free
       auto s = Clock::now();
-      engine.Admit(reqs, &events);
+      std::vector<vlmgraph::ValidatedRequest> validated;
+      for (const auto& r : reqs) validated.push_back(engine.Validate(r));
+      engine.Admit(std::move(validated), &events);
       const double dt = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
       if (i >= a.warmup) ms.push_back(dt);
       events.clear();
@@ -108,7 +111,9 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
         sp.seed = 1000 + i;
       }
     }
-    const auto ids = engine.Admit(reqs, &events);
+    std::vector<vlmgraph::ValidatedRequest> validated;
+    for (const auto& r : reqs) validated.push_back(engine.Validate(r));
+    const auto ids = engine.Admit(std::move(validated), &events);
     std::vector<double> ms;
     for (int i = 0; i < a.warmup + a.iters; ++i) {
       auto s = Clock::now();

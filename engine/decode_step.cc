@@ -35,7 +35,8 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   if (fed.empty()) return nullptr;
   // Every row in [0, batch) runs; rows with no sequence get a pad token at position 0 of their
   // own (unused) row.
-  std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
+  const BucketKey exact{Region::kDecode, rows, context, 0};
+  const std::optional<BucketKey> key = options_.buckets.PickDecode(rows, context);
   const int64_t batch = key ? key->batch : rows;
   const int half = static_cast<int>(decode_launches_ % 2);
   buf.dec_done[half]->Synchronize();  // the step that last used this half has copied its inputs
@@ -68,23 +69,20 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   auto step = std::make_unique<QueuedStep>();
   step->half = half;
   step->queued_at = dispatch_start;
-  std::vector<at::Tensor> out;  // logits (batch, V), greedy tokens (batch)
-  if (key) {
-    step->key = *key;
-    step->kind = runner_->Run(*key, MakeRegionFn(*key), runner_->captures(), &out);
-    if (step->kind == RunKind::kReplay) {
-      // Replays return once launched: everything so far was host-side dispatch.
-      std::lock_guard<std::mutex> lock(counters_mu_);
-      counters_.decode_dispatch_seconds_total += SecondsSince(dispatch_start);
-      counters_.decode_steps++;
-    }
-    if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
-  } else {
-    step->key = BucketKey{Region::kDecode, rows, context, 0};
-    step->kind = RunKind::kEager;
-    out = MakeRegionFn(step->key)();
-    CountEagerFallback(step->key);
+  // The inputs are in place for either shape: the bucket's region, or the exact one eagerly.
+  DispatchResult r = dispatch_->Run(
+      key, exact, [this](const BucketKey& k) { return MakeRegionFn(k); },
+      [this, &exact] { return MakeRegionFn(exact)(); });
+  step->key = r.key;
+  step->kind = r.kind;
+  if (step->kind == RunKind::kReplay) {
+    // Replays return once launched: everything so far was host-side dispatch.
+    std::lock_guard<std::mutex> lock(counters_mu_);
+    counters_.decode_dispatch_seconds_total += SecondsSince(dispatch_start);
+    counters_.decode_steps++;
   }
+  if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
+  const std::vector<at::Tensor>& out = r.outputs;  // logits (batch, V), greedy tokens (batch)
   step->tokens = out[1];
   if (!draws.empty()) {
     step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ

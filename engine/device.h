@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 
 #include <memory>
+#include <string>
 
 #include "engine/engine_types.h"
 
@@ -14,6 +15,13 @@ namespace vlmgraph {
 
 // Waits for all work queued on `device` (no-op on CPU).
 void SynchronizeDevice(const at::Device& device);
+
+// "" while `device` can run work; else the CUDA error that left its context unusable (a
+// device-side assert, an illegal memory access, a launch failure: CUDA keeps reporting such
+// "sticky" errors to every later call, so only a new process recovers). Waits for the device's
+// queued work. A failure that leaves the context usable (out of memory, a bad argument) gives "".
+// CPU devices: always "".
+std::string DeviceFault(const at::Device& device);
 
 // A point in the current stream of a device, for waiting on part of the queued work only (the
 // engine waits for decode step N while step N + 1 is already queued behind it). Record() marks

@@ -8,6 +8,7 @@
 namespace vlmgraph {
 
 void SynchronizeDevice(const at::Device&) {}
+std::string DeviceFault(const at::Device&) { return ""; }
 
 struct DeviceEvent::Impl {};
 DeviceEvent::DeviceEvent(const at::Device&) {}

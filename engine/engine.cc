@@ -69,6 +69,10 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
   if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+  dispatch_ = std::make_unique<RegionDispatcher>(
+      runner_.get(), [this](const BucketKey& exact, const std::string& reason) {
+        CountEagerFallback(exact, reason);
+      });
 
   auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
   auto act = at::TensorOptions().dtype(options_.dtype).device(options_.device);
@@ -152,35 +156,25 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
   throw EngineError(EngineError::Code::kInternal, "no inference region function for train buckets");
 }
 
-std::vector<at::Tensor> Engine::RunRegion(const BucketKey& key, int64_t real_tokens,
-                                          int64_t padded_tokens) {
-  const auto t0 = Clock::now();
-  std::vector<at::Tensor> outputs;
-  RunKind kind =
-      runner_->Run(key, MakeRegionFn(key), /*capture_if_missing=*/runner_->captures(), &outputs);
+DispatchResult Engine::Dispatch(const std::optional<BucketKey>& bucket, const BucketKey& exact,
+                                const RegionDispatcher::BucketedFn& bucketed,
+                                const RegionFn& exact_fn, int64_t real_tokens) {
+  DispatchResult r = dispatch_->Run(bucket, exact, bucketed, exact_fn);
+  const auto t_sync = Clock::now();
   SynchronizeDevice(options_.device);
-  if (kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
-  Count(key, kind, SecondsSince(t0), real_tokens, padded_tokens);
-  return outputs;
+  if (r.kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
+  int64_t padded = real_tokens;
+  if (r.bucketed) padded = r.key.region == Region::kVision ? r.key.tiles : r.key.batch * r.key.seq;
+  Count(r.key, r.kind, r.seconds + SecondsSince(t_sync), real_tokens, padded);
+  return r;
 }
 
-std::vector<at::Tensor> Engine::RunEagerFallback(const BucketKey& exact,
-                                                 const std::function<std::vector<at::Tensor>()>& fn,
-                                                 int64_t real_tokens) {
-  const auto t0 = Clock::now();
-  std::vector<at::Tensor> outputs = fn();
-  SynchronizeDevice(options_.device);
-  CountEagerFallback(exact);
-  Count(exact, RunKind::kEager, SecondsSince(t0), real_tokens, real_tokens);
-  return outputs;
-}
-
-void Engine::CountEagerFallback(const BucketKey& exact) {
+void Engine::CountEagerFallback(const BucketKey& exact, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(counters_mu_);
     counters_.eager_fallbacks++;
   }
-  if (observer_) observer_->OnEagerFallback(exact.region, "no bucket fits " + exact.Label());
+  if (observer_) observer_->OnEagerFallback(exact.region, reason);
 }
 
 void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real,
@@ -280,7 +274,7 @@ void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& t
   }
 }
 
-void Engine::Validate(const GenerateRequest& request) const {
+ValidatedRequest Engine::Validate(GenerateRequest request) const {
   ValidateTokens(request.input_ids, request.tiles);
   const auto& s = request.sampling;
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
@@ -309,6 +303,7 @@ void Engine::Validate(const GenerateRequest& request) const {
       throw Invalid("stop token id " + std::to_string(t) + " is outside the vocabulary");
     }
   }
+  return ValidatedRequest(std::move(request));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,27 +325,50 @@ at::Tensor Engine::ToDevice(const at::Tensor& tiles) const {
 
 void Engine::RunVision(const at::Tensor& tiles, int64_t row_offset) {
   Buffers& buf = *buffers_;
+  VisionLanguageModelImpl* m = model_.get();
   const int64_t tokens = model_->cfg.mp_image_token_length;
   const int64_t max_tiles = options_.buckets.max_tiles();
   for (int64_t start = 0; start < tiles.size(0); start += max_tiles) {
     const int64_t n = std::min<int64_t>(max_tiles, tiles.size(0) - start);
-    const BucketKey key = *options_.buckets.PickVision(n);
-    buf.tiles.narrow(0, 0, n).copy_(tiles.narrow(0, start, n), /*non_blocking=*/true);
-    at::Tensor rows = RunRegion(key, n, key.tiles)[0];  // (key.tiles * tokens, H)
+    const at::Tensor chunk = tiles.narrow(0, start, n);
+    const DispatchResult r = Dispatch(
+        options_.buckets.PickVision(n), BucketKey{Region::kVision, 0, 0, n},
+        [&](const BucketKey& key) {
+          buf.tiles.narrow(0, 0, n).copy_(chunk, /*non_blocking=*/true);
+          return MakeRegionFn(key);
+        },
+        [&] { return std::vector<at::Tensor>{m->EncodeImages(chunk)}; }, n);
+    at::Tensor rows = r.outputs[0];  // (bucket or exact tiles * tokens, H)
     buf.image_rows.narrow(0, row_offset + start * tokens, n * tokens)
         .copy_(rows.narrow(0, 0, n * tokens));
   }
 }
 
-std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
-    const std::vector<const GenerateRequest*>& requests, const std::vector<int64_t>& slots) {
-  Buffers& buf = *buffers_;
+DispatchResult Engine::Prefill(const std::vector<const GenerateRequest*>& requests,
+                               const std::vector<int64_t>& slots, const RegionFn& exact_fn) {
   const int64_t n = static_cast<int64_t>(requests.size());
   int64_t max_len = 0, real = 0;
-  std::vector<at::Tensor> tiles;
   for (const auto* r : requests) {
     max_len = std::max<int64_t>(max_len, r->input_ids.size());
     real += r->input_ids.size();
+  }
+  DispatchResult r = Dispatch(
+      options_.buckets.PickPrefill(n, max_len), BucketKey{Region::kPrefill, n, max_len, 0},
+      [&](const BucketKey& key) {
+        FillPrefill(requests, slots, key);
+        return MakeRegionFn(key);
+      },
+      exact_fn, real);
+  r.outputs[0] = r.outputs[0].narrow(0, 0, n);
+  return r;
+}
+
+void Engine::FillPrefill(const std::vector<const GenerateRequest*>& requests,
+                         const std::vector<int64_t>& slots, const BucketKey& key) {
+  Buffers& buf = *buffers_;
+  const int64_t n = static_cast<int64_t>(requests.size());
+  std::vector<at::Tensor> tiles;
+  for (const auto* r : requests) {
     if (r->tiles.defined() && r->tiles.numel() > 0) tiles.push_back(r->tiles);
   }
   if (!tiles.empty()) {
@@ -360,7 +378,6 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
     for (at::Tensor& t : tiles) t = ToDevice(t);
     RunVision(tiles.size() == 1 ? tiles[0] : at::cat(tiles, 0), 0);
   }
-  const BucketKey key = *options_.buckets.PickPrefill(n, max_len);
   // Host-side padding: rows right-padded with the pad id; padding rows write the scratch KV row.
   // Causal attention means real tokens never see the right padding, so their logits equal an
   // unpadded run's.
@@ -380,28 +397,40 @@ std::pair<at::Tensor, at::Tensor> Engine::PrefillGroup(
   buf.slots.narrow(0, 0, key.batch).copy_(slot_ids, true);
   buf.last.narrow(0, 0, key.batch).copy_(last, true);
   if (observer_) observer_->OnBatch(Region::kPrefill, n);
-  std::vector<at::Tensor> out = RunRegion(key, real, key.batch * key.seq);
-  return {out[0].narrow(0, 0, n), out[1]};
 }
 
-at::Tensor Engine::PrefillOversize(const GenerateRequest& request, int64_t slot) {
-  const int64_t len = static_cast<int64_t>(request.input_ids.size());
-  const BucketKey exact{Region::kPrefill, 1, len, 0};
+Engine::ExactPrompts Engine::ToExactPrompts(
+    const std::vector<const GenerateRequest*>& requests) const {
+  const int64_t n = static_cast<int64_t>(requests.size());
+  int64_t max_len = 0;
+  for (const auto* r : requests) max_len = std::max<int64_t>(max_len, r->input_ids.size());
+  ExactPrompts p;
+  at::Tensor ids = at::full({n, max_len}, model_->cfg.pad_token_id(), at::kLong);
+  at::Tensor last = at::zeros({n}, at::kLong);
+  std::vector<at::Tensor> tiles;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& q = requests[i]->input_ids;
+    std::copy(q.begin(), q.end(), ids.data_ptr<int64_t>() + i * max_len);
+    last.data_ptr<int64_t>()[i] = static_cast<int64_t>(q.size()) - 1;
+    if (requests[i]->tiles.defined() && requests[i]->tiles.numel() > 0)
+      tiles.push_back(ToDevice(requests[i]->tiles));
+  }
+  p.ids = ids.to(options_.device);
+  p.last = last.to(options_.device);
+  if (!tiles.empty()) p.tiles = tiles.size() == 1 ? tiles[0] : at::cat(tiles, 0);
+  return p;
+}
+
+std::vector<at::Tensor> Engine::PrefillExact(const ExactPrompts& p, const at::Tensor& slots,
+                                             bool write_cache) {
   VisionLanguageModelImpl* m = model_.get();
-  Buffers* bf = buffers_.get();
-  auto dev_long = at::TensorOptions().dtype(at::kLong).device(options_.device);
-  at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
-  at::Tensor tiles =
-      request.tiles.defined() && request.tiles.numel() > 0 ? ToDevice(request.tiles) : at::Tensor();
-  at::Tensor slots = at::full({1}, slot, dev_long);
-  return RunEagerFallback(
-      exact,
-      [&] {
-        at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
-        at::Tensor h = m->decoder->Prefill(m->Embed(ids, rows), &bf->cache, slots);
-        return std::vector<at::Tensor>{m->decoder->Logits(h.select(1, len - 1)), h};
-      },
-      len)[0];
+  at::Tensor rows = p.tiles.defined() ? m->EncodeImages(p.tiles) : at::Tensor();
+  at::Tensor x = m->Embed(p.ids, rows);
+  at::Tensor h = write_cache ? m->decoder->Prefill(x, &buffers_->cache, slots)
+                             : m->decoder->Forward(x);  // (n, len, H)
+  const int64_t hidden = h.size(2);
+  at::Tensor idx = p.last.view({-1, 1, 1}).expand({p.last.size(0), 1, hidden});
+  return {m->decoder->Logits(h.gather(1, idx).squeeze(1)), h};
 }
 
 std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits,
@@ -438,9 +467,11 @@ FinishReason Engine::EndByCount(const Sequence& seq, int64_t ahead) const {
 
 void Engine::Free(int64_t slot) { slots_[static_cast<size_t>(slot)].reset(); }
 
-std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
+std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
                                       std::vector<TokenEvent>* events) {
-  for (const auto& r : requests) Validate(r);
+  std::vector<GenerateRequest> requests;
+  requests.reserve(validated.size());
+  for (auto& v : validated) requests.push_back(std::move(v.request_));
   if (static_cast<int64_t>(requests.size()) > FreeSlots()) {
     throw EngineError(EngineError::Code::kResourceExhausted,
                       "admitting " + std::to_string(requests.size()) + " sequences but only " +
@@ -449,45 +480,60 @@ std::vector<SequenceId> Engine::Admit(std::vector<GenerateRequest> requests,
   at::NoGradGuard no_grad;
   std::vector<Sequence*> seqs;
   std::vector<SequenceId> ids;
-  for (auto& r : requests) {
-    size_t slot = 0;
-    while (slots_[slot]) ++slot;  // lowest free row keeps decode batches small
-    auto seq = std::make_unique<Sequence>();
-    seq->id = next_id_++;
-    seq->slot = static_cast<int64_t>(slot);
-    seq->length = static_cast<int64_t>(r.input_ids.size());
-    seq->sampling = r.sampling;
-    seqs.push_back(seq.get());
-    ids.push_back(seq->id);
-    slots_[slot] = std::move(seq);
-  }
-  // Group consecutive requests into prefill buckets: at most max_batch rows, prompts within the
-  // largest seq bucket; an oversize prompt runs alone, eagerly.
-  const auto& b = options_.buckets;
-  size_t i = 0;
-  while (i < requests.size()) {
-    if (static_cast<int64_t>(requests[i].input_ids.size()) > b.max_seq()) {
-      at::Tensor logits = PrefillOversize(requests[i], seqs[i]->slot);
-      Emit(*seqs[i], SampleRows(logits, {seqs[i]})[0], events);
-      ++i;
-      continue;
+  try {
+    for (auto& r : requests) {
+      size_t slot = 0;
+      while (slots_[slot]) ++slot;  // lowest free row keeps decode batches small
+      auto seq = std::make_unique<Sequence>();
+      seq->id = next_id_++;
+      seq->slot = static_cast<int64_t>(slot);
+      seq->length = static_cast<int64_t>(r.input_ids.size());
+      seq->sampling = r.sampling;
+      seqs.push_back(seq.get());
+      ids.push_back(seq->id);
+      slots_[slot] = std::move(seq);
     }
-    std::vector<const GenerateRequest*> group;
-    std::vector<Sequence*> group_seqs;
-    std::vector<int64_t> group_slots;
-    while (i < requests.size() && static_cast<int64_t>(group.size()) < b.max_batch() &&
-           static_cast<int64_t>(requests[i].input_ids.size()) <= b.max_seq()) {
-      group.push_back(&requests[i]);
-      group_seqs.push_back(seqs[i]);
-      group_slots.push_back(seqs[i]->slot);
-      ++i;
+    // Group consecutive requests into prefill batches of at most max_batch rows whose prompts fit
+    // the largest seq bucket. A longer prompt goes alone: no bucket fits it, so Prefill runs it at
+    // its exact length, eagerly.
+    const auto& b = options_.buckets;
+    auto fits = [&](size_t k) {
+      return static_cast<int64_t>(requests[k].input_ids.size()) <= b.max_seq();
+    };
+    size_t i = 0;
+    while (i < requests.size()) {
+      std::vector<const GenerateRequest*> group;
+      std::vector<Sequence*> group_seqs;
+      std::vector<int64_t> group_slots;
+      const bool alone = !fits(i);
+      do {
+        group.push_back(&requests[i]);
+        group_seqs.push_back(seqs[i]);
+        group_slots.push_back(seqs[i]->slot);
+        ++i;
+      } while (!alone && i < requests.size() &&
+               static_cast<int64_t>(group.size()) < b.max_batch() && fits(i));
+      const DispatchResult r = Prefill(group, group_slots, [&] {
+        const at::Tensor slots = at::tensor(group_slots, at::kLong).to(options_.device);
+        return PrefillExact(ToExactPrompts(group), slots, /*write_cache=*/true);
+      });
+      std::vector<int64_t> tokens = SampleRows(r.outputs[0], group_seqs);
+      for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
     }
-    at::Tensor logits = PrefillGroup(group, group_slots).first;
-    std::vector<int64_t> tokens = SampleRows(logits, group_seqs);
-    for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
+  } catch (...) {
+    // No caller will own these sequences: give their slots back.
+    for (SequenceId id : ids) Cancel(id);
+    throw;
   }
   return ids;
 }
+
+void Engine::CancelAll() {
+  for (auto& s : slots_) s.reset();
+  queued_.reset();
+}
+
+std::string Engine::DeviceFault() const { return vlmgraph::DeviceFault(options_.device); }
 
 void Engine::Cancel(SequenceId id) {
   for (auto& s : slots_) {
@@ -498,8 +544,10 @@ void Engine::Cancel(SequenceId id) {
   }
 }
 
-std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> requests) {
-  for (const auto& r : requests) Validate(r);
+std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> unchecked) {
+  std::vector<ValidatedRequest> requests;
+  requests.reserve(unchecked.size());
+  for (auto& r : unchecked) requests.push_back(Validate(std::move(r)));
   std::vector<std::vector<int64_t>> out(requests.size());
   std::map<SequenceId, size_t> owner;
   size_t next = 0;
@@ -508,7 +556,7 @@ std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> 
     const int64_t free = FreeSlots();
     if (next < requests.size() && free > 0) {
       const size_t n = std::min<size_t>(static_cast<size_t>(free), requests.size() - next);
-      std::vector<GenerateRequest> batch(requests.begin() + next, requests.begin() + next + n);
+      std::vector<ValidatedRequest> batch(requests.begin() + next, requests.begin() + next + n);
       std::vector<SequenceId> ids = Admit(std::move(batch), &events);
       for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
       next += n;
@@ -524,9 +572,14 @@ std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> 
 // ---------------------------------------------------------------------------------------------
 // Scoring.
 
-ForwardResult Engine::Forward(const ForwardRequest& request) {
-  ValidateTokens(request.input_ids, request.tiles);
+ValidatedForward Engine::Validate(ForwardRequest request) const {
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
+  if (len > max_context()) {
+    throw Invalid("input_ids: " + std::to_string(len) +
+                  " tokens exceed the longest context bucket (" + std::to_string(max_context()) +
+                  " tokens, buckets.context_lens)");
+  }
+  ValidateTokens(request.input_ids, request.tiles);
   if (!request.target_ids.empty()) {
     const std::string error =
         CheckTargetIds(model_->cfg, request.target_ids, request.input_ids.size(), "target_ids");
@@ -537,33 +590,25 @@ ForwardResult Engine::Forward(const ForwardRequest& request) {
       throw Invalid("logits position " + std::to_string(p) + " is outside [0, " +
                     std::to_string(len) + ")");
   }
+  return ValidatedForward(std::move(request));
+}
+
+ForwardResult Engine::Forward(const ValidatedForward& validated) {
+  const ForwardRequest& request = validated.request_;
+  const int64_t len = static_cast<int64_t>(request.input_ids.size());
   at::NoGradGuard no_grad;
   ForwardResult result;
-  at::Tensor hidden;  // (len, H)
   const GenerateRequest as_prompt{request.input_ids, request.tiles, {}};
-  if (auto key = options_.buckets.PickPrefill(1, len)) {
-    std::vector<const GenerateRequest*> one{&as_prompt};
-    // The scratch KV row: scoring never disturbs a live sequence's cache.
-    hidden = PrefillGroup(one, {buffers_->scratch_row}).second.select(0, 0).narrow(0, 0, len);
-    result.bucket = *key;
-    result.graphed = runner_->Has(*key);
-  } else {
-    VisionLanguageModelImpl* m = model_.get();
-    at::Tensor ids = at::tensor(request.input_ids, at::kLong).view({1, len}).to(options_.device);
-    at::Tensor tiles = request.tiles.defined() && request.tiles.numel() > 0
-                           ? ToDevice(request.tiles)
-                           : at::Tensor();
-    result.bucket = BucketKey{Region::kPrefill, 1, len, 0};
-    hidden = RunEagerFallback(
-                 result.bucket,
-                 [&] {
-                   at::Tensor rows = tiles.defined() ? m->EncodeImages(tiles) : at::Tensor();
-                   return std::vector<at::Tensor>{m->decoder->Forward(m->Embed(ids, rows))};
-                 },
-                 len)[0]
-                 .select(0, 0);
-  }
-  at::Tensor logits = model_->decoder->Logits(hidden).to(at::kFloat);  // (len, V)
+  const std::vector<const GenerateRequest*> one{&as_prompt};
+  // A bucket runs on the scratch KV row, so scoring never disturbs a live sequence's cache; a
+  // prompt longer than every seq bucket runs at its exact length without the cache.
+  const DispatchResult r = Prefill(one, {buffers_->scratch_row}, [&] {
+    return PrefillExact(ToExactPrompts(one), at::Tensor(), /*write_cache=*/false);
+  });
+  result.bucket = r.key;
+  result.graphed = r.kind != RunKind::kEager;
+  const at::Tensor hidden = r.outputs[1].select(0, 0).narrow(0, 0, len);  // (len, H)
+  at::Tensor logits = model_->decoder->Logits(hidden).to(at::kFloat);     // (len, V)
   if (!request.target_ids.empty()) {
     at::Tensor targets = at::tensor(request.target_ids, at::kLong).to(options_.device);
     result.loss_tokens = targets.ne(-100).sum().item<int64_t>();

@@ -30,9 +30,11 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/bucket.h"
+#include "engine/dispatch.h"
 #include "engine/engine_types.h"
 #include "engine/step_runner.h"
 #include "model/vision_language_model.h"
@@ -58,6 +60,26 @@ struct EngineOptions {
   std::optional<bool> overlap_decode_steps;
 };
 
+class Engine;
+
+// A request that Engine::Validate accepted (GenerateRequest or ForwardRequest); only Validate
+// makes one, so whoever holds it (the server's scheduler queue, Engine::Admit, Engine::Forward)
+// never checks it again. It is valid for the engine that made it: the checks read that engine's
+// model and buckets. Thread rules: a value type.
+template <typename Request>
+class Validated {
+ public:
+  const Request& get() const { return request_; }
+  const Request* operator->() const { return &request_; }
+
+ private:
+  friend class Engine;
+  explicit Validated(Request request) : request_(std::move(request)) {}
+  Request request_;
+};
+using ValidatedRequest = Validated<GenerateRequest>;
+using ValidatedForward = Validated<ForwardRequest>;
+
 class Engine {
  public:
   using Clock = std::chrono::steady_clock;
@@ -71,19 +93,24 @@ class Engine {
   // one shared graph pool), unless graphs are off or capture is lazy. Idempotent.
   void Warmup();
 
-  // Checks a request without running it: ids inside the vocabulary, image-token count equal to
-  // tiles x mp_image_token_length, tile shape (N, 3, S, S), prompt + max_new_tokens within the
-  // longest context, sampling parameters in range, prompt within the largest prefill bucket when
-  // the oversize policy is reject. Throws EngineError(kInvalidArgument) saying what to change.
-  void Validate(const GenerateRequest& request) const;
+  // The one validation of a generation request: ids inside the vocabulary, image-token count
+  // equal to tiles x mp_image_token_length, tile shape (N, 3, S, S), prompt + max_new_tokens
+  // within the longest context, sampling parameters in range, prompt within the largest prefill
+  // bucket when the oversize policy is reject. Returns the request as a ValidatedRequest, which
+  // the server's scheduler and Admit carry without checking again. Throws
+  // EngineError(kInvalidArgument) saying what to change.
+  ValidatedRequest Validate(GenerateRequest request) const;
 
   // --- continuous batching (GPU thread) ---------------------------------------------------------
   int64_t FreeSlots() const;
   int64_t ActiveSequences() const;
-  // Admits up to FreeSlots() requests (validated first: a bad one throws before any work runs).
-  // Runs vision and prefill in bucket-sized groups and samples each first token; appends one
-  // TokenEvent per request to `events` (finished when max_new_tokens == 1 or a stop token came).
-  std::vector<SequenceId> Admit(std::vector<GenerateRequest> requests,
+  // Admits up to FreeSlots() requests, validated by this engine's Validate. Runs vision and
+  // prefill in bucket-sized groups and samples each first token; appends one TokenEvent per
+  // request to `events` (finished when max_new_tokens == 1 or a stop token came). Throws
+  // EngineError(kResourceExhausted) when more requests than free slots are given. If it throws,
+  // none of the requests holds a slot (events already appended name sequences that no longer
+  // exist).
+  std::vector<SequenceId> Admit(std::vector<ValidatedRequest> requests,
                                 std::vector<TokenEvent>* events);
   // One decode step for every active sequence; appends one TokenEvent per sequence that was
   // active when the step was queued and still is (none for a sequence cancelled since).
@@ -101,13 +128,25 @@ class Engine {
   void Step(std::vector<TokenEvent>* events);
   // Ends a sequence now and frees its slot; unknown or finished ids are ignored.
   void Cancel(SequenceId id);
+  // Ends every sequence and drops the queued decode step (after a failed step, so that no slot
+  // stays held by a sequence nobody reads).
+  void CancelAll();
+  // DeviceFault (engine/device.h) of the engine's device: "" while it can run work. GPU thread.
+  std::string DeviceFault() const;
 
-  // Runs `requests` to completion with continuous batching; returns each request's new tokens.
+  // Validates `requests` (all before any runs), runs them to completion with continuous
+  // batching and returns each request's new tokens.
   std::vector<std::vector<int64_t>> Generate(std::vector<GenerateRequest> requests);
+
+  // The one validation of a scoring request: prompt checks as for generation (ids, image tokens,
+  // tiles, at most the longest context, the oversize policy), target_ids as long as the prompt
+  // with ids in the vocabulary or -100, logits_positions inside the prompt. Throws
+  // EngineError(kInvalidArgument) saying what to change.
+  ValidatedForward Validate(ForwardRequest request) const;
 
   // Scores one prompt: vision + the prefill region (graphed when a bucket fits), then loss and
   // the requested logits. Uses no KV slot.
-  ForwardResult Forward(const ForwardRequest& request);
+  ForwardResult Forward(const ValidatedForward& request);
 
   // Diagnostics (GPU thread): runs the region of `key` `iters` times back to back on the inputs
   // its buffers hold (replays of its graph, captured first if missing, or eager calls) and returns
@@ -133,30 +172,43 @@ class Engine {
 
   // The region function of a bucket, over the static buffers.
   RegionFn MakeRegionFn(const BucketKey& key);
-  // Runs a bucketed vision or prefill region (replay, capture on first use, or eager), waits for
-  // it and records it. (Decode steps: QueueDecode / FinishDecode.)
-  std::vector<at::Tensor> RunRegion(const BucketKey& key, int64_t real_tokens,
-                                    int64_t padded_tokens);
-  // Runs an exact-shape eager function for a shape with no bucket and records the fallback.
-  std::vector<at::Tensor> RunEagerFallback(const BucketKey& exact, const RegionFn& fn,
-                                           int64_t real_tokens);
+  // Runs a vision or prefill region through the dispatcher (engine/dispatch.h: the smallest
+  // bucket that fits, else `exact_fn` eagerly), waits for it and records it (runs, captures, real
+  // and padded tokens, latency). Decode steps dispatch in QueueDecode and record in FinishDecode.
+  DispatchResult Dispatch(const std::optional<BucketKey>& bucket, const BucketKey& exact,
+                          const RegionDispatcher::BucketedFn& bucketed, const RegionFn& exact_fn,
+                          int64_t real_tokens);
   // Records one run of a region: CountRun its counters (runs, captures, real and padded tokens),
   // ObserveTime its latency for the observer; Count both.
   void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
   void CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded);
   void ObserveTime(const BucketKey& key, RunKind kind, double seconds);
-  // Counts a shape with no bucket that runs eagerly and tells the observer.
-  void CountEagerFallback(const BucketKey& exact);
+  // Counts a shape with no bucket that runs eagerly and tells the observer (the dispatcher's
+  // fallback callback).
+  void CountEagerFallback(const BucketKey& exact, const std::string& reason);
   // Request tiles (N, 3, S, S), any dtype, on the engine's device in its dtype.
   at::Tensor ToDevice(const at::Tensor& tiles) const;
   // Encodes `tiles` (N, 3, S, S) into image_rows[row_offset : row_offset + N * tokens_per_tile).
   void RunVision(const at::Tensor& tiles, int64_t row_offset);
-  // Vision + prefill for requests whose prompts fit one prefill bucket; writes their KV rows.
-  // Returns (last-position logits (n, V), hidden states (bucket batch, bucket seq, H)).
-  std::pair<at::Tensor, at::Tensor> PrefillGroup(
-      const std::vector<const GenerateRequest*>& requests, const std::vector<int64_t>& slots);
-  // Exact-shape eager prefill of one oversize prompt (no bucket fits).
-  at::Tensor PrefillOversize(const GenerateRequest& request, int64_t slot);
+  // Vision + prefill of `requests` (one prefill batch) through Dispatch: the smallest prefill
+  // bucket that fits (FillPrefill, then the region), else `exact_fn`. outputs[0]: last-position
+  // logits (n, V); outputs[1]: hidden states (rows, seq >= longest prompt, H).
+  DispatchResult Prefill(const std::vector<const GenerateRequest*>& requests,
+                         const std::vector<int64_t>& slots, const RegionFn& exact_fn);
+  // Fills the prefill buffers for `key` (vision for the requests' tiles into image_rows, ids
+  // right-padded with the pad id, KV slots, last positions); padding rows write the scratch row.
+  void FillPrefill(const std::vector<const GenerateRequest*>& requests,
+                   const std::vector<int64_t>& slots, const BucketKey& key);
+  // Prompts at their exact shape on the device: ids (n, longest) right-padded with the pad id,
+  // last positions (n), every request's tiles joined (undefined when none).
+  struct ExactPrompts {
+    at::Tensor ids, last, tiles;
+  };
+  ExactPrompts ToExactPrompts(const std::vector<const GenerateRequest*>& requests) const;
+  // Eager vision + prefill at the exact shape: writes KV rows `slots` (n) when `write_cache`,
+  // else runs without the cache. Returns {last-position logits (n, V), hidden (n, longest, H)}.
+  std::vector<at::Tensor> PrefillExact(const ExactPrompts& prompts, const at::Tensor& slots,
+                                       bool write_cache);
   // Next token for each sequence from its logits row (n, V); one host copy.
   std::vector<int64_t> SampleRows(const at::Tensor& logits, const std::vector<Sequence*>& seqs);
   void Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events);
@@ -178,6 +230,7 @@ class Engine {
   VisionLanguageModel model_;
   EngineOptions options_;
   std::unique_ptr<StepRunner> runner_;
+  std::unique_ptr<RegionDispatcher> dispatch_;  // over runner_
   std::unique_ptr<Buffers> buffers_;
   std::vector<std::unique_ptr<Sequence>> slots_;  // one per KV cache row; nullptr = free
   bool overlap_decode_ = false;                   // options_.overlap_decode_steps resolved

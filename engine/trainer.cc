@@ -177,6 +177,10 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
   if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+  dispatch_ = std::make_unique<RegionDispatcher>(
+      runner_.get(), [this](const BucketKey& exact, const std::string& reason) {
+        if (options_.observer) options_.observer->OnEagerFallback(exact.region, reason);
+      });
 }
 
 Trainer::~Trainer() = default;
@@ -436,38 +440,35 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
-  std::optional<BucketKey> bucket;
-  if (!options_.exact_shapes) bucket = options_.buckets.PickTrain(n, max_len);
-  if (auto k = bucket) {
-    *key = *k;
-    MicroBuffers& buf = BuffersFor(*k);
-    FillBuffers(buf, micro, target_tokens);
-    std::vector<at::Tensor> out;
-    const auto t_run = Clock::now();
-    *kind = runner_->Run(
-        *k, [this, &buf] { return RunMicro(buf); }, /*capture_if_missing=*/runner_->captures(),
-        &out);
-    if (*kind == RunKind::kCaptureAndReplay) {
-      ++captures_;
-      if (options_.observer)
-        options_.observer->OnCapture(*k,
-                                     std::chrono::duration<double>(Clock::now() - t_run).count());
-    }
-    if (*kind != RunKind::kEager) ++replays_;
-    // The static outputs are overwritten by this bucket's next replay: clone them.
-    if (out.size() > 2) *optimizer_out = {out[1].clone(), out[2].clone()};
-    return out[0].clone();
+  std::unique_ptr<MicroBuffers> exact_buffers;
+  const DispatchResult r = dispatch_->Run(
+      options_.exact_shapes ? std::nullopt : options_.buckets.PickTrain(n, max_len),
+      BucketKey{Region::kTrain, n, max_len, 0},
+      [&](const BucketKey& k) -> RegionFn {
+        MicroBuffers& buf = BuffersFor(k);
+        FillBuffers(buf, micro, target_tokens);
+        return [this, &buf] { return RunMicro(buf); };
+      },
+      [&] {
+        exact_buffers = MakeBuffers(BucketKey{Region::kTrain, n, max_len, 0});
+        FillBuffers(*exact_buffers, micro, target_tokens);
+        return RunMicro(*exact_buffers);
+      },
+      /*exact_requested=*/options_.exact_shapes);
+  *key = r.key;
+  *kind = r.kind;
+  if (r.kind == RunKind::kCaptureAndReplay) {
+    ++captures_;
+    if (options_.observer) options_.observer->OnCapture(r.key, r.seconds);
   }
-  // Exact shapes asked for, or no bucket fits: the micro-batch's own shape, eagerly.
-  *key = BucketKey{Region::kTrain, n, max_len, 0};
-  if (!options_.exact_shapes && options_.observer)
-    options_.observer->OnEagerFallback(Region::kTrain, "no bucket fits " + key->Label());
-  *kind = RunKind::kEager;
-  std::unique_ptr<MicroBuffers> exact = MakeBuffers(*key);
-  FillBuffers(*exact, micro, target_tokens);
-  std::vector<at::Tensor> out = RunMicro(*exact);
-  if (out.size() > 2) *optimizer_out = {out[1], out[2]};
-  return out[0];
+  if (r.kind != RunKind::kEager) ++replays_;
+  if (!r.bucketed) {
+    if (r.outputs.size() > 2) *optimizer_out = {r.outputs[1], r.outputs[2]};
+    return r.outputs[0];
+  }
+  // A bucket's static outputs are overwritten by its next replay: clone them.
+  if (r.outputs.size() > 2) *optimizer_out = {r.outputs[1].clone(), r.outputs[2].clone()};
+  return r.outputs[0].clone();
 }
 
 TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {

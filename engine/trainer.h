@@ -71,6 +71,7 @@
 
 #include "engine/bucket.h"
 #include "engine/data_parallel.h"
+#include "engine/dispatch.h"
 #include "engine/engine_types.h"
 #include "engine/fused_optimizer.h"
 #include "engine/step_runner.h"
@@ -231,6 +232,8 @@ class Trainer {
   // bfloat16 mode: float32 host copies of frozen parameters whose source was not bf16.
   std::map<std::string, at::Tensor> frozen_float32_;
   std::unique_ptr<StepRunner> runner_;
+  std::unique_ptr<RegionDispatcher>
+      dispatch_;  // over runner_: bucket or exact shape per micro-step
   std::map<BucketKey, std::unique_ptr<MicroBuffers>> buffers_;
   std::vector<at::Tensor> optimizer_outputs_;
   at::Tensor max_grad_norm_;  // device scalar

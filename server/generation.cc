@@ -29,7 +29,7 @@ class CancelUnlessDone {
 
 }  // namespace
 
-GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, GenerateRequest request,
+GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,
                                 const std::function<bool(const GenerationDelta&)>& write,
                                 const std::function<bool()>& is_cancelled) {

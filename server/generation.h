@@ -7,10 +7,10 @@
 //       [&](const GenerationDelta& d) { return writer->Write(ToProto(d)); },   // false: gone
 //       [&] { return context->IsCancelled(); });
 //
-// The request must be validated (Engine::Validate) before. Deltas come in order; each carries the
-// new token ids and, with a TextStream, their new text (stop strings already applied: the text
-// ends before a stop string, and the generation is cancelled in the engine when one matches).
-// Records time to first token, inter-token latency and generated tokens in `metrics`.
+// The request is validated (Engine::Validate makes a ValidatedRequest). Deltas come in order; each
+// carries the new token ids and, with a TextStream, their new text (stop strings already applied:
+// the text ends before a stop string, and the generation is cancelled in the engine when one
+// matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
 //
 // Errors: ServerError CANCELLED when `is_cancelled` turns true or `write` returns false (the
 // sequence is cancelled in the engine first); what the scheduler throws (RESOURCE_EXHAUSTED,
@@ -51,7 +51,7 @@ struct GenerationOutcome {
 // How often a waiting request checks `is_cancelled`.
 inline constexpr std::chrono::milliseconds kGenerationPollInterval{50};
 
-GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, GenerateRequest request,
+GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,
                                 const std::function<bool(const GenerationDelta&)>& write,
                                 const std::function<bool()>& is_cancelled);

@@ -15,12 +15,15 @@
 // failures.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "model/log.h"
@@ -63,8 +66,12 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
     LogInfo("text: no tokenizer; requests must send token ids");
   }
   Metrics metrics(config.server.metrics_address);
-  Scheduler scheduler(&metrics, SchedulerOptions{config.batching.max_queue_delay_us,
-                                                 config.batching.max_queue_size});
+  SchedulerOptions scheduler_options{config.batching.max_queue_delay_us,
+                                     config.batching.max_queue_size};
+  // Note [Device faults] (server/scheduler.h): a dead GPU context shuts the server down with
+  // status 1, through the same drain as SIGTERM, so the container's restart policy replaces it.
+  scheduler_options.on_device_fault = [](const std::string&) { kill(getpid(), SIGTERM); };
+  Scheduler scheduler(&metrics, scheduler_options);
   scheduler.Start([&] {
     std::unique_ptr<vlmgraph::Engine> engine = BuildEngine(config);
     engine->SetObserver(&metrics);
@@ -115,6 +122,11 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
       0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
   grpc_server.Shutdown(left_seconds);  // every handler has returned after this
   if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
+  if (const std::string fault = scheduler.device_fault(); !fault.empty()) {
+    LogError("exiting with status 1 after a device fault: " + fault);
+    std::fflush(nullptr);
+    std::_Exit(1);  // destructors would call into the failed CUDA context
+  }
   const vlmgraph::EngineCounters counters = engine.Counters();
   scheduler.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engine
   LogInfo("stopped: " + std::to_string(counters.TotalReplays()) + " graph replays, " +

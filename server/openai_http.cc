@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
@@ -257,14 +258,15 @@ void OpenAiHttpServer::Impl::HandleCompletion(const httplib::Request& req, httpl
 void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Response& res,
                                       PreparedGeneration g, bool chat,
                                       std::shared_ptr<InFlight> in_flight) {
-  scheduler->engine().Validate(g.request);  // ids, image tokens vs tiles, context; thread-safe
+  // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
+  ValidatedRequest request = scheduler->engine().Validate(std::move(g.request));
   const Clock::time_point accepted =
       t_request.accepted == Clock::time_point{} ? Clock::now() : t_request.accepted;
   if (LogEnabled(LogLevel::kDebug)) {
-    const int64_t tiles = g.request.tiles.defined() ? g.request.tiles.size(0) : 0;
+    const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
     LogDebug("HTTP " + req.path + " from " + req.remote_addr + ": " +
              std::to_string(g.prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
-             " tiles, max_tokens " + std::to_string(g.request.sampling.max_new_tokens) +
+             " tiles, max_tokens " + std::to_string(request->sampling.max_new_tokens) +
              (g.stream ? ", stream" : ""));
   }
   const ResponseMeta meta = NewResponseMeta(chat ? "chatcmpl" : "cmpl", ctx.served_model_name);
@@ -274,7 +276,7 @@ void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Resp
   if (!g.stream) {
     std::string out;
     const GenerationOutcome o = RunGeneration(
-        *scheduler, metrics, std::move(g.request), accepted, text_stream.get(),
+        *scheduler, metrics, std::move(request), accepted, text_stream.get(),
         [&out](const GenerationDelta& d) {
           out += d.text;
           return true;
@@ -300,11 +302,12 @@ void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Resp
   }
   struct StreamState {
     PreparedGeneration g;
+    std::optional<ValidatedRequest> request;
     std::shared_ptr<TextStream> text;
     std::shared_ptr<InFlight> in_flight;
   };
   auto state = std::make_shared<StreamState>(
-      StreamState{std::move(g), std::move(text_stream), std::move(in_flight)});
+      StreamState{std::move(g), std::move(request), std::move(text_stream), std::move(in_flight)});
   res.status = 200;
   res.set_header("Cache-Control", "no-cache");
   res.set_header("X-Accel-Buffering", "no");  // proxies: pass events on at once
@@ -324,7 +327,7 @@ void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Resp
                                                   "", usage_chunks)));
           }
           const GenerationOutcome o = RunGeneration(
-              *scheduler, metrics, std::move(state->g.request), accepted, state->text.get(),
+              *scheduler, metrics, std::move(*state->request), accepted, state->text.get(),
               [&](const GenerationDelta& d) {
                 if (d.text.empty()) return !client_gone;  // held back: nothing to send yet
                 return send(SseEvent(

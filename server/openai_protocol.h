@@ -5,8 +5,8 @@
 //   const RequestContext ctx{config.served_model_name, config.limits};
 //   ChatCompletionRequest chat = ParseChatCompletionRequest(body, ctx);       // throws ApiError
 //   PreparedGeneration g = PrepareChatCompletion(chat, text_model, cfg, limits, max_context);
-//   engine.Validate(g.request);
-//   ... RunGeneration(..., std::move(g.request), ...) ...
+//   ValidatedRequest request = engine.Validate(std::move(g.request));
+//   ... RunGeneration(..., std::move(request), ...) ...
 //   ResponseMeta meta = NewResponseMeta("chatcmpl", ctx.served_model_name);
 //   std::string body = Dump(ChatCompletionJson(meta, text, FinishReasonString(outcome), usage));
 //

@@ -99,7 +99,36 @@ void Scheduler::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+std::string Scheduler::device_fault() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_fault_;
+}
+
+bool Scheduler::DeviceFailed() {
+  std::string fault;
+  try {
+    fault = options_.device_fault ? options_.device_fault(*engine_) : engine_->DeviceFault();
+  } catch (const std::exception& e) {
+    fault = e.what();
+  }
+  if (fault.empty()) return false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!device_fault_.empty()) return true;
+    device_fault_ = fault;
+    accepting_ = false;
+    stopping_ = true;
+  }
+  LogError("the device failed and cannot run work until the server restarts: " + fault);
+  if (options_.on_device_fault) options_.on_device_fault(fault);
+  return true;
+}
+
 void Scheduler::CheckAccepting() const {
+  if (!device_fault_.empty()) {
+    throw ServerError(grpc::StatusCode::UNAVAILABLE,
+                      "the GPU failed (" + device_fault_ + "); the server is restarting");
+  }
   if (!accepting_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
   CheckQueueLimit();
 }
@@ -114,10 +143,10 @@ void Scheduler::CheckQueueLimit() const {
   }
 }
 
-std::shared_ptr<GenerationStream> Scheduler::SubmitGenerate(GenerateRequest request,
+std::shared_ptr<GenerationStream> Scheduler::SubmitGenerate(ValidatedRequest request,
                                                             Clock::time_point accepted) {
   auto stream = std::make_shared<GenerationStream>(accepted);
-  stream->request_ = std::move(request);
+  stream->request_.emplace(std::move(request));
   {
     std::lock_guard<std::mutex> lock(mu_);
     CheckAccepting();
@@ -189,6 +218,10 @@ void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready
   Serve();
   FailEverything();
   engine_ = nullptr;  // engine() is valid from Start() to Stop() only
+  if (!device_fault().empty()) {
+    // Its destructor would call into the failed CUDA context; the process is about to exit.
+    (void)owned_engine_.release();
+  }
   owned_engine_.reset();
 }
 
@@ -227,7 +260,17 @@ void Scheduler::Serve() {
       if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size() + work_.size()));
     }
     for (const auto& stream : cancels) CancelOnGpuThread(stream);
-    for (auto& item : work) {
+    // On a device fault the items and requests taken from the queue go back, for FailEverything.
+    auto give_back = [&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      work_.insert(work_.begin(), std::make_move_iterator(work.begin()),
+                   std::make_move_iterator(work.end()));
+      pending_.insert(pending_.begin(), std::make_move_iterator(admit.begin()),
+                      std::make_move_iterator(admit.end()));
+    };
+    while (!work.empty()) {
+      WorkItem item = std::move(work.front());
+      work.pop_front();
       if (metrics_ && !item.cleanup)
         metrics_->ObserveQueueTime(item.rpc, Seconds(Clock::now() - item.accepted));
       try {
@@ -235,9 +278,10 @@ void Scheduler::Serve() {
         item.done->set_value();
       } catch (...) {
         item.done->set_exception(std::current_exception());
+        if (DeviceFailed()) return give_back();
       }
     }
-    if (!admit.empty()) Admit(std::move(admit), &events);
+    if (!admit.empty() && !Admit(std::move(admit), &events)) return;
     if (engine_->ActiveSequences() > 0) {
       try {
         engine_->Step(&events);
@@ -245,11 +289,11 @@ void Scheduler::Serve() {
         // A failed decode step leaves no sequence in a known state: end them all with the error.
         LogError("decode step failed; ending every running sequence");
         std::exception_ptr error = std::current_exception();
-        for (auto& [id, stream] : running_) {
-          engine_->Cancel(id);
-          stream->Fail(error);
-        }
+        for (auto& [id, stream] : running_) stream->Fail(error);
         running_.clear();
+        engine_->CancelAll();  // every slot, owned or not
+        events.clear();
+        if (DeviceFailed()) return;
       }
     }
     Route(&events);
@@ -257,27 +301,22 @@ void Scheduler::Serve() {
   }
 }
 
-void Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
+bool Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
                       std::vector<TokenEvent>* events) {
-  // Validate again here (cheap), so one bad request cannot fail the others of its group.
+  // Every request was validated before it was queued (ValidatedRequest).
   std::vector<std::shared_ptr<GenerationStream>> ok;
-  std::vector<GenerateRequest> requests;
+  std::vector<ValidatedRequest> requests;
   const auto now = Clock::now();
   for (auto& stream : batch) {
     if (stream->done()) continue;  // cancelled between queueing and admission
-    try {
-      engine_->Validate(stream->request_);
-    } catch (...) {
-      stream->Fail(std::current_exception());
-      continue;
-    }
     const double waited = Seconds(now - stream->accepted());
     stream->queue_seconds_ = waited;
     if (metrics_) metrics_->ObserveQueueTime("Generate", waited);
-    requests.push_back(std::move(stream->request_));
+    requests.push_back(std::move(*stream->request_));
+    stream->request_.reset();
     ok.push_back(std::move(stream));
   }
-  if (ok.empty()) return;
+  if (ok.empty()) return true;
   try {
     const std::vector<SequenceId> ids = engine_->Admit(std::move(requests), events);
     for (size_t i = 0; i < ids.size() && i < ok.size(); ++i) {
@@ -287,7 +326,9 @@ void Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
   } catch (...) {
     std::exception_ptr error = std::current_exception();
     for (auto& stream : ok) stream->Fail(error);
+    return !DeviceFailed();
   }
+  return true;
 }
 
 void Scheduler::Route(std::vector<TokenEvent>* events) {
@@ -324,11 +365,17 @@ void Scheduler::FailEverything() {
     work.swap(work_);
     cancels_.clear();
   }
-  for (auto& stream : pending) stream->Fail(ShuttingDown());
-  for (auto& item : work) item.done->set_exception(ShuttingDown());
+  const std::string fault = device_fault();
+  const std::exception_ptr error =
+      fault.empty() ? ShuttingDown()
+                    : std::make_exception_ptr(
+                          ServerError(grpc::StatusCode::UNAVAILABLE,
+                                      "the GPU failed (" + fault + "); the server is restarting"));
+  for (auto& stream : pending) stream->Fail(error);
+  for (auto& item : work) item.done->set_exception(error);
   for (auto& [id, stream] : running_) {
     engine_->Cancel(id);
-    stream->Fail(ShuttingDown());
+    stream->Fail(error);
   }
   running_.clear();
   UpdateGauges(/*force=*/true);

@@ -29,6 +29,16 @@
 // The queue is bounded: more than max_queue_size waiting requests (Generate and work items
 // together) -> RESOURCE_EXHAUSTED. After StopAccepting() submissions fail with UNAVAILABLE.
 //
+// Note [Device faults]: after any engine call fails, the GPU thread asks the engine whether its
+// device still works (Engine::DeviceFault). A CUDA error that leaves the context unusable (a
+// device-side assert, an illegal memory access) cannot be recovered inside the process: the
+// scheduler stops accepting, fails everything queued or running with UNAVAILABLE naming the
+// error, stops its loop (it never retries on a dead device) and calls
+// SchedulerOptions::on_device_fault once, which the server's main turns into a shutdown with a
+// non-zero exit status, so the container's restart policy brings up a fresh process (as vLLM's
+// API server exits when its engine dies). A failed decode step that leaves the device usable ends
+// the running sequences with the error and frees every slot.
+//
 // Thread rules: Submit*, Cancel, RunOnGpuThread, QueueDepth and engine() (for the Engine's
 // thread-safe methods only) are safe from any thread; Start and Stop from the owning (main)
 // thread. The engine is built, warmed up, driven and destroyed on the GPU thread. Errors reach
@@ -46,6 +56,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,6 +71,12 @@ using Clock = std::chrono::steady_clock;
 struct SchedulerOptions {
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 256;
+  // Called once, on the GPU thread, with the error when the device fails for good (Note [Device
+  // faults]). May be empty.
+  std::function<void(const std::string& error)> on_device_fault;
+  // How the GPU thread asks whether the device still works after a failed engine call: "" = it
+  // does. Empty: Engine::DeviceFault. (Tests inject faults through it.)
+  std::function<std::string(Engine&)> device_fault;
 };
 
 // One Generate request's channel from the GPU thread to its RPC handler.
@@ -89,8 +106,8 @@ class GenerationStream {
 
   const Clock::time_point accepted_;
   std::atomic<double> queue_seconds_{0};
-  GenerateRequest request_;  // moved into the engine at admission
-  SequenceId id_ = -1;       // GPU thread only
+  std::optional<ValidatedRequest> request_;  // moved into the engine at admission
+  SequenceId id_ = -1;                       // GPU thread only
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -122,10 +139,12 @@ class Scheduler {
   // Ends everything still queued or running (streams and work items fail with UNAVAILABLE
   // "server is shutting down"), then joins the GPU thread. Idempotent.
   void Stop();
+  // The device error that stopped the GPU thread (Note [Device faults]), "" if none. Any thread.
+  std::string device_fault() const;
 
   // Queues a validated request. Throws ServerError RESOURCE_EXHAUSTED (queue full) or
   // UNAVAILABLE (stopping).
-  std::shared_ptr<GenerationStream> SubmitGenerate(GenerateRequest request,
+  std::shared_ptr<GenerationStream> SubmitGenerate(ValidatedRequest request,
                                                    Clock::time_point accepted);
   // Ends `stream` (queued or running) with CANCELLED; a finished stream is left alone.
   void Cancel(const std::shared_ptr<GenerationStream>& stream);
@@ -159,10 +178,14 @@ class Scheduler {
 
   void Loop(const EngineStartup& make_engine, std::promise<void>* ready);
   void Serve();
-  void CheckAccepting() const;                     // mu_ held
+  void CheckAccepting() const;  // mu_ held
+  // After a failed engine call (GPU thread): true when the device failed for good; then
+  // device_fault_ is set, accepting_ is off and on_device_fault has been called.
+  bool DeviceFailed();
   void CheckQueueLimit() const;                    // mu_ held
   bool ReadyToAdmit(Clock::time_point now) const;  // mu_ held, GPU thread
-  void Admit(std::vector<std::shared_ptr<GenerationStream>> batch, std::vector<TokenEvent>* events);
+  // Admits `batch` into the engine; false when the device failed for good (Note [Device faults]).
+  bool Admit(std::vector<std::shared_ptr<GenerationStream>> batch, std::vector<TokenEvent>* events);
   void Route(std::vector<TokenEvent>* events);
   void CancelOnGpuThread(const std::shared_ptr<GenerationStream>& stream);
   void FailEverything();
@@ -180,6 +203,7 @@ class Scheduler {
   std::vector<std::shared_ptr<GenerationStream>> cancels_;
   bool accepting_ = true;
   bool stopping_ = false;
+  std::string device_fault_;  // mu_; set once by the GPU thread
 
   // GPU thread only.
   std::map<SequenceId, std::shared_ptr<GenerationStream>> running_;

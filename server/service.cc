@@ -144,14 +144,15 @@ grpc::Status VlmGraphService::Generate(grpc::ServerContext* context,
 void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
                                   grpc::ServerWriter<v1::GenerateResponse>* writer,
                                   Clock::time_point accepted) {
-  GenerateRequest req = ToEngineRequest(request, engine_->model_config(), config_.limits, text_);
-  engine_->Validate(req);  // ids, image tokens vs tiles, context; thread-safe
-  const int64_t prompt_tokens = static_cast<int64_t>(req.input_ids.size());
-  const int64_t tiles = req.tiles.defined() ? req.tiles.size(0) : 0;
+  // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
+  ValidatedRequest req =
+      engine_->Validate(ToEngineRequest(request, engine_->model_config(), config_.limits, text_));
+  const int64_t prompt_tokens = static_cast<int64_t>(req->input_ids.size());
+  const int64_t tiles = req->tiles.defined() ? req->tiles.size(0) : 0;
   if (LogEnabled(LogLevel::kDebug)) {
     LogDebug("Generate " + LogSafe(request.request_id()) + " from " + context->peer() + ": " +
              std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
-             " tiles, max_new_tokens " + std::to_string(req.sampling.max_new_tokens));
+             " tiles, max_new_tokens " + std::to_string(req->sampling.max_new_tokens));
   }
   std::unique_ptr<TextStream> text;
   if (text_) {
@@ -192,10 +193,9 @@ grpc::Status VlmGraphService::Forward(grpc::ServerContext* context,
 
 void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardResponse* response,
                                  Clock::time_point accepted) {
-  const ForwardRequest req =
-      ToEngineRequest(request, engine_->model_config(), config_.limits, text_);
-  CheckPrompt(req.input_ids, req.tiles, engine_->model_config(), engine_->max_context(),
-              "input_ids");
+  // The one validation (thread-safe): prompt, targets, logits positions.
+  const ValidatedForward req =
+      engine_->Validate(ToEngineRequest(request, engine_->model_config(), config_.limits, text_));
   ForwardResult result;
   double queue_seconds = 0;
   scheduler_->RunOnGpuThread(
@@ -205,12 +205,12 @@ void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardR
         result = engine.Forward(req);
       },
       accepted);
-  response->mutable_input_ids()->Add(req.input_ids.begin(), req.input_ids.end());
+  response->mutable_input_ids()->Add(req->input_ids.begin(), req->input_ids.end());
   response->set_loss(result.loss);
   response->set_loss_tokens(result.loss_tokens);
   for (size_t i = 0; i < result.logits.size(); ++i) {
     v1::PositionLogits* row = response->add_logits();
-    row->set_position(req.logits_positions[i]);
+    row->set_position(req->logits_positions[i]);
     row->mutable_logits()->Add(result.logits[i].begin(), result.logits[i].end());
   }
   response->set_bucket(result.bucket.Label());

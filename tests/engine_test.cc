@@ -10,6 +10,8 @@
 #include <ostream>
 #include <random>
 #include <set>
+#include <string>
+#include <type_traits>
 
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
@@ -105,7 +107,9 @@ std::vector<Outcome> Drive(Engine& engine, const std::vector<GenerateRequest>& r
     if (next < reqs.size() && engine.FreeSlots() > 0) {
       const size_t n =
           std::min<size_t>({2, static_cast<size_t>(engine.FreeSlots()), reqs.size() - next});
-      const auto ids = engine.Admit({reqs.begin() + next, reqs.begin() + next + n}, &events);
+      std::vector<ValidatedRequest> batch;
+      for (size_t k = next; k < next + n; ++k) batch.push_back(engine.Validate(reqs[k]));
+      const auto ids = engine.Admit(std::move(batch), &events);
       for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
       next += n;
     } else {
@@ -236,7 +240,7 @@ TEST(Engine, OverlappedStepsSurviveTimeRegionAndRunEachStepOnce) {
   auto run = [&](bool overlap, bool time_region, int64_t* decode_runs) {
     auto engine = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, overlap);
     std::vector<TokenEvent> events;
-    engine->Admit({q}, &events);
+    engine->Admit({engine->Validate(q)}, &events);
     for (int i = 0; engine->ActiveSequences() > 0; ++i) {
       if (i == 3 && time_region)
         engine->TimeRegion(*engine->options().buckets.PickDecode(1, 16), 3);
@@ -274,7 +278,7 @@ TEST(Engine, PaddedPrefillLogitsEqualUnpaddedForward) {
     ForwardRequest fr;
     fr.input_ids = RandomPrompt(rng, len, 1000);
     for (int64_t p = 0; p < len; ++p) fr.logits_positions.push_back(p);
-    ForwardResult got = engine->Forward(fr);
+    ForwardResult got = engine->Forward(engine->Validate(fr));
     EXPECT_GE(got.bucket.seq, len);
     at::NoGradGuard ng;
     at::Tensor want =
@@ -296,7 +300,7 @@ TEST(Engine, ForwardLossMatchesUpstreamLossPerRow) {
     fr.input_ids = Row(t.at("input_ids"), r);
     fr.tiles = t.at("images").narrow(0, r, 1);
     fr.target_ids = Row(t.at("targets"), r);
-    ForwardResult res = engine->Forward(fr);
+    ForwardResult res = engine->Forward(engine->Validate(fr));
     total += res.loss * res.loss_tokens;
     tokens += res.loss_tokens;
   }
@@ -326,12 +330,36 @@ TEST(Engine, BatchedMixedLengthsEqualUnbatchedReference) {
   EXPECT_EQ(c.TotalCaptures(), 0);  // CPU: eager only
 }
 
+// Fails every prefill batch while armed (an engine call that throws half-way through Admit).
+class FailingPrefill : public EngineObserver {
+ public:
+  void OnBatch(Region region, int64_t) override {
+    if (region == Region::kPrefill && armed) throw std::runtime_error("injected prefill failure");
+  }
+  bool armed = true;
+};
+
+TEST(Engine, FailedAdmitHoldsNoSlot) {
+  auto engine = MakeEngine(at::kCPU, false);
+  FailingPrefill observer;
+  engine->SetObserver(&observer);
+  auto reqs = FixtureRequests(4);
+  std::vector<TokenEvent> events;
+  EXPECT_THROW(engine->Admit({engine->Validate(reqs[0]), engine->Validate(reqs[1])}, &events),
+               std::runtime_error);
+  EXPECT_EQ(engine->FreeSlots(), 4);
+  EXPECT_EQ(engine->ActiveSequences(), 0);
+  observer.armed = false;
+  EXPECT_EQ(engine->Generate({reqs[0], reqs[1]})[1].size(), 4u);  // serves on afterwards
+  EXPECT_EQ(engine->DeviceFault(), "");                           // CPU: always usable
+}
+
 TEST(Engine, StopTokenEndsSequenceAndFreesSlot) {
   auto engine = MakeEngine(at::kCPU, false);
   auto reqs = FixtureRequests(6);
   reqs[0].sampling.stop_token_ids = {919};  // row 0's first generated token
   std::vector<TokenEvent> events;
-  engine->Admit({reqs[0]}, &events);
+  engine->Admit({engine->Validate(reqs[0])}, &events);
   ASSERT_EQ(events.size(), 1u);
   EXPECT_TRUE(events[0].finished);
   EXPECT_EQ(events[0].reason, FinishReason::kStopToken);
@@ -358,6 +386,105 @@ TEST(Engine, OversizePromptRunsEagerOrIsRejected) {
     EXPECT_NE(std::string(e.what()).find("largest prefill bucket (32)"), std::string::npos)
         << e.what();
   }
+}
+
+// A runner that "captures": records the buckets it ran, returns kCaptureAndReplay the first time.
+class RecordingRunner : public StepRunner {
+ public:
+  double Capture(const BucketKey&, const RegionFn&) override { return 0; }
+  RunKind Run(const BucketKey& key, const RegionFn& fn, bool capture_if_missing,
+              std::vector<at::Tensor>* outputs) override {
+    ran.push_back(key);
+    *outputs = fn();
+    const bool first = captured.insert(key.Label()).second;
+    return first && capture_if_missing ? RunKind::kCaptureAndReplay : RunKind::kReplay;
+  }
+  bool Has(const BucketKey& key) const override { return captured.count(key.Label()) > 0; }
+  bool captures() const override { return true; }
+  int64_t graph_count() const override { return static_cast<int64_t>(captured.size()); }
+  int64_t pool_bytes() const override { return 0; }
+  std::vector<BucketKey> ran;
+  std::set<std::string> captured;
+};
+
+TEST(RegionDispatcher, RunsTheBucketElseTheExactShapeAndReportsTheFallback) {
+  RecordingRunner runner;
+  std::vector<std::string> fallbacks;
+  RegionDispatcher dispatch(&runner, [&](const BucketKey& exact, const std::string& reason) {
+    fallbacks.push_back(exact.Label() + ": " + reason);
+  });
+  BucketSpec spec = SmallBuckets();
+  const BucketKey exact{Region::kPrefill, 3, 20, 0};
+  int filled = 0, exact_runs = 0;
+  auto bucketed = [&](const BucketKey& key) -> RegionFn {
+    ++filled;
+    return [key] { return std::vector<at::Tensor>{at::full({key.batch}, 1.0)}; };
+  };
+  auto run_exact = [&] {
+    ++exact_runs;
+    return std::vector<at::Tensor>{at::full({3}, 2.0)};
+  };
+  // A bucket fits (3 x 20 -> 4 x 32): filled, run by the runner, captured on first use.
+  DispatchResult r = dispatch.Run(spec.PickPrefill(3, 20), exact, bucketed, run_exact);
+  EXPECT_TRUE(r.bucketed);
+  EXPECT_EQ(r.key, (BucketKey{Region::kPrefill, 4, 32, 0}));
+  EXPECT_EQ(r.kind, RunKind::kCaptureAndReplay);
+  EXPECT_EQ(r.outputs[0].size(0), 4);
+  EXPECT_EQ(dispatch.Run(spec.PickPrefill(3, 20), exact, bucketed, run_exact).kind,
+            RunKind::kReplay);
+  EXPECT_EQ(filled, 2);
+  EXPECT_EQ(exact_runs, 0);
+  EXPECT_TRUE(fallbacks.empty());
+  // None fits (seq 40 > 32): the exact shape runs eagerly, counted once as a fallback.
+  const BucketKey too_long{Region::kPrefill, 1, 40, 0};
+  r = dispatch.Run(spec.PickPrefill(1, 40), too_long, bucketed, run_exact);
+  EXPECT_FALSE(r.bucketed);
+  EXPECT_EQ(r.key, too_long);
+  EXPECT_EQ(r.kind, RunKind::kEager);
+  EXPECT_EQ(r.outputs[0].size(0), 3);
+  ASSERT_EQ(fallbacks.size(), 1u);
+  EXPECT_EQ(fallbacks[0], "b1xs40: no bucket fits b1xs40");
+  // Exact shapes asked for: runs eagerly, not a fallback.
+  r = dispatch.Run(std::nullopt, exact, bucketed, run_exact, /*exact_requested=*/true);
+  EXPECT_FALSE(r.bucketed);
+  EXPECT_EQ(fallbacks.size(), 1u);
+  EXPECT_EQ(exact_runs, 2);
+  EXPECT_EQ(runner.ran.size(), 2u);
+}
+
+// A ValidatedRequest / ValidatedForward comes only from Engine::Validate.
+static_assert(!std::is_constructible_v<ValidatedRequest, GenerateRequest>);
+static_assert(!std::is_constructible_v<ValidatedForward, ForwardRequest>);
+static_assert(!std::is_default_constructible_v<ValidatedRequest>);
+
+TEST(Engine, ValidateForwardExplainsBadRequests) {
+  auto engine = MakeEngine(at::kCPU, false);  // max context 64
+  auto expect_invalid = [&](ForwardRequest r, const std::string& needle) {
+    try {
+      engine->Validate(r);
+      FAIL() << "accepted; expected: " << needle;
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  std::mt19937 rng(5);
+  ForwardRequest ok;
+  ok.input_ids = RandomPrompt(rng, 6, 1000);
+  ok.target_ids = {1, 2, 3, 4, 5, -100};
+  ok.logits_positions = {0, 5};
+  const ValidatedForward v = engine->Validate(ok);
+  EXPECT_EQ(v->input_ids, ok.input_ids);
+  ForwardRequest r = ok;
+  r.logits_positions = {6};
+  expect_invalid(r, "logits position 6 is outside [0, 6)");
+  r = ok;
+  r.target_ids = {1, 2};
+  expect_invalid(r, "target_ids");
+  r = ok;
+  r.input_ids = RandomPrompt(rng, engine->max_context() + 1, 1000);
+  r.target_ids.clear();
+  expect_invalid(r, "exceed the longest context bucket");
 }
 
 TEST(Engine, ValidateExplainsBadRequests) {
@@ -442,7 +569,7 @@ TEST(EngineGraphs, ReplayEqualsEagerForEveryRegion_CUDA) {
     ForwardRequest fr;
     fr.input_ids = RandomPrompt(rng, len, 1000);
     fr.logits_positions = {0, len - 1};
-    auto g = graphed->Forward(fr), e = eager->Forward(fr);
+    auto g = graphed->Forward(graphed->Validate(fr)), e = eager->Forward(eager->Validate(fr));
     EXPECT_TRUE(g.graphed);
     for (int k = 0; k < 2; ++k)
       EXPECT_LT(MaxAbsDiff(at::tensor(g.logits[k]), at::tensor(e.logits[k])), 1e-4);

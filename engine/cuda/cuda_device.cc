@@ -20,6 +20,17 @@ void SynchronizeDevice(const at::Device& device) {
   c10::cuda::device_synchronize();
 }
 
+std::string DeviceFault(const at::Device& device) {
+  if (!device.is_cuda()) return "";
+  c10::cuda::CUDAGuard guard(device);
+  const cudaError_t error = cudaDeviceSynchronize();
+  if (error == cudaSuccess) return "";
+  (void)cudaGetLastError();  // clears a non-sticky error; a sticky one stays
+  // A sticky error fails every later call too; a non-sticky one was cleared above.
+  if (cudaDeviceSynchronize() == cudaSuccess) return "";
+  return std::string(cudaGetErrorName(error)) + ": " + cudaGetErrorString(error);
+}
+
 // CUDA: an event without timing, recorded on the device's current stream. CPU: nothing.
 struct DeviceEvent::Impl {
   at::Device device;
