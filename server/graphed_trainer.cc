@@ -11,45 +11,29 @@
 namespace vlmgraph::server {
 namespace {
 
-vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJobOptions& o,
+vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJobOptions& job,
                                             EngineObserver* observer) {
-  const bool vision = o.train_vision && o.vision_learning_rate > 0;
-  const bool projector = o.train_projector && o.projector_learning_rate > 0;
-  const bool language = o.train_language && o.language_learning_rate > 0;
-  if (!vision && !projector && !language) {
+  vlmgraph::TrainOptions t = job.trainer;
+  // A part trains only when it is selected and its rate is above 0.
+  t.train_vision = t.train_vision && t.lr_vision > 0;
+  t.train_projector = t.train_projector && t.lr_projector > 0;
+  t.train_language = t.train_language && t.lr_language > 0;
+  if (!t.train_vision && !t.train_projector && !t.train_language) {
     throw InvalidArgument("config: nothing to train (every part is frozen or has learning rate 0)");
   }
-  vlmgraph::TrainOptions t;
   const EngineOptions& e = engine.options();
   t.device = e.device;
   // bf16 working weights + float32 masters on the GPU; float32 on CPU, where bf16 is no faster.
   t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;
-  // Each group's rate as configured.
-  t.lr = o.language_learning_rate;
-  t.lr_language = o.language_learning_rate;
-  t.lr_vision = o.vision_learning_rate;
-  t.lr_projector = o.projector_learning_rate;
-  t.train_vision = vision;
-  t.train_projector = projector;
-  t.train_language = language;
-  t.beta1 = o.beta1;
-  t.beta2 = o.beta2;
-  t.eps = o.eps;
-  t.weight_decay = o.weight_decay;
-  t.max_grad_norm = o.max_grad_norm;
-  if (o.max_tiles_per_example > e.max_tiles_per_request) {
+  if (t.max_tiles_per_example > e.max_tiles_per_request) {
     throw InvalidArgument(
-        "config.max_tiles_per_example: " + std::to_string(o.max_tiles_per_example) +
+        "config.max_tiles_per_example: " + std::to_string(t.max_tiles_per_example) +
         " exceeds the server's max_tiles_per_request (" + std::to_string(e.max_tiles_per_request) +
         ")");
   }
-  t.max_tiles_per_example = o.max_tiles_per_example;
   t.cuda_graphs = engine.graphs_enabled();
   t.buckets = e.buckets;
   t.log_captures = false;
-  t.exact_shapes = o.padding == TrainPadding::kExact;
-  t.recompute_vision = o.recompute_vision;
-  t.recompute_language = o.recompute_language;
   t.observer = observer;  // the job's graph captures (its own graphs, at its first step)
   return t;
 }
@@ -104,7 +88,7 @@ class GraphedTrainer final : public TrainBackend {
     int64_t longest = 0;
     for (const auto& e : batch) longest = std::max<int64_t>(longest, e.input_ids.size());
     const int64_t rows = static_cast<int64_t>(batch.size());
-    const bool exact = options_.padding == TrainPadding::kExact;
+    const bool exact = options_.trainer.exact_shapes;
     const bool fits = !exact && buckets.PickTrain(rows, longest).has_value();
     if (!exact && !fits && buckets.oversize == OversizePolicy::kReject) {
       throw InvalidArgument("batch: " + std::to_string(rows) + " examples of up to " +

@@ -52,7 +52,7 @@ bool* PartFlag(int part, const char* field, int i, bool* vision, bool* projector
                              : "MODEL_PART_VISION or MODEL_PART_LANGUAGE"));
 }
 
-TrainJobOptions ToTrainOptions(const v1::TrainConfig& c) {
+TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
   if (c.optimizer() != v1::OPTIMIZER_UNSPECIFIED && c.optimizer() != v1::OPTIMIZER_ADAMW) {
     throw InvalidArgument("config.optimizer: only OPTIMIZER_ADAMW is supported");
   }
@@ -65,14 +65,15 @@ TrainJobOptions ToTrainOptions(const v1::TrainConfig& c) {
         "TRAIN_BUCKET_POLICY_EXACT, got " +
         std::to_string(c.bucket_policy()));
   }
-  TrainJobOptions o;
-  o.language_learning_rate = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
-                                         o.language_learning_rate, "language_learning_rate");
-  o.vision_learning_rate = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(),
-                                       o.vision_learning_rate, "vision_learning_rate");
-  o.projector_learning_rate =
-      NonNegative(c.has_projector_learning_rate(), c.projector_learning_rate(),
-                  o.projector_learning_rate, "projector_learning_rate");
+  TrainJobOptions job;
+  vlmgraph::TrainOptions& o = job.trainer;
+  o.lr_language = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
+                              o.lr_language, "language_learning_rate");
+  o.lr = o.lr_language;
+  o.lr_vision = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision,
+                            "vision_learning_rate");
+  o.lr_projector = NonNegative(c.has_projector_learning_rate(), c.projector_learning_rate(),
+                               o.lr_projector, "projector_learning_rate");
   if (c.trainable_parts_size() > 0) {
     o.train_language = o.train_vision = o.train_projector = false;
     for (int i = 0; i < c.trainable_parts_size(); ++i) {
@@ -97,13 +98,12 @@ TrainJobOptions ToTrainOptions(const v1::TrainConfig& c) {
     }
     o.max_tiles_per_example = c.max_tiles_per_example();
   }
-  o.padding = c.bucket_policy() == v1::TRAIN_BUCKET_POLICY_EXACT ? TrainPadding::kExact
-                                                                 : TrainPadding::kPadToBucket;
+  o.exact_shapes = c.bucket_policy() == v1::TRAIN_BUCKET_POLICY_EXACT;
   for (int i = 0; i < c.recompute_parts_size(); ++i) {
     *PartFlag(c.recompute_parts(i), "recompute_parts", i, &o.recompute_vision, nullptr,
               &o.recompute_language) = true;
   }
-  return o;
+  return job;
 }
 
 // What the Train RPC itself does with a job (the trainer never sees these).
@@ -265,7 +265,7 @@ void VlmGraphService::RunTrain(
   watchdog.Got();
   if (!message.has_config())
     throw InvalidArgument("the first message must be TrainRequest{config}");
-  TrainJobOptions options = ToTrainOptions(message.config());
+  TrainJobOptions options = ToTrainJobOptions(message.config());
   const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
   if (!message.config().resume_from().empty()) {
     options.resume_from = ResolveCheckpointDir(

@@ -30,22 +30,22 @@
 
 namespace vlmgraph::server {
 
-enum class TrainPadding { kPadToBucket, kExact };
-
-// A Train job's settings as the RPC gives them (v1::TrainConfig); MakeTrainBackend turns them into
-// the trainer's vlmgraph::TrainOptions (engine/trainer.h) and the engine's buckets and dtype.
+// A Train job's settings as the RPC gives them (v1::TrainConfig): the trainer's own
+// vlmgraph::TrainOptions (engine/trainer.h) plus where the job starts. MakeTrainBackend sets what
+// comes from the serving engine (device, dtype, buckets, CUDA graphs, the observer), freezes a part
+// whose learning rate is 0, and checks max_tiles_per_example against the server's limit.
 struct TrainJobOptions {
-  // Learning rate per part; 0 freezes the part (upstream nanoVLM: lr_backbones, lr_mp).
-  double language_learning_rate = 5e-5;
-  double vision_learning_rate = 5e-5;
-  double projector_learning_rate = 5.12e-3;
-  bool train_language = true, train_vision = true, train_projector = true;
-  double weight_decay = 0.01;  // torch.optim.AdamW defaults
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
-  double max_grad_norm = 1.0;         // 0 = no clipping
-  int64_t max_tiles_per_example = 1;  // sizes the graphed step's tile buffer
-  TrainPadding padding = TrainPadding::kPadToBucket;
-  bool recompute_vision = false, recompute_language = false;  // activation recomputation
+  // Upstream nanoVLM's training defaults (models/config.py, TrainConfig: lr_backbones 5e-5 for the
+  // vision and language parts, lr_mp 5.12e-3 for the projector, max_grad_norm 1; AdamW as
+  // torch.optim.AdamW), in place of the trainer's library defaults.
+  static vlmgraph::TrainOptions Defaults() {
+    vlmgraph::TrainOptions t;
+    t.lr = t.lr_language = t.lr_vision = 5e-5;
+    t.lr_projector = 5.12e-3;
+    t.max_grad_norm = 1.0;
+    return t;
+  }
+  vlmgraph::TrainOptions trainer = Defaults();
   // Absolute checkpoint directory (weights + optimizer.safetensors) to start from; "" = the
   // serving model's weights, fresh AdamW state.
   std::string resume_from;

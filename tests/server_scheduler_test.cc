@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <string>
 
 #include "model/checkpoint.h"
 #include "server/graphed_trainer.h"
@@ -77,7 +79,8 @@ TEST(ServerScheduler, StreamsWhatEngineGenerateReturns) {
   Scheduler scheduler(nullptr, SchedulerOptions{1000, 16});
   scheduler.Start([] { return TinyEngine(); });
   std::vector<std::shared_ptr<GenerationStream>> streams;
-  for (auto& r : reqs) streams.push_back(scheduler.SubmitGenerate(r, Clock::now()));
+  for (auto& r : reqs)
+    streams.push_back(scheduler.SubmitGenerate(scheduler.engine().Validate(r), Clock::now()));
   for (size_t i = 0; i < streams.size(); ++i) {
     auto [tokens, error] = Drain(*streams[i]);
     EXPECT_FALSE(error);
@@ -93,7 +96,8 @@ TEST(ServerScheduler, GroupsWaitingRequestsIntoOnePrefill) {
   scheduler.Start([&] { return TinyEngine({1, 2, 4}, &recorder); });
   std::vector<std::shared_ptr<GenerationStream>> streams;
   for (int i = 0; i < 4; ++i)
-    streams.push_back(scheduler.SubmitGenerate(Prompt(i, 8, 3), Clock::now()));
+    streams.push_back(
+        scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(i, 8, 3)), Clock::now()));
   for (auto& s : streams) EXPECT_FALSE(Drain(*s).second);
   EXPECT_EQ(recorder.Prefill(), (std::vector<int64_t>{4}));
   scheduler.Stop();
@@ -103,10 +107,12 @@ TEST(ServerScheduler, ShortRequestsPassLongOnes) {
   // Two slots: a long generation holds one; short requests take turns on the other.
   Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
   scheduler.Start([] { return TinyEngine({1, 2}); });
-  auto long_stream = scheduler.SubmitGenerate(Prompt(1, 8, 100), Clock::now());
+  auto long_stream =
+      scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 100)), Clock::now());
   std::vector<std::shared_ptr<GenerationStream>> shorts;
   for (int i = 0; i < 3; ++i)
-    shorts.push_back(scheduler.SubmitGenerate(Prompt(10 + i, 8, 2), Clock::now()));
+    shorts.push_back(
+        scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(10 + i, 8, 2)), Clock::now()));
   for (auto& s : shorts) {
     auto [tokens, error] = Drain(*s);
     EXPECT_FALSE(error);
@@ -123,10 +129,10 @@ TEST(ServerScheduler, FullQueueRefusesAndCancelFreesTheSlot) {
   Scheduler scheduler(nullptr, SchedulerOptions{5000000, 2});
   scheduler.Start([] { return TinyEngine({1, 2, 4}); });
   // Held back by the long batching delay (2 waiting < 4 free slots), so the queue stays full.
-  auto a = scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now());
-  auto b = scheduler.SubmitGenerate(Prompt(2, 8, 4), Clock::now());
+  auto a = scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 4)), Clock::now());
+  auto b = scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(2, 8, 4)), Clock::now());
   try {
-    scheduler.SubmitGenerate(Prompt(3, 8, 4), Clock::now());
+    scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(3, 8, 4)), Clock::now());
     FAIL() << "queue limit not enforced";
   } catch (const ServerError& e) {
     EXPECT_EQ(e.code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -143,7 +149,7 @@ TEST(ServerScheduler, FullQueueRefusesAndCancelFreesTheSlot) {
 TEST(ServerScheduler, CancellingARunningSequenceFreesItsSlot) {
   Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
   scheduler.Start([] { return TinyEngine({1, 2}); });
-  auto s = scheduler.SubmitGenerate(Prompt(1, 8, 110), Clock::now());
+  auto s = scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 110)), Clock::now());
   GenerationStream::Update first = s->Wait(milliseconds(10000));
   ASSERT_FALSE(first.tokens.empty());
   scheduler.Cancel(s);
@@ -163,7 +169,7 @@ TEST(ServerScheduler, WorkItemsRunOnTheGpuThreadAndRethrow) {
   f.input_ids = {1, 2, 3, 4};
   f.target_ids = {2, 3, 4, -100};
   ForwardResult result;
-  scheduler.RunOnGpuThread("Forward", [&](Engine& e) { result = e.Forward(f); });
+  scheduler.RunOnGpuThread("Forward", [&](Engine& e) { result = e.Forward(e.Validate(f)); });
   EXPECT_EQ(result.loss_tokens, 3);
   EXPECT_GT(result.loss, 0);
   EXPECT_THROW(
@@ -176,10 +182,56 @@ TEST(ServerScheduler, WorkItemsRunOnTheGpuThreadAndRethrow) {
 TEST(ServerScheduler, StopFailsQueuedAndRunningWork) {
   Scheduler scheduler(nullptr, SchedulerOptions{5000000, 16});
   scheduler.Start([] { return TinyEngine(); });
-  auto queued = scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now());
+  auto queued =
+      scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 4)), Clock::now());
+  ValidatedRequest late = scheduler.engine().Validate(Prompt(1, 8, 4));
   scheduler.Stop();
   EXPECT_EQ(CodeOf(Drain(*queued).second), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_THROW(scheduler.SubmitGenerate(Prompt(1, 8, 4), Clock::now()), ServerError);
+  EXPECT_THROW(scheduler.SubmitGenerate(std::move(late), Clock::now()), ServerError);
+}
+
+TEST(ServerScheduler, DeviceFaultFailsEverythingAndStopsServing) {
+  // A work item fails and the (injected) device check reports a dead device: the queued request
+  // fails with UNAVAILABLE naming the error, new work is refused, the callback runs once.
+  std::atomic<bool> dead{false};
+  std::atomic<int> callbacks{0};
+  std::string reported;
+  SchedulerOptions options{5000000, 16};  // requests wait for the delay: still queued
+  options.device_fault = [&](Engine&) { return dead ? std::string("cudaErrorAssert: test") : ""; };
+  options.on_device_fault = [&](const std::string& error) {
+    reported = error;
+    callbacks++;
+  };
+  Scheduler scheduler(nullptr, options);
+  scheduler.Start([] { return TinyEngine(); });
+  auto queued =
+      scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 4)), Clock::now());
+  ValidatedRequest later = scheduler.engine().Validate(Prompt(2, 8, 4));
+  // A failure with a usable device changes nothing.
+  EXPECT_THROW(
+      scheduler.RunOnGpuThread("Forward", [](Engine&) { throw std::runtime_error("bad input"); }),
+      std::runtime_error);
+  EXPECT_EQ(scheduler.device_fault(), "");
+  dead = true;
+  EXPECT_THROW(scheduler.RunOnGpuThread(
+                   "Forward", [](Engine&) { throw std::runtime_error("device-side assert"); }),
+               std::runtime_error);
+  auto [tokens, error] = Drain(*queued);
+  EXPECT_TRUE(tokens.empty());
+  EXPECT_EQ(CodeOf(error), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(StatusFromException(error).error_message().find("GPU failed (cudaErrorAssert: test)"),
+            std::string::npos);
+  EXPECT_EQ(scheduler.device_fault(), "cudaErrorAssert: test");
+  EXPECT_EQ(reported, "cudaErrorAssert: test");
+  EXPECT_EQ(callbacks.load(), 1);
+  try {
+    scheduler.SubmitGenerate(std::move(later), Clock::now());
+    ADD_FAILURE() << "accepted after a device fault";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  EXPECT_THROW(scheduler.RunOnGpuThread("Forward", [](Engine&) {}), ServerError);
+  scheduler.Stop();
 }
 
 TEST(ServerScheduler, EngineStartupErrorsReachStart) {
@@ -206,8 +258,8 @@ std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
 TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
   auto engine = TinyEngine();
   TrainJobOptions o;
-  o.language_learning_rate = 3e-3;
-  o.train_vision = o.train_projector = false;
+  o.trainer.lr_language = 3e-3;
+  o.trainer.train_vision = o.trainer.train_projector = false;
   std::vector<double> losses;
   {
     auto job = MakeTrainBackend(*engine, o, nullptr);
@@ -222,7 +274,7 @@ TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
 
 TEST(ServerTrainer, PaddingToABucketDoesNotChangeTheLoss) {
   TrainJobOptions padded, exact;
-  exact.padding = TrainPadding::kExact;
+  exact.trainer.exact_shapes = true;
   auto e1 = TinyEngine();
   auto e2 = TinyEngine();
   TrainStepResult a = MakeTrainBackend(*e1, padded, nullptr)->Step(Batch(3, 12));
@@ -250,7 +302,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   ::rmdir(dir.c_str());
   job.reset();
   TrainJobOptions none;
-  none.train_language = none.train_vision = none.train_projector = false;
+  none.trainer.train_language = none.trainer.train_vision = none.trainer.train_projector = false;
   EXPECT_THROW(MakeTrainBackend(*engine, none, nullptr), ServerError);
 }
 
@@ -259,10 +311,10 @@ TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   ForwardRequest probe;
   probe.input_ids = Batch(1, 12)[0].input_ids;
   probe.target_ids = Batch(1, 12)[0].targets;
-  const double before = engine->Forward(probe).loss;
+  const double before = engine->Forward(engine->Validate(probe)).loss;
   TrainJobOptions o;
-  o.language_learning_rate = 3e-3;
-  o.train_vision = o.train_projector = false;
+  o.trainer.lr_language = 3e-3;
+  o.trainer.train_vision = o.trainer.train_projector = false;
   std::vector<double> losses;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   for (int i = 0; i < 8; ++i) {
@@ -274,10 +326,10 @@ TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   }
   EXPECT_LT(losses.back(), losses.front() - 0.5);
   // The job trained its own copy: the engine still serves the weights it started with.
-  EXPECT_DOUBLE_EQ(engine->Forward(probe).loss, before);
+  EXPECT_DOUBLE_EQ(engine->Forward(engine->Validate(probe)).loss, before);
   job->Publish();
   // Now it serves the trained weights (the probe is the batch's first example).
-  EXPECT_LT(engine->Forward(probe).loss, before - 0.5);
+  EXPECT_LT(engine->Forward(engine->Validate(probe)).loss, before - 0.5);
 }
 
 TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
@@ -285,22 +337,22 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   ForwardRequest probe;
   probe.input_ids = Batch(1, 12)[0].input_ids;
   probe.target_ids = Batch(1, 12)[0].targets;
-  const double before = engine->Forward(probe).loss;
+  const double before = engine->Forward(engine->Validate(probe)).loss;
   // A learning rate of 1e30 (a reported attack): the first update is finite but enormous, later
   // steps see non-finite gradients and are skipped; serving never sees any of it.
   TrainJobOptions o;
-  o.language_learning_rate = 1e30;
-  o.train_vision = o.train_projector = false;
+  o.trainer.lr_language = 1e30;
+  o.trainer.train_vision = o.trainer.train_projector = false;
   {
     auto job = MakeTrainBackend(*engine, o, nullptr);
     int skipped = 0;
     for (int i = 0; i < 4; ++i) skipped += job->Step(Batch(3, 12)).skipped;
     EXPECT_GE(skipped, 2);
-    EXPECT_DOUBLE_EQ(engine->Forward(probe).loss, before);
+    EXPECT_DOUBLE_EQ(engine->Forward(engine->Validate(probe)).loss, before);
   }
   // With weight decay 1e30 too, the decay term overflows and the weights become NaN / inf: they
   // are neither published nor saved.
-  o.weight_decay = 1e30;
+  o.trainer.weight_decay = 1e30;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   for (int i = 0; i < 2; ++i) job->Step(Batch(3, 12));
   try {
@@ -316,7 +368,7 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   EXPECT_THROW(job->Save(dir.string()), ServerError);
   EXPECT_FALSE(std::filesystem::exists(dir / "model.safetensors"));
   // Serving is untouched.
-  const double after = engine->Forward(probe).loss;
+  const double after = engine->Forward(engine->Validate(probe)).loss;
   EXPECT_TRUE(std::isfinite(after));
   EXPECT_DOUBLE_EQ(after, before);
 }
