@@ -92,7 +92,7 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   buf.dec_done[half]->Record();
   // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
   const int64_t real = static_cast<int64_t>(fed.size());
-  CountRun(step->key, step->kind, real, key ? key->batch : real);
+  CountRun(step->key, step->kind, real, key ? key->batch : real, r.bucketed);
   ++decode_launches_;
   for (Sequence* s : fed) {
     s->queued += 1;

@@ -165,7 +165,7 @@ DispatchResult Engine::Dispatch(const std::optional<BucketKey>& bucket, const Bu
   if (r.kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
   int64_t padded = real_tokens;
   if (r.bucketed) padded = r.key.region == Region::kVision ? r.key.tiles : r.key.batch * r.key.seq;
-  Count(r.key, r.kind, r.seconds + SecondsSince(t_sync), real_tokens, padded);
+  Count(r.key, r.kind, r.seconds + SecondsSince(t_sync), real_tokens, padded, r.bucketed);
   return r;
 }
 
@@ -177,14 +177,16 @@ void Engine::CountEagerFallback(const BucketKey& exact, const std::string& reaso
   if (observer_) observer_->OnEagerFallback(exact.region, reason);
 }
 
-void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real,
-                   int64_t padded) {
-  CountRun(key, kind, real, padded);
+void Engine::Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded,
+                   bool bucketed) {
+  CountRun(key, kind, real, padded, bucketed);
   ObserveTime(key, kind, seconds);
 }
 
-void Engine::CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded) {
-  const std::string k = CounterKey(key);
+void Engine::CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded,
+                      bool bucketed) {
+  // Exact shapes share one key per region, so the counters stay bounded whatever lengths come.
+  const std::string k = bucketed ? CounterKey(key) : std::string(RegionName(key.region)) + "/exact";
   {
     std::lock_guard<std::mutex> lock(counters_mu_);
     if (kind == RunKind::kEager) {

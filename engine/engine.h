@@ -178,10 +178,12 @@ class Engine {
   DispatchResult Dispatch(const std::optional<BucketKey>& bucket, const BucketKey& exact,
                           const RegionDispatcher::BucketedFn& bucketed, const RegionFn& exact_fn,
                           int64_t real_tokens);
-  // Records one run of a region: CountRun its counters (runs, captures, real and padded tokens),
-  // ObserveTime its latency for the observer; Count both.
-  void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded);
-  void CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded);
+  // Records one run of a region: CountRun its counters (runs, captures, real and padded tokens;
+  // an exact-shape run, !bucketed, counts under "<region>/exact"), ObserveTime its latency for
+  // the observer; Count both.
+  void Count(const BucketKey& key, RunKind kind, double seconds, int64_t real, int64_t padded,
+             bool bucketed);
+  void CountRun(const BucketKey& key, RunKind kind, int64_t real, int64_t padded, bool bucketed);
   void ObserveTime(const BucketKey& key, RunKind kind, double seconds);
   // Counts a shape with no bucket that runs eagerly and tells the observer (the dispatcher's
   // fallback callback).

@@ -98,8 +98,8 @@ class EngineObserver {
 struct EngineCounters {
   std::map<std::string, int64_t> captures;  // "region/bucket" -> count
   std::map<std::string, int64_t> replays;   // "region/bucket" -> count
-  std::map<std::string, int64_t>
-      eager_runs;                 // "region/bucket" -> count (CPU, capture off, oversize)
+  // "region/bucket" -> count (CPU, capture off); shapes with no bucket count as "region/exact".
+  std::map<std::string, int64_t> eager_runs;
   int64_t eager_fallbacks = 0;    // shapes with no bucket that ran eagerly
   int64_t rejected_oversize = 0;  // shapes with no bucket that were rejected
   int64_t real_tokens = 0, padded_tokens = 0;

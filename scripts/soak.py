@@ -645,6 +645,10 @@ class Soak:
                             if n == "vlmgraph_graph_captures_total" and l.get("region") != "train")
         s["train_captures"] = sum(v for n, l, v in samples
                                   if n == "vlmgraph_graph_captures_total" and l.get("region") == "train")
+        s["heap_in_use_bytes"] = sum(v for n, l, v in samples
+                                     if n == "vlmgraph_process_heap_bytes" and l.get("state") == "in_use")
+        s["heap_free_bytes"] = sum(v for n, l, v in samples
+                                   if n == "vlmgraph_process_heap_bytes" and l.get("state") == "free")
         s["queue_depth"] = total("vlmgraph_queue_depth")
         s["active_sequences"] = total("vlmgraph_active_sequences")
         s["generated_tokens"] = total("vlmgraph_generated_tokens_total")
@@ -787,10 +791,16 @@ def evaluate(args, soak, series, drained, alive, exit_info, started):
         growth = (peak - first) / first
         mem.update(first_kib=first, last_kib=last, max_kib=peak, max_growth=growth,
                    last_change=(last - first) / first)
+        heap = [s.get("heap_in_use_bytes") for s in post if s.get("heap_in_use_bytes")]
+        heap_note = ""
+        if len(heap) >= 2:  # glibc heap in use (vlmgraph_process_heap_bytes): a leak or not
+            mem.update(heap_in_use_first_bytes=heap[0], heap_in_use_last_bytes=heap[-1])
+            heap_note = (f"; heap in use {heap[0] / 2**20:.1f} -> {heap[-1] / 2**20:.1f} MiB "
+                         f"({100 * (heap[-1] - heap[0]) / heap[0]:+.2f}%)")
         checks["memory"] = ("PASS" if growth <= MEMORY_LIMIT else "FAIL",
                             f"RSS first {first / 1024:.1f} MiB, max {peak / 1024:.1f} MiB "
                             f"({100 * growth:+.2f}%, limit +{100 * MEMORY_LIMIT:.0f}%), last {last / 1024:.1f} MiB "
-                            f"({100 * (last - first) / first:+.2f}%)")
+                            f"({100 * (last - first) / first:+.2f}%){heap_note}")
     if post:
         c0, c1 = post[0]["captures"], series[-1]["captures"]
         mem["captures_at_warmup"], mem["captures_at_end"] = c0, c1

@@ -1,5 +1,9 @@
 #include "server/metrics.h"
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
@@ -133,6 +137,16 @@ Metrics::Metrics(const std::string& metrics_address)
                            .Help("Sequences holding a KV-cache slot")
                            .Register(r)
                            .Add({});
+  auto& heap = BuildGauge()
+                   .Name("vlmgraph_process_heap_bytes")
+                   .Help(
+                       "Host heap of the process (glibc malloc, read at each scrape): in_use = "
+                       "bytes allocated and not freed; free = bytes freed but kept by the "
+                       "allocator. RSS growing while in_use stays flat is fragmentation or "
+                       "memory outside malloc")
+                   .Register(r);
+  heap_in_use_ = &heap.Add({{"state", "in_use"}});
+  heap_free_ = &heap.Add({{"state", "free"}});
   gpu_allocated_ = &BuildGauge()
                         .Name("vlmgraph_gpu_memory_allocated_bytes")
                         .Help("Device memory held by live tensors")
@@ -196,10 +210,20 @@ Metrics::Metrics(const std::string& metrics_address)
 
 Metrics::~Metrics() { http_.reset(); }  // stop serving before the metrics go away
 
+std::string Metrics::BucketLabel(const BucketKey& key) const {
+  if (known_buckets_.empty()) return key.Label();
+  const std::string label = key.Label();
+  return known_buckets_.count(std::string(RegionName(key.region)) + "/" + label) ? label : "exact";
+}
+
 void Metrics::InitBuckets(const BucketSpec& buckets) {
+  // A trainer's optimizer step is reported as region train, batch 0 (engine/trainer.h).
+  const BucketKey optimizer{Region::kTrain, 0, 0, 0};
+  known_buckets_.insert(std::string(RegionName(optimizer.region)) + "/" + optimizer.Label());
   for (int r = 0; r < kNumRegions; ++r) {
     const Region region = static_cast<Region>(r);
     for (const BucketKey& key : buckets.All(region)) {
+      known_buckets_.insert(std::string(RegionName(region)) + "/" + key.Label());
       const prometheus::Labels labels{{"region", RegionName(region)}, {"bucket", key.Label()}};
       captures_->Add(labels);
       replays_->Add(labels);
@@ -212,16 +236,23 @@ void Metrics::InitBuckets(const BucketSpec& buckets) {
 int Metrics::port() const { return http_ ? http_->port() : 0; }
 
 std::string Metrics::Render() const {
+#if defined(__GLIBC__)
+  // Read at scrape time. mallinfo2 (glibc >= 2.33) sums every malloc arena: uordblks = bytes in
+  // allocated chunks, hblkhd = bytes in mmap'd chunks, fordblks = free bytes held in the arenas.
+  const struct mallinfo2 m = mallinfo2();
+  heap_in_use_->Set(static_cast<double>(m.uordblks + m.hblkhd));
+  heap_free_->Set(static_cast<double>(m.fordblks));
+#endif
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
 void Metrics::OnCapture(const BucketKey& key, double seconds) {
-  captures_->Add({{"region", RegionName(key.region)}, {"bucket", key.Label()}}).Increment();
+  captures_->Add({{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}}).Increment();
   capture_seconds_->Increment(seconds);
 }
 
 void Metrics::OnStep(const BucketKey& key, bool graphed, double seconds) {
-  const prometheus::Labels labels{{"region", RegionName(key.region)}, {"bucket", key.Label()}};
+  const prometheus::Labels labels{{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}};
   (graphed ? replays_ : eager_runs_)->Add(labels).Increment();
   prometheus::Labels with_mode = labels;
   with_mode["mode"] = ModeLabel(graphed);

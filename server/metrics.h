@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,7 +52,10 @@ class Metrics : public EngineObserver {
 
   // Creates the zero-valued series of every configured bucket (captures, replays, eager runs per
   // region and bucket; eager fallbacks per region), so dashboards see each family before its
-  // first event (Prometheus' advice: initialise known label sets). Call once at start-up.
+  // first event (Prometheus' advice: initialise known label sets). Call once at start-up, before
+  // any observer call. From then on a run at a shape that is not a configured bucket (an oversize
+  // prompt or train batch run eagerly at its own shape) is labelled bucket="exact", so the number
+  // of series stays bounded whatever lengths clients send.
   void InitBuckets(const BucketSpec& buckets);
 
   // --- EngineObserver (GPU thread) --------------------------------------------------------------
@@ -89,6 +93,9 @@ class Metrics : public EngineObserver {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
+  // "region/bucket" of every configured bucket (InitBuckets); empty: every label is kept.
+  std::set<std::string> known_buckets_;
+  std::string BucketLabel(const BucketKey& key) const;  // key.Label() or "exact"
 
   prometheus::Family<prometheus::Counter>* captures_;
   prometheus::Family<prometheus::Counter>* replays_;
@@ -108,6 +115,8 @@ class Metrics : public EngineObserver {
   prometheus::Counter* generated_tokens_;
   prometheus::Gauge* queue_depth_;
   prometheus::Gauge* active_sequences_;
+  prometheus::Gauge* heap_in_use_;  // set in Render (a scrape)
+  prometheus::Gauge* heap_free_;
   prometheus::Gauge* gpu_allocated_;
   prometheus::Gauge* gpu_reserved_;
   prometheus::Gauge* graph_pool_;

@@ -11,6 +11,10 @@
 #include <system_error>
 #include <thread>
 
+#if defined(__GLIBC__)  // defined by the C library headers above
+#include <malloc.h>
+#endif
+
 #include "model/checkpoint.h"
 #include "model/log.h"
 #include "model/safetensors.h"
@@ -50,6 +54,16 @@ bool* PartFlag(int part, const char* field, int i, bool* vision, bool* projector
                         (projector != nullptr
                              ? "MODEL_PART_VISION, MODEL_PART_PROJECTOR or MODEL_PART_LANGUAGE"
                              : "MODEL_PART_VISION or MODEL_PART_LANGUAGE"));
+}
+
+// A finished job has freed its host buffers (the float32 copies of frozen parameters, the
+// checkpoint staging), hundreds of MiB in chunks that glibc keeps in its arenas once its dynamic
+// mmap threshold has risen; malloc_trim(0) gives the free pages of every arena back to the system
+// (glibc malloc(3)), so the server's RSS does not keep the peak of every past job.
+void ReleaseFreeHostMemory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
@@ -282,8 +296,12 @@ void VlmGraphService::RunTrain(
     ~Destroy() {
       try {
         scheduler->RunOnGpuThread(
-            "Train", [this](Engine&) { job->reset(); }, Clock::now(),
-            Scheduler::Admission::kCleanup);
+            "Train",
+            [this](Engine&) {
+              job->reset();
+              ReleaseFreeHostMemory();
+            },
+            Clock::now(), Scheduler::Admission::kCleanup);
       } catch (...) {
         job->reset();  // the GPU thread has stopped: nothing else touches the model now
       }

@@ -376,6 +376,9 @@ TEST(Engine, OversizePromptRunsEagerOrIsRejected) {
   q.sampling.max_new_tokens = 4;
   EXPECT_EQ(engine->Generate({q})[0], ReferenceGreedy(ref, q));
   EXPECT_EQ(engine->Counters().eager_fallbacks, 1);
+  // Exact shapes share one counter per region, whatever their length.
+  EXPECT_EQ(engine->Counters().eager_runs.at("prefill/exact"), 1);
+  EXPECT_EQ(engine->Counters().eager_runs.count("prefill/b1xs40"), 0u);
   b.oversize = OversizePolicy::kReject;
   auto strict = MakeEngine(at::kCPU, false, b);
   try {

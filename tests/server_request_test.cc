@@ -430,6 +430,32 @@ TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {
   EXPECT_EQ(text.find(R"(bucket="b4xs16")"), std::string::npos);  // only configured buckets
 }
 
+TEST(ServerMetrics, ExactShapesShareOneSeries) {
+  // Runs at shapes that are not configured buckets (oversize prompts of any length) must not add
+  // a series each: a long-running server would grow without bound.
+  Metrics metrics("");
+  BucketSpec spec;
+  spec.batch_sizes = {1, 2};
+  spec.seq_lens = {16};
+  spec.context_lens = {32};
+  spec.Validate();
+  metrics.InitBuckets(spec);
+  for (int64_t len = 17; len < 40; ++len) {
+    metrics.OnStep(BucketKey{Region::kPrefill, 1, len, 0}, /*graphed=*/false, 0.001);
+  }
+  metrics.OnStep(BucketKey{Region::kPrefill, 1, 16, 0}, /*graphed=*/false, 0.001);
+  metrics.OnCapture(BucketKey{Region::kTrain, 0, 0, 0}, 0.5);  // a trainer's optimizer graph
+  const std::string text = metrics.Render();
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="exact",region="prefill"} 23)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",region="prefill"} 1)"),
+            std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="b0xs0",region="train"} 1)"),
+            std::string::npos);
+  EXPECT_EQ(text.find(R"(bucket="b1xs17")"), std::string::npos);
+  EXPECT_EQ(text.find(R"(bucket="b1xs39")"), std::string::npos);
+}
+
 std::string HttpGet(int port, const std::string& path) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
