@@ -48,6 +48,21 @@ MemoryStats DeviceMemory(const at::Device& device);
 // Restarts the peak counters of DeviceMemory (no-op on CPU).
 void ResetPeakDeviceMemory(const at::Device& device);
 
+// Gives back what the allocators cache but no live tensor uses, after a job that owned its own
+// CUDA graphs and tensors (a Train job) is destroyed. Waits for the device's queued work.
+//   - CUDA: c10's CUDA caching allocator (emptyCache): its free blocks, and the private memory
+//     pools of destroyed CUDA graphs, which it otherwise keeps reserved until an allocation fails
+//     (c10/cuda/CUDACachingAllocator.cpp, releasePool / release_cached_blocks); the graphs of
+//     live engines keep theirs.
+//   - CUDA: the pinned host allocator (at::getHostAllocator(kCUDA)->empty_cache(),
+//     ATen/core/CachingHostAllocator.h): its free pinned blocks, and the per-capture private pool
+//     that every CUDAGraph::capture_begin creates; release_pool only marks a destroyed graph's
+//     pool freeable, so without this each capture keeps about 40 KiB of host heap for good.
+//   - glibc (any device): malloc_trim(0) returns free pages of every arena to the system
+//     (malloc(3)), so RSS does not keep the peak of the job's host buffers.
+// Thread rules: the engine's GPU thread, with no capture under way.
+void ReleaseCachedMemory(const at::Device& device);
+
 // True when this build has the CUDA graph sources compiled in.
 bool BuiltWithCudaGraphs();
 

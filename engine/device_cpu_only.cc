@@ -1,6 +1,10 @@
 // CPU-only build: no CUDA graph runner, no device memory statistics, no fused optimizer kernels.
 #include <c10/util/Exception.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include "engine/device.h"
 #include "engine/fused_optimizer.h"
 #include "engine/step_runner.h"
@@ -18,6 +22,11 @@ void DeviceEvent::Synchronize() {}
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
+void ReleaseCachedMemory(const at::Device&) {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
 bool BuiltWithCudaGraphs() { return false; }
 std::unique_ptr<StepRunner> MakeCudaGraphStepRunner(int) { return nullptr; }
 void NucleusPrefixCuda(const at::Tensor&, const SamplingRows&, const at::Tensor&) {

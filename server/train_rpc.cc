@@ -11,10 +11,7 @@
 #include <system_error>
 #include <thread>
 
-#if defined(__GLIBC__)  // defined by the C library headers above
-#include <malloc.h>
-#endif
-
+#include "engine/device.h"
 #include "model/checkpoint.h"
 #include "model/log.h"
 #include "model/safetensors.h"
@@ -54,16 +51,6 @@ bool* PartFlag(int part, const char* field, int i, bool* vision, bool* projector
                         (projector != nullptr
                              ? "MODEL_PART_VISION, MODEL_PART_PROJECTOR or MODEL_PART_LANGUAGE"
                              : "MODEL_PART_VISION or MODEL_PART_LANGUAGE"));
-}
-
-// A finished job has freed its host buffers (the float32 copies of frozen parameters, the
-// checkpoint staging), hundreds of MiB in chunks that glibc keeps in its arenas once its dynamic
-// mmap threshold has risen; malloc_trim(0) gives the free pages of every arena back to the system
-// (glibc malloc(3)), so the server's RSS does not keep the peak of every past job.
-void ReleaseFreeHostMemory() {
-#if defined(__GLIBC__)
-  malloc_trim(0);
-#endif
 }
 
 TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
@@ -297,9 +284,11 @@ void VlmGraphService::RunTrain(
       try {
         scheduler->RunOnGpuThread(
             "Train",
-            [this](Engine&) {
+            [this](Engine& engine) {
               job->reset();
-              ReleaseFreeHostMemory();
+              // The job's graphs, weights and optimizer state are gone: give their cached
+              // device, pinned and heap memory back (engine/device.h).
+              ReleaseCachedMemory(engine.options().device);
             },
             Clock::now(), Scheduler::Admission::kCleanup);
       } catch (...) {

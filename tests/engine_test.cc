@@ -13,6 +13,12 @@
 #include <string>
 #include <type_traits>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include "engine/device.h"
+#include "engine/step_runner.h"
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
 
@@ -645,6 +651,44 @@ TEST(EngineGraphs, ManyShapesCauseNoNewCapturesAfterWarmup_CUDA) {
   const MemoryStats m = engine->Memory();
   EXPECT_GT(m.graph_pool_bytes, 0);
   EXPECT_GE(m.reserved_bytes, m.allocated_bytes);
+}
+
+// A Train job captures graphs of its own and destroys them at its end. What they leave behind
+// stays until ReleaseCachedMemory (engine/device.h): c10's CUDA caching allocator keeps each
+// destroyed graph's private pool reserved on the device, and the pinned host allocator keeps the
+// bookkeeping of each capture's private pool on the host heap. Many short jobs would grow both.
+TEST(DeviceMemory, ReleaseCachedMemoryFreesWhatDestroyedGraphsLeft_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+#if !defined(__GLIBC__)
+  GTEST_SKIP() << "needs glibc's mallinfo2 to read the heap";
+#else
+  const at::Device cuda(at::kCUDA, 0);
+  at::Tensor x = at::ones({1024, 1024}, at::TensorOptions().device(cuda));  // 4 MiB input
+  auto job = [&] {  // a runner, as a Train job holds: two captures in its pool, then destroyed
+    auto runner = MakeCudaGraphStepRunner(0);
+    ASSERT_NE(runner, nullptr);
+    for (int64_t batch : {1, 2}) {
+      runner->Capture(BucketKey{Region::kPrefill, batch, 16, 0},
+                      [&] { return std::vector<at::Tensor>{(x * 2 + 1).sum(0)}; });
+    }
+  };
+  auto heap_in_use_bytes = [] {
+    const struct mallinfo2 m = mallinfo2();
+    return static_cast<int64_t>(m.uordblks + m.hblkhd);
+  };
+  job();
+  ReleaseCachedMemory(cuda);
+  const int64_t reserved_before = DeviceMemory(cuda).reserved_bytes;
+  const int64_t heap_before = heap_in_use_bytes();
+  constexpr int kJobs = 48;
+  for (int i = 0; i < kJobs; ++i) job();
+  // What is left behind (the test's premise): reserved device pools and heap of each job.
+  EXPECT_GT(DeviceMemory(cuda).reserved_bytes, reserved_before);
+  EXPECT_GT(heap_in_use_bytes() - heap_before, kJobs * (16 << 10));
+  ReleaseCachedMemory(cuda);
+  EXPECT_EQ(DeviceMemory(cuda).reserved_bytes, reserved_before);
+  EXPECT_LT(heap_in_use_bytes() - heap_before, kJobs * (4 << 10));
+#endif
 }
 
 }  // namespace

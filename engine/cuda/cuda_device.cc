@@ -1,5 +1,6 @@
 // engine/cuda/cuda_device.cc: CUDA implementations of engine/device.h.
 #include <ATen/ATen.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -7,6 +8,10 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <optional>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "engine/cuda/sampler_kernels.h"
 #include "engine/device.h"
@@ -70,6 +75,18 @@ void ResetPeakDeviceMemory(const at::Device& device) {
   if (!device.is_cuda()) return;
   c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index()
                                                                      : c10::cuda::current_device());
+}
+
+void ReleaseCachedMemory(const at::Device& device) {
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device);
+    c10::cuda::device_synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    at::getHostAllocator(at::kCUDA)->empty_cache();
+  }
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 bool BuiltWithCudaGraphs() { return true; }
