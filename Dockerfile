@@ -55,8 +55,9 @@ RUN g++ -std=c++17 -O2 -o build/grpc_health_probe tests/deploy/grpc_health_probe
 #    resolve unchanged; headers, static archives, the Python bindings and profiler-only libraries
 #    are left out;
 #  - /opt/vlmgraph/lib: every other shared library the two binaries load (gRPC, protobuf, abseil,
-#    prometheus-cpp, yaml-cpp, ...), found with ldd, except glibc, libstdc++/libgcc (the runtime
-#    base image is the same Ubuntu release) and the NVIDIA driver (mounted by the container toolkit).
+#    prometheus-cpp, yaml-cpp, the image decoders libpng16 and libjpeg-turbo8, ...), found with ldd,
+#    except glibc, libstdc++/libgcc (the runtime base image is the same Ubuntu release) and the
+#    NVIDIA driver (mounted by the container toolkit); so the runtime stage installs no packages.
 RUN set -eux; \
     torch_lib="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"; \
     site="$(dirname "$(dirname "$torch_lib")")"; \

@@ -4,29 +4,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csetjmp>
 #include <cstdint>
-#include <limits>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <sstream>
-#include <tuple>
 
-// stb_image: only the two formats the API documents, private to this file.
-#define STB_IMAGE_STATIC
-#define STB_IMAGE_IMPLEMENTATION
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#define STBI_NO_STDIO
-#define STBI_NO_HDR
-#define STBI_NO_LINEAR
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wunused-function"
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#endif
-#include <stb/stb_image.h>
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
+// The decoders: C libraries that report errors by longjmp (Note [Decoding with longjmp]).
+#include <jerror.h>
+#include <jpeglib.h>
+#include <png.h>
 
 namespace vlmgraph {
 namespace {
@@ -41,9 +29,9 @@ uint64_t Be16(const std::string& b, size_t i) {
 
 uint64_t Be32(const std::string& b, size_t i) { return Be16(b, i) << 16 | Be16(b, i + 2); }
 
-// Width and height as the header declares them, before anything is decoded: stb_image refuses
-// large sizes itself (and its info call then answers "unknown image type"), so the pixel limit
-// is checked on these. Each side < 2^32, so width * height fits in 64 bits.
+// Width and height as the header declares them, read here before a decoder sees the data, so that
+// any size over ImageLimits::max_pixels gets the pixel-limit message before anything is allocated.
+// Each side < 2^32, so width * height fits in 64 bits.
 struct DeclaredSize {
   uint64_t width = 0;
   uint64_t height = 0;
@@ -52,6 +40,19 @@ struct DeclaredSize {
 ImageError Truncated(const std::string& format, size_t size, const std::string& where) {
   return ImageError("corrupt " + format + " image: truncated: the data ends after " +
                     std::to_string(size) + " bytes, " + where);
+}
+
+// Throws unless `size` has pixels and at most limits.max_pixels of them.
+void CheckPixels(const std::string& format, DeclaredSize size, const ImageLimits& limits) {
+  const std::string size_text = std::to_string(size.width) + "x" + std::to_string(size.height);
+  if (size.width == 0 || size.height == 0)
+    throw ImageError(format + " image has no pixels (" + size_text + ")");
+  const uint64_t pixels = size.width * size.height;
+  if (pixels > static_cast<uint64_t>(std::max<int64_t>(0, limits.max_pixels))) {
+    throw ImageError(format + " image is " + size_text + " = " + std::to_string(pixels) +
+                     " pixels; at most " + std::to_string(limits.max_pixels) +
+                     " are allowed (limits.max_image_pixels)");
+  }
 }
 
 // PNG: the 8-byte signature, then the IHDR chunk: length 13, "IHDR", width, height (PNG
@@ -63,8 +64,8 @@ DeclaredSize PngSize(const std::string& b) {
   return {Be32(b, 16), Be32(b, 20)};
 }
 
-// Throws unless the chunks (length, type, data, CRC) run whole up to IEND, as stb_image needs
-// them to (its reason for a cut file is often empty).
+// Throws unless the chunks (length, type, data, CRC) run whole up to IEND, so that a cut file gets
+// a message saying where its data ends (libpng's own reason names only the step that failed).
 void CheckPngChunks(const std::string& b) {
   for (size_t i = 8;;) {
     if (b.size() - i < 12) throw Truncated("png", b.size(), "before the IEND chunk");
@@ -84,7 +85,7 @@ void CheckPngChunks(const std::string& b) {
 }
 
 // JPEG: the segments after SOI up to the frame header (SOFn: length, precision, height, width),
-// skipping bytes between segments as stb_image does (ITU T.81, B.1.1 and B.2.2).
+// skipping bytes between segments as libjpeg does (ITU T.81, B.1.1 and B.2.2).
 DeclaredSize JpegSize(const std::string& b) {
   auto byte = [&](size_t i) { return static_cast<unsigned char>(b[i]); };
   for (size_t i = 2;;) {
@@ -106,84 +107,335 @@ DeclaredSize JpegSize(const std::string& b) {
   }
 }
 
-// Throws on the two kinds of Huffman table that stb_image 2.27 (Debian bookworm's libstb-dev)
-// decodes with out-of-bounds memory accesses (upstream stb_image 2.28 checks the first and bounds
-// the symbol index of the second):
-//   - a table (DHT) of more than 256 codes: its code counts write past the table's arrays inside
-//     the decoder's state;
-//   - a scan (SOS) that selects a table no earlier DHT defined: stb_image decodes with the
-//     uninitialized table, whose symbol index then reads anywhere.
-// A scan uses its DC table (in a progressive JPEG: a first DC scan) and its AC table (in a
-// progressive JPEG: an AC scan, spectral start > 0). DHT segments may also follow a scan
-// (progressive JPEG), so every segment is checked; entropy-coded data between segments is skipped
-// as stb_image skips it (0xff 0x00 is a data byte, 0xff 0xd0..0xd7 a restart marker), and bytes
-// past the end read as zeros, as stb_image reads them.
-void CheckJpegHuffmanTables(const std::string& b) {
-  auto byte = [&](size_t i) { return i < b.size() ? static_cast<unsigned char>(b[i]) : 0u; };
-  bool progressive = false;
-  bool defined[2][4] = {};  // [DC = 0 / AC = 1][table id]
-  for (size_t i = 2; i < b.size();) {
-    if (byte(i) != 0xff) {
-      ++i;
-      continue;
+// Note [Decoding with longjmp]
+// libpng and libjpeg report an error by calling a handler that must not return; ours copy the
+// message and longjmp back to the setjmp of the function that called into the library. A longjmp
+// runs no destructor of the frames it leaves (undefined behaviour in C++ where one is
+// non-trivial), and no C++ exception may unwind through the libraries' C frames. So:
+//   - the functions that call setjmp (PngReadHeader, PngReadRows, JpegReadHeader, JpegReadRows)
+//     have only trivially destructible locals and, after a longjmp, return false at once;
+//   - the handlers (PngOnError, PngRead, JpegOnError, JpegOnMessage, JpegOnProgress) throw
+//     nothing and write only into a plain struct (PngSource, JpegState) that the caller owns;
+//   - the callers (DecodePng, DecodeJpeg) own the libraries' state through RAII guards and the
+//     output tensor, allocated once the header's size is checked, and turn `false` into an
+//     ImageError.
+
+// --- PNG: libpng ---------------------------------------------------------------------------------
+
+// The encoded bytes and the error of a libpng read (Note [Decoding with longjmp]).
+struct PngSource {
+  const unsigned char* data = nullptr;
+  size_t size = 0;
+  size_t offset = 0;
+  bool read_past_end = false;
+  char message[256] = {};
+};
+
+void PngOnError(png_structp png, png_const_charp message) {
+  auto* source = static_cast<PngSource*>(png_get_error_ptr(png));
+  std::snprintf(source->message, sizeof(source->message), "%s", message);
+  png_longjmp(png, 1);
+}
+
+// Warnings (a bad CRC of an ancillary chunk, extra compressed data, ...) are not errors.
+void PngOnWarning(png_structp /*png*/, png_const_charp /*message*/) {}
+
+void PngRead(png_structp png, png_bytep out, size_t n) {
+  auto* source = static_cast<PngSource*>(png_get_io_ptr(png));
+  if (n > source->size - source->offset) {
+    source->read_past_end = true;
+    png_error(png, "read past the end of the data");
+  }
+  std::memcpy(out, source->data + source->offset, n);
+  source->offset += n;
+}
+
+// libpng's read and info structs, freed with this object.
+class PngDecoder {
+ public:
+  explicit PngDecoder(PngSource* source)
+      : png_(png_create_read_struct(PNG_LIBPNG_VER_STRING, source, PngOnError, PngOnWarning)),
+        info_(png_ != nullptr ? png_create_info_struct(png_) : nullptr) {}
+  ~PngDecoder() { png_destroy_read_struct(&png_, &info_, nullptr); }
+  PngDecoder(const PngDecoder&) = delete;
+  PngDecoder& operator=(const PngDecoder&) = delete;
+
+  png_structp png() const { return png_; }
+  png_infop info() const { return info_; }
+
+ private:
+  png_structp png_;
+  png_infop info_;
+};
+
+// The rows libpng delivers once the transforms are set.
+struct PngRows {
+  png_uint_32 width = 0;
+  png_uint_32 height = 0;
+  int passes = 1;  // 7 for an Adam7-interlaced image
+  int channels = 0;
+  int bit_depth = 0;
+  size_t row_bytes = 0;
+};
+
+// Reads the chunks up to the image data and sets the transforms to 8-bit RGB: 16-bit samples keep
+// their high byte, palettes and 1/2/4-bit grey expand, grey replicates, alpha is dropped (not
+// composited). Only IHDR, PLTE, IDAT and IEND are read: every other chunk (tRNS, gAMA, iCCP, text,
+// unknown) is skipped after its CRC, as Pillow's convert("RGB") ignores them. False on a libpng
+// error (Note [Decoding with longjmp]).
+bool PngReadHeader(png_structp png, png_infop info, PngSource* source, png_uint_32 max_side,
+                   png_alloc_size_t max_chunk_bytes, PngRows* rows) {
+  if (setjmp(png_jmpbuf(png))) return false;
+  png_set_read_fn(png, source, PngRead);
+  png_set_user_limits(png, max_side, max_side);
+  png_set_chunk_malloc_max(png, max_chunk_bytes);
+  // Every chunk but IHDR, PLTE, tRNS, IDAT and IEND, then tRNS.
+  png_set_keep_unknown_chunks(png, PNG_HANDLE_CHUNK_NEVER, nullptr, -1);
+  static const png_byte kTrns[] = "tRNS";
+  png_set_keep_unknown_chunks(png, PNG_HANDLE_CHUNK_NEVER, kTrns, 1);
+  png_read_info(png, info);
+  const int bit_depth = png_get_bit_depth(png, info);
+  const int color_type = png_get_color_type(png, info);
+  if (bit_depth == 16) png_set_strip_16(png);
+  if (color_type == PNG_COLOR_TYPE_PALETTE) png_set_palette_to_rgb(png);
+  if (color_type == PNG_COLOR_TYPE_GRAY && bit_depth < 8) png_set_expand_gray_1_2_4_to_8(png);
+  if ((color_type & PNG_COLOR_MASK_COLOR) == 0) png_set_gray_to_rgb(png);
+  if ((color_type & PNG_COLOR_MASK_ALPHA) != 0) png_set_strip_alpha(png);
+  rows->passes = png_set_interlace_handling(png);
+  png_read_update_info(png, info);
+  rows->width = png_get_image_width(png, info);
+  rows->height = png_get_image_height(png, info);
+  rows->channels = png_get_channels(png, info);
+  rows->bit_depth = png_get_bit_depth(png, info);
+  rows->row_bytes = png_get_rowbytes(png, info);
+  return true;
+}
+
+// Reads every row into `pixels` (each pass of an interlaced image fills in its pixels of the same
+// rows), then the chunks after the image data up to IEND. False on a libpng error.
+bool PngReadRows(png_structp png, const PngRows& rows, uint8_t* pixels) {
+  if (setjmp(png_jmpbuf(png))) return false;
+  for (int pass = 0; pass < rows.passes; ++pass) {
+    for (png_uint_32 y = 0; y < rows.height; ++y) {
+      png_read_row(png, pixels + size_t{y} * rows.row_bytes, nullptr);
     }
-    while (i < b.size() && byte(i) == 0xff) ++i;
-    if (i >= b.size()) return;
-    const unsigned marker = byte(i++);
-    if (marker == 0x00 || marker == 0x01 || (marker >= 0xd0 && marker <= 0xd8)) continue;
-    if (marker == 0xd9 || b.size() - i < 2) return;  // end of image, or cut (stb_image refuses it)
-    const size_t length = Be16(b, i);
-    if (length < 2) return;  // stb_image refuses it
-    if (marker == 0xc0 || marker == 0xc1 || marker == 0xc2) progressive = marker == 0xc2;
-    if (marker == 0xc4) {
-      // Tables as stb_image reads them: class/id byte, 16 code counts, then that many symbols,
-      // while the segment has bytes left.
-      for (size_t p = i + 2, left = length - 2; left > 0 && p < b.size();) {
-        const unsigned table_class = byte(p) >> 4, id = byte(p) & 15;
-        size_t codes = 0;
-        for (size_t k = p + 1; k <= p + 16; ++k) codes += byte(k);
-        if (codes > 256) {
-          throw ImageError("corrupt jpeg image: a Huffman table (DHT) has " +
-                           std::to_string(codes) + " codes; at most 256 are allowed");
-        }
-        if (table_class <= 1 && id <= 3) defined[table_class][id] = true;
-        if (17 + codes >= left || b.size() - p < 17 + codes) break;
-        left -= 17 + codes;
-        p += 17 + codes;
-      }
-    }
-    if (marker == 0xda) {
-      // Components (id, DC table << 4 | AC table), then spectral start, end, approximation.
-      const size_t components = byte(i + 2), tail = i + 3 + 2 * components;
-      const unsigned spectral_start = byte(tail), approximation_high = byte(tail + 2) >> 4;
-      const bool uses_dc = !progressive || (spectral_start == 0 && approximation_high == 0);
-      const bool uses_ac = !progressive || spectral_start > 0;
-      for (size_t c = 0; c < components; ++c) {
-        const unsigned dc = byte(i + 4 + 2 * c) >> 4, ac = byte(i + 4 + 2 * c) & 15;
-        for (const auto& [used, table_class, id] :
-             {std::tuple{uses_dc, 0u, dc}, std::tuple{uses_ac, 1u, ac}}) {
-          if (used && id <= 3 && !defined[table_class][id]) {
-            throw ImageError(std::string("corrupt jpeg image: a scan uses Huffman table ") +
-                             (table_class == 0 ? "DC" : "AC") + std::to_string(id) +
-                             ", which no DHT segment before it defines");
-          }
-        }
-      }
-    }
-    i += length;
+  }
+  png_read_end(png, nullptr);
+  return true;
+}
+
+ImageError PngFailure(const PngSource& source) {
+  if (source.read_past_end) return Truncated("png", source.size, "inside the image data");
+  return ImageError(std::string("corrupt png image: ") + source.message);
+}
+
+// (H, W, 3) uint8 RGB.
+at::Tensor DecodePng(const std::string& bytes, const ImageLimits& limits) {
+  PngSource source;
+  source.data = reinterpret_cast<const unsigned char*>(bytes.data());
+  source.size = bytes.size();
+  PngDecoder decoder(&source);
+  if (decoder.png() == nullptr || decoder.info() == nullptr)
+    throw ImageError("png image: libpng could not allocate its decoder");
+  // libpng's own caps, consistent with the limits checked before: no side longer than
+  // max_pixels, no chunk buffer larger than the encoded image may be.
+  const auto max_side =
+      static_cast<png_uint_32>(std::clamp<int64_t>(limits.max_pixels, 1, int64_t{PNG_UINT_31_MAX}));
+  const auto max_chunk_bytes =
+      static_cast<png_alloc_size_t>(std::max<int64_t>(1, limits.max_bytes));
+  PngRows rows;
+  if (!PngReadHeader(decoder.png(), decoder.info(), &source, max_side, max_chunk_bytes, &rows))
+    throw PngFailure(source);
+  CheckPixels("png", {rows.width, rows.height}, limits);
+  if (rows.channels != 3 || rows.bit_depth != 8 || rows.row_bytes != size_t{rows.width} * 3) {
+    throw ImageError("png image: libpng delivers rows of " + std::to_string(rows.channels) +
+                     " channels of " + std::to_string(rows.bit_depth) +
+                     " bits, not 8-bit RGB (a decoder bug)");
+  }
+  at::Tensor hwc = at::empty({int64_t{rows.height}, int64_t{rows.width}, 3}, at::kByte);
+  if (!PngReadRows(decoder.png(), rows, hwc.data_ptr<uint8_t>())) throw PngFailure(source);
+  return hwc;
+}
+
+// --- JPEG: libjpeg-turbo -------------------------------------------------------------------------
+
+// The most scans a JPEG may have. A progressive JPEG has about 10; each scan passes over every
+// block of the image, so a small file of thousands of tiny scans would cost seconds of CPU
+// (libjpeg-turbo's "Two Issues with the JPEG Standard"; TurboJPEG's TJPARAM_SCANLIMIT,
+// nvImageCodec's limit of 256).
+constexpr int kMaxJpegScans = 256;
+
+// libjpeg's decompressor and what its handlers report (Note [Decoding with longjmp]).
+struct JpegState {
+  jpeg_decompress_struct cinfo;
+  jpeg_error_mgr error;
+  jpeg_progress_mgr progress;
+  std::jmp_buf jump;
+  bool truncated;
+  bool too_many_scans;
+  int message_code;  // J_MESSAGE_CODE of the error
+  char message[JMSG_LENGTH_MAX];
+};
+
+JpegState* StateOf(j_common_ptr cinfo) { return static_cast<JpegState*>(cinfo->client_data); }
+
+// error_exit: keeps libjpeg's message and leaves the library.
+void JpegOnError(j_common_ptr cinfo) {
+  JpegState* state = StateOf(cinfo);
+  (*cinfo->err->format_message)(cinfo, state->message);
+  state->message_code = cinfo->err->msg_code;
+  std::longjmp(state->jump, 1);
+}
+
+// emit_message: level -1 is a warning about corrupt data, levels >= 0 are trace messages. The end
+// of the data before the end of the image (JWRN_JPEG_EOF, after which libjpeg would go on with an
+// EOI marker of its own and grey rows) is an error. Other warnings (bad Huffman code, extraneous
+// bytes before a marker, ...) are ignored, as Pillow ignores them, so that the pixels are the ones
+// upstream nanoVLM decodes.
+void JpegOnMessage(j_common_ptr cinfo, int msg_level) {
+  if (msg_level >= 0) return;
+  if (cinfo->err->msg_code == JWRN_JPEG_EOF) {
+    StateOf(cinfo)->truncated = true;
+    JpegOnError(cinfo);
+  }
+  ++cinfo->err->num_warnings;
+}
+
+void JpegOnOutput(j_common_ptr /*cinfo*/) {}  // nothing is printed
+
+// Called between scans and rows: stops a JPEG of more than kMaxJpegScans scans.
+void JpegOnProgress(j_common_ptr cinfo) {
+  if (reinterpret_cast<j_decompress_ptr>(cinfo)->input_scan_number > kMaxJpegScans) {
+    JpegState* state = StateOf(cinfo);
+    state->too_many_scans = true;
+    std::longjmp(state->jump, 1);
   }
 }
 
-// stb_image's reason for a failed load of a `format` image, never empty: some of its failures set
-// none, and a failed JPEG load can leave the reason of the PNG probe before it ("bad png sig").
-std::string DecodeFailure(const std::string& format) {
-  const char* r = stbi_failure_reason();
-  const std::string reason = r != nullptr ? r : "";
-  if (reason.empty() || reason == "unknown image type" ||
-      (format != "png" && reason.find("png") != std::string::npos)) {
-    return "cannot decode its data (truncated or corrupt)";
+// Frees libjpeg's memory (nothing before jpeg_create_decompress ran: cinfo.mem is null).
+class JpegDecoder {
+ public:
+  JpegDecoder() : state_(std::make_unique<JpegState>()) {  // value-initialized: all zero
+    state_->cinfo.err = jpeg_std_error(&state_->error);
+    state_->error.error_exit = JpegOnError;
+    state_->error.emit_message = JpegOnMessage;
+    state_->error.output_message = JpegOnOutput;
+    state_->cinfo.client_data = state_.get();
+    state_->progress.progress_monitor = JpegOnProgress;
   }
-  return reason;
+  ~JpegDecoder() { jpeg_destroy_decompress(&state_->cinfo); }
+  JpegDecoder(const JpegDecoder&) = delete;
+  JpegDecoder& operator=(const JpegDecoder&) = delete;
+
+  JpegState* state() const { return state_.get(); }
+
+ private:
+  std::unique_ptr<JpegState> state_;
+};
+
+// Creates the decompressor and reads the markers up to the first scan. False on a libjpeg error.
+bool JpegReadHeader(JpegState* state, const unsigned char* data, unsigned long size) {
+  if (setjmp(state->jump)) return false;
+  jpeg_create_decompress(&state->cinfo);
+  state->cinfo.progress = &state->progress;
+  jpeg_mem_src(&state->cinfo, data, size);
+  jpeg_read_header(&state->cinfo, TRUE);
+  return true;
+}
+
+// Decodes every row into `pixels` (row_bytes apart), then reads on to EOI. False on a libjpeg error
+// or when the output is not the expected size.
+bool JpegReadRows(JpegState* state, uint8_t* pixels, JDIMENSION height, size_t row_bytes) {
+  if (setjmp(state->jump)) return false;
+  jpeg_decompress_struct* cinfo = &state->cinfo;
+  jpeg_start_decompress(cinfo);
+  if (cinfo->output_height != height ||
+      size_t{cinfo->output_width} * static_cast<size_t>(cinfo->output_components) != row_bytes) {
+    std::snprintf(state->message, sizeof(state->message),
+                  "the decoder's output (%u x %u x %d) is not the header's size",
+                  cinfo->output_width, cinfo->output_height, cinfo->output_components);
+    return false;
+  }
+  while (cinfo->output_scanline < cinfo->output_height) {
+    JSAMPROW row = pixels + size_t{cinfo->output_scanline} * row_bytes;
+    if (jpeg_read_scanlines(cinfo, &row, 1) != 1) {
+      std::snprintf(state->message, sizeof(state->message), "the decoder returned no row");
+      return false;
+    }
+  }
+  jpeg_finish_decompress(cinfo);
+  return true;
+}
+
+ImageError JpegFailure(const JpegState& state, size_t size) {
+  const std::string message = state.message;
+  if (state.truncated)
+    return Truncated("jpeg", size, "before the end of the image (libjpeg: " + message + ")");
+  if (state.too_many_scans) {
+    return ImageError("jpeg image has more than " + std::to_string(kMaxJpegScans) +
+                      " scans; at most " + std::to_string(kMaxJpegScans) + " are allowed");
+  }
+  switch (state.message_code) {
+    case JERR_OUT_OF_MEMORY:
+      return ImageError("jpeg image needs more memory than the decoder could get: " + message);
+    case JERR_ARITH_NOTIMPL:
+    case JERR_BAD_PRECISION:
+    case JERR_CCIR601_NOTIMPL:
+    case JERR_CONVERSION_NOTIMPL:
+    case JERR_IMAGE_TOO_BIG:
+    case JERR_NOT_COMPILED:
+    case JERR_NOTIMPL:
+    case JERR_SOF_UNSUPPORTED:
+      return ImageError("unsupported jpeg image: " + message);
+    default:
+      return ImageError("corrupt jpeg image: " + message);
+  }
+}
+
+// Pillow's CMYK -> RGB for a 4-component JPEG, which Pillow always reads as Adobe's inverted CMYK
+// (JpegImagePlugin.py: rawmode "CMYK;I"; libjpeg converts YCCK to that CMYK). With the decoded
+// values c' = 255 - cyan, ..., k' = 255 - black, each channel is k' - cyan * k' / 255, rounded as
+// Pillow's MULDIV255 (libImaging/Convert.c, cmyk2rgb). (H, W, 4) uint8 -> (H, W, 3) uint8.
+at::Tensor InvertedCmykToRgb(const at::Tensor& cmyk) {
+  at::Tensor rgb = at::empty({cmyk.size(0), cmyk.size(1), 3}, at::kByte);
+  const uint8_t* in = cmyk.data_ptr<uint8_t>();
+  uint8_t* out = rgb.data_ptr<uint8_t>();
+  const int64_t pixels = cmyk.size(0) * cmyk.size(1);
+  for (int64_t p = 0; p < pixels; ++p, in += 4, out += 3) {
+    const int k = in[3];
+    for (int c = 0; c < 3; ++c) {
+      const int t = (255 - in[c]) * k + 128;
+      out[c] = static_cast<uint8_t>(k - (((t >> 8) + t) >> 8));
+    }
+  }
+  return rgb;
+}
+
+// (H, W, 3) uint8 RGB: libjpeg's default decoding (ISLOW IDCT, fancy upsampling), as Pillow's.
+at::Tensor DecodeJpeg(const std::string& bytes, const ImageLimits& limits) {
+  JpegDecoder decoder;
+  JpegState* state = decoder.state();
+  jpeg_decompress_struct& cinfo = state->cinfo;
+  if (!JpegReadHeader(state, reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size()))
+    throw JpegFailure(*state, bytes.size());
+  CheckPixels("jpeg", {cinfo.image_width, cinfo.image_height}, limits);
+  const int components = cinfo.num_components;
+  if (components != 1 && components != 3 && components != 4) {
+    throw ImageError("unsupported jpeg image: it has " + std::to_string(components) +
+                     " colour components; 1 (grey), 3 (YCbCr or RGB) or 4 (CMYK or YCCK) are "
+                     "supported");
+  }
+  cinfo.out_color_space = components == 4 ? JCS_CMYK : JCS_RGB;
+  cinfo.dct_method = JDCT_ISLOW;
+  cinfo.do_fancy_upsampling = TRUE;
+  const int64_t channels = components == 4 ? 4 : 3;
+  at::Tensor hwc =
+      at::empty({int64_t{cinfo.image_height}, int64_t{cinfo.image_width}, channels}, at::kByte);
+  if (!JpegReadRows(state, hwc.data_ptr<uint8_t>(), cinfo.image_height,
+                    static_cast<size_t>(cinfo.image_width * channels))) {
+    throw JpegFailure(*state, bytes.size());
+  }
+  return channels == 4 ? InvertedCmykToRgb(hwc) : hwc;
 }
 
 }  // namespace
@@ -214,39 +466,15 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
     throw ImageError(
         "unknown image format (not PNG or JPEG by its first bytes); send a PNG or JPEG file");
   }
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    throw ImageError("image is too large to decode");
+  CheckPixels(format, format == "png" ? PngSize(bytes) : JpegSize(bytes), limits);
+  at::Tensor hwc;  // (H, W, 3) uint8
+  if (format == "png") {
+    CheckPngChunks(bytes);
+    hwc = DecodePng(bytes, limits);
+  } else {
+    hwc = DecodeJpeg(bytes, limits);
   }
-  const DeclaredSize declared = format == "png" ? PngSize(bytes) : JpegSize(bytes);
-  const std::string size_text =
-      std::to_string(declared.width) + "x" + std::to_string(declared.height);
-  if (declared.width == 0 || declared.height == 0)
-    throw ImageError(format + " image has no pixels (" + size_text + ")");
-  const uint64_t declared_pixels = declared.width * declared.height;
-  if (declared_pixels > static_cast<uint64_t>(std::max<int64_t>(0, limits.max_pixels))) {
-    throw ImageError(format + " image is " + size_text + " = " + std::to_string(declared_pixels) +
-                     " pixels; at most " + std::to_string(limits.max_pixels) +
-                     " are allowed (limits.max_image_pixels)");
-  }
-  if (format == "png") CheckPngChunks(bytes);
-  if (format == "jpeg") CheckJpegHuffmanTables(bytes);
-  const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
-  const int len = static_cast<int>(bytes.size());
-  int w = 0, h = 0, comp = 0;
-  std::unique_ptr<stbi_uc, void (*)(void*)> pixels(
-      stbi_load_from_memory(data, len, &w, &h, &comp, 3), stbi_image_free);
-  if (!pixels) {
-    const std::string reason = DecodeFailure(format);
-    if (reason == "too large") {  // stb_image's own caps: 2^24 a side, 2^30 bytes
-      throw ImageError(format + " image of " + size_text +
-                       " is too large for the decoder (stb_image: too large)");
-    }
-    throw ImageError("corrupt " + format + " image: " + reason);
-  }
-  at::Tensor hwc = at::from_blob(pixels.get(), {h, w, 3}, at::kByte);
-  // clone, not contiguous(): a 1-pixel-wide permute is already contiguous and would still view the
-  // stb buffer freed on return.
-  return hwc.permute({2, 0, 1}).clone(at::MemoryFormat::Contiguous);  // (3, H, W), owns its memory
+  return hwc.permute({2, 0, 1}).contiguous();  // (3, H, W)
 }
 
 std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const VlmConfig& cfg) {

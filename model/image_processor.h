@@ -6,18 +6,26 @@
 //   ImageTiles t = PreprocessEncodedImage(png_bytes, cfg, limits);
 //   t.tiles;  // (N, 3, S, S) float32 in [0, 1], CPU; S = cfg.vit_img_size
 //
-// Steps: decode PNG or JPEG (stb_image) and convert to RGB (alpha dropped, grey replicated);
+// Steps: decode PNG (libpng) or JPEG (libjpeg-turbo) to 8-bit RGB as Pillow's
+// Image.open(...).convert("RGB") does, which upstream nanoVLM calls: alpha dropped, not
+// composited; grey replicated; palettes expanded; tRNS and gAMA ignored; 16-bit samples keep their
+// high byte (Pillow clips 16-bit grey to 255 instead; every other 16-bit PNG matches); JPEG with
+// libjpeg's default ISLOW IDCT and fancy upsampling, 4-component JPEGs read as Adobe's inverted
+// CMYK and converted with Pillow's formula (tests/fixtures/images/ holds Pillow's pixels). Then
 // resize (bicubic, antialiased like PIL) to ResizedSize(); split into an n_h x n_w grid of S x S
 // tiles in row-major order; when the grid has more than one tile, prepend a "global" tile: the
 // whole resized image scaled to S x S (bilinear, antialiased, as torchvision's tensor resize).
 // Pixels are uint8 until the bicubic resize, rounded back to uint8 after it (PIL works on uint8),
 // then divided by 255 (torchvision's ToTensor).
 //
-// Errors: ImageError (a std::invalid_argument) saying what is wrong: unknown format, corrupt or
-// truncated data, too many bytes or pixels, bad tensor shape or values. Width and height are read
-// from the PNG IHDR / JPEG SOF header here, before stb_image sees the data, so any declared size
-// over ImageLimits::max_pixels gets the pixel-limit message. Thread rules: pure functions, safe
-// from any thread (no shared state).
+// Errors: ImageError (a std::invalid_argument) saying what is wrong: unknown format, corrupt data
+// ("corrupt png image: <libpng's reason>", "corrupt jpeg image: <libjpeg's reason>"), truncated
+// data ("corrupt ... image: truncated: ..."; a JPEG whose data ends before its EOI marker too),
+// an unsupported JPEG (12-bit, lossless) or one of more than 256 scans, too many bytes or pixels,
+// bad tensor shape or values. Width and height are read from the PNG IHDR / JPEG SOF header here,
+// before a decoder sees the data, so any declared size over ImageLimits::max_pixels gets the
+// pixel-limit message. libjpeg's warnings about corrupt data other than its end are ignored, as
+// Pillow ignores them. Thread rules: pure functions, safe from any thread (no shared state).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -50,7 +58,7 @@ struct ImageTiles {
 // The image file format detected from its first bytes; "" when neither PNG nor JPEG.
 std::string DetectImageFormat(const std::string& bytes);
 
-// Decodes PNG or JPEG bytes to (3, H, W) uint8 RGB. Throws ImageError.
+// Decodes PNG or JPEG bytes to (3, H, W) uint8 RGB (the conversions above). Throws ImageError.
 at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits);
 
 // nanoVLM DynamicResize._get_new_hw: (height, width) after resizing an h x w image. The long side

@@ -46,8 +46,8 @@ command -v "$CXX" >/dev/null || { echo "fuzz.sh: $CXX not found (apt-get install
 # Sanitizer options, each for a reason:
 #   ASan abort_on_error=1: a report ends the run with a signal libFuzzer records as a crash.
 #   ASan max_malloc_fill_size=16777216: new heap blocks are filled with 0xbe up to 16 MiB, not
-#     4 KiB, so a read of uninitialized heap memory (stb_image decoding with a Huffman table no DHT
-#     defined) sees the same bytes on every run and a crash input replays.
+#     4 KiB, so a read of uninitialized heap memory sees the same bytes on every run and a crash
+#     input replays.
 #   UBSan print_stacktrace=1: every report names the line and its callers (the code is built with
 #     -fno-sanitize-recover=undefined, so any report is fatal).
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:max_malloc_fill_size=16777216}

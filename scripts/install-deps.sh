@@ -17,7 +17,7 @@ apt_pkgs=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
-  libicu-dev
+  libicu-dev libpng-dev libjpeg-dev
   openssl
 )
 # Deployment checks (tests/deploy/check_deploy.sh): `docker-compose config -q` and `promtool`. Debian

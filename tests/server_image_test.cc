@@ -7,6 +7,8 @@
 
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -139,8 +141,8 @@ TEST(ServerImage, DecodesPngAndJpegToRgb) {
 }
 
 TEST(ServerImage, DecodedImageOwnsItsPixelsEvenWhenOnePixelWide) {
-  // A (3, 1, 1) or (3, H, 1) permute is already contiguous; the decoder must still copy out of the
-  // stb_image buffer it frees (a view of it was a use-after-free under ASan).
+  // A (3, 1, 1) or (3, H, 1) permute is already contiguous; the image must still own its memory,
+  // not view a decoder buffer freed on return (that was a use-after-free under ASan).
   const ImageLimits limits;
   for (auto hw : {std::pair<int64_t, int64_t>{1, 1}, {7, 1}, {1, 9}}) {
     at::Tensor rgb = Gradient(hw.first, hw.second);
@@ -250,9 +252,145 @@ TEST(ServerImage, TruncatedImagesSayWhy) {
   for (size_t n : {size_t{4}, size_t{40}, size_t{200}, jpeg.size() / 2, jpeg.size() - 2}) {
     const std::string msg = ErrorOf(jpeg.substr(0, n), limits);
     EXPECT_EQ(msg.rfind("corrupt jpeg image: ", 0), 0u) << n << ": " << msg;
+    EXPECT_NE(msg.find("truncated"), std::string::npos) << n << ": " << msg;
     EXPECT_GT(msg.size(), std::string("corrupt jpeg image: ").size() + 5) << n << ": " << msg;
     EXPECT_EQ(msg.find("png"), std::string::npos) << n << ": " << msg;  // not the PNG probe's
   }
+}
+
+// --- Decoding against Pillow: tests/fixtures/images/ (make_images.py) ---------------------------
+
+std::string ReadFixture(const std::string& name) {
+  const std::string path = std::string(VLMGRAPH_FIXTURES_DIR) + "/images/" + name;
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The fixture's expected pixels, NAME.rgb: (H, W, 3) uint8 row-major -> (3, H, W).
+at::Tensor ExpectedPixels(const std::string& name, int64_t h, int64_t w) {
+  std::string raw = ReadFixture(name.substr(0, name.rfind('.')) + ".rgb");
+  EXPECT_EQ(static_cast<int64_t>(raw.size()), h * w * 3) << name;
+  raw.resize(static_cast<size_t>(h * w * 3));
+  return at::from_blob(raw.data(), {h, w, 3}, at::kByte).permute({2, 0, 1}).clone();
+}
+
+struct PillowCase {
+  const char* file;
+  int64_t height;
+  int64_t width;
+};
+
+// Every pixel equals Pillow's Image.open(file).convert("RGB") -- upstream nanoVLM's decoding --
+// exactly: libjpeg-turbo's default decoding (ISLOW IDCT, fancy upsampling) gives the same pixels
+// in Debian's 2.1 and the 3.x in Pillow's wheels.
+TEST(ServerImage, DecodesLikePillow) {
+  const ImageLimits limits;
+  for (const PillowCase& c : {
+           PillowCase{"rgb_32x24_420.jpg", 24, 32},  // baseline, 4:2:0
+           PillowCase{"rgb_32x24_progressive.jpg", 24, 32},
+           PillowCase{"cmyk_8x6.jpg", 6, 8},            // Adobe inverted CMYK
+           PillowCase{"rgb16_5x4.png", 4, 5},           // 16 bits: the high byte
+           PillowCase{"palette_trns_6x5.png", 5, 6},    // tRNS ignored
+           PillowCase{"grey_alpha_5x3.png", 3, 5},      // grey replicated, alpha dropped
+           PillowCase{"rgb_interlaced_9x7.png", 7, 9},  // Adam7
+       }) {
+    const at::Tensor img = DecodeImage(ReadFixture(c.file), limits);
+    ASSERT_EQ(img.sizes(), (std::vector<int64_t>{3, c.height, c.width})) << c.file;
+    const at::Tensor want = ExpectedPixels(c.file, c.height, c.width);
+    const int64_t differ = img.ne(want).sum().item<int64_t>();
+    EXPECT_EQ(differ, 0) << c.file << ": " << differ << " of " << img.numel()
+                         << " values differ from Pillow's; max abs diff "
+                         << (img.to(at::kInt) - want.to(at::kInt)).abs().max().item<int>();
+  }
+}
+
+// Pillow clips 16-bit grey to 255 (its I;16 -> RGB conversion); DecodeImage keeps the high byte,
+// as Pillow does for every other 16-bit PNG and as upstream 8-bit data would be.
+TEST(ServerImage, SixteenBitGreyKeepsTheHighByte) {
+  const at::Tensor img = DecodeImage(ReadFixture("grey16_4x3.png"), ImageLimits{});
+  EXPECT_TRUE(at::equal(img, ExpectedPixels("grey16_4x3.png", 3, 4)));
+}
+
+TEST(ServerImage, EveryCutOfAJpegOrPngIsTruncated) {
+  const ImageLimits limits;
+  for (const char* file : {"rgb_32x24_420.jpg", "rgb_32x24_progressive.jpg",
+                           "rgb_interlaced_9x7.png", "palette_trns_6x5.png"}) {
+    const std::string bytes = ReadFixture(file);
+    for (size_t n = 8; n < bytes.size(); ++n) {  // 8: the PNG signature, JPEG's SOI and more
+      const std::string msg = ErrorOf(bytes.substr(0, n), limits);
+      ASSERT_NE(msg.find("corrupt"), std::string::npos) << file << " cut at " << n << ": " << msg;
+      ASSERT_NE(msg.find("truncated"), std::string::npos) << file << " cut at " << n << ": " << msg;
+    }
+  }
+}
+
+// Corrupt data that libjpeg only warns about (here: extraneous bytes before EOI) is accepted as
+// Pillow accepts it, with Pillow's pixels.
+TEST(ServerImage, JpegWarningsAreIgnoredLikePillow) {
+  std::string bytes = ReadFixture("rgb_32x24_420.jpg");
+  ASSERT_EQ(bytes.substr(bytes.size() - 2), "\xff\xd9");
+  bytes.insert(bytes.size() - 2, "\x12\x34");  // extraneous bytes before EOI (a warning)
+  const at::Tensor img = DecodeImage(bytes, ImageLimits{});
+  EXPECT_TRUE(at::equal(img, ExpectedPixels("rgb_32x24_420.jpg", 24, 32)));
+}
+
+// A scan whose Huffman tables no DHT segment defines (as in Motion-JPEG) is decoded with the
+// standard tables of ITU T.81 Annex K, which Pillow's encoder writes: the same pixels.
+TEST(ServerImage, JpegWithoutHuffmanTablesUsesTheStandardOnes) {
+  const std::string bytes = ReadFixture("rgb_32x24_420.jpg");
+  std::string no_dht = bytes.substr(0, 2);
+  for (size_t i = 2; i + 4 <= bytes.size();) {
+    ASSERT_EQ(bytes[i], '\xff') << i;
+    const auto marker = static_cast<unsigned char>(bytes[i + 1]);
+    if (marker == 0xda) {  // the scan and everything after it
+      no_dht += bytes.substr(i);
+      break;
+    }
+    const size_t length = (size_t{static_cast<unsigned char>(bytes[i + 2])} << 8) |
+                          static_cast<unsigned char>(bytes[i + 3]);
+    if (marker != 0xc4) no_dht += bytes.substr(i, 2 + length);
+    i += 2 + length;
+  }
+  ASSERT_LT(no_dht.size(), bytes.size());
+  EXPECT_TRUE(
+      at::equal(DecodeImage(no_dht, ImageLimits{}), ExpectedPixels("rgb_32x24_420.jpg", 24, 32)));
+}
+
+TEST(ServerImage, RefusesAJpegOfTooManyScans) {
+  // The progressive fixture's last scan, repeated: 300 more scans before EOI.
+  const std::string bytes = ReadFixture("rgb_32x24_progressive.jpg");
+  const size_t last_scan = bytes.rfind("\xff\xda");
+  ASSERT_NE(last_scan, std::string::npos);
+  const std::string scan = bytes.substr(last_scan, bytes.size() - 2 - last_scan);
+  std::string many = bytes.substr(0, bytes.size() - 2);
+  for (int i = 0; i < 300; ++i) many += scan;
+  many += "\xff\xd9";
+  const std::string msg = ErrorOf(many, ImageLimits{});
+  EXPECT_NE(msg.find("more than 256 scans"), std::string::npos) << msg;
+  // Ten repeats are within the limit (a repeated scan is a warning).
+  std::string few = bytes.substr(0, bytes.size() - 2);
+  for (int i = 0; i < 10; ++i) few += scan;
+  EXPECT_EQ(ErrorOf(few + "\xff\xd9", ImageLimits{}), "");
+}
+
+TEST(ServerImage, CorruptImagesNameTheDecodersReason) {
+  const ImageLimits limits;
+  std::string png = ReadFixture("rgb_interlaced_9x7.png");
+  const size_t idat = png.find("IDAT");
+  ASSERT_NE(idat, std::string::npos);
+  const size_t idat_length = (size_t{static_cast<unsigned char>(png[idat - 2])} << 8) |
+                             static_cast<unsigned char>(png[idat - 1]);
+  png[idat + 4 + idat_length] ^= 0x55;  // the chunk's CRC no longer matches its data
+  std::string msg = ErrorOf(png, limits);
+  EXPECT_EQ(msg, "corrupt png image: IDAT: CRC error") << msg;
+  std::string jpeg = ReadFixture("rgb_32x24_420.jpg");
+  const size_t sof = jpeg.find("\xff\xc0");
+  ASSERT_NE(sof, std::string::npos);
+  jpeg[sof + 4] = 12;  // sample precision 12
+  msg = ErrorOf(jpeg, limits);
+  EXPECT_EQ(msg.rfind("unsupported jpeg image: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("precision 12"), std::string::npos) << msg;
 }
 
 TEST(ServerImage, DetectsFormatFromMagicBytes) {
@@ -264,7 +402,7 @@ TEST(ServerImage, DetectsFormatFromMagicBytes) {
 }  // namespace
 }  // namespace vlmgraph
 
-// --- Image workers (server/image_workers.h) -------------------------------------------------------
+// --- Image workers (server/image_workers.h) ------------------------------------------------------
 
 namespace vlmgraph::server {
 namespace {
