@@ -2,11 +2,11 @@
 #   source .devdeps/env.sh && source scripts/device-env.sh && \
 #     cmake -S . -B build-gpu -G Ninja $VLMGRAPH_CMAKE_ARGS && cmake --build build-gpu
 # Fetch the extra Debian packages into .devdeps first (here, once):
-#   ../shared/device/fetch-debs.sh libstb-dev libstb0 libcpp-httplib-dev libcpp-httplib0.11 libbrotli-dev \
+#   ../shared/device/fetch-debs.sh libstb-dev libstb0 libboost1.74-dev \
 #     libpng-dev libpng16-16 libjpeg62-turbo-dev libjpeg62-turbo
 # What it adds, as found on that machine (2026-11-21): unpacks debs fetched after the sysroot was
-# first made, puts the sysroot's headers on the compiler's path (stb, httplib, libpng, libjpeg-turbo;
-# the multiarch folder too, for libjpeg's jconfig.h), lets pkg-config find cpp-httplib there, and
+# first made, puts the sysroot's headers on the compiler's path (stb, Boost, libpng, libjpeg-turbo;
+# the multiarch folder too, for libjpeg's jconfig.h), lets pkg-config look there, and
 # points gRPC's CMake config at the carried c-ares. The model/engine build with these settings,
 # less libpng and libjpeg-turbo, ran there; with them, and the full server build, not yet.
 SR=/tmp/vlmgraph-sysroot

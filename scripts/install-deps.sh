@@ -16,7 +16,7 @@ apt_pkgs=(
   python3 python3-pip
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libyaml-cpp-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev libstb-dev libcpp-httplib-dev
+  libgtest-dev libgmock-dev libstb-dev libboost-dev
   libicu-dev libpng-dev libjpeg-dev
   openssl
 )

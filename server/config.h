@@ -84,6 +84,18 @@ struct ServerConfig {
     std::string api_key;
   } server;
 
+  // The HTTP front (server/http_server.h, Note [Request deadlines]).
+  struct Http {
+    int64_t io_threads = 0;  // threads that serve every connection
+    int64_t workers = 0;     // threads that parse, tokenize and decode images of requests
+    double idle_timeout_seconds = 0;
+    double request_head_timeout_seconds = 0;
+    double request_body_timeout_seconds = 0;
+    double write_timeout_seconds = 0;
+    int64_t max_connections = 0;
+    int64_t max_connections_per_client = 0;  // 0 = no limit
+  } http;
+
   struct Auth {
     std::string api_keys_file;     // "SCOPES KEY" per line (server/auth.h); "" = none
     bool allow_unauthenticated{};  // allow a non-loopback listener without keys

@@ -475,6 +475,50 @@ std::vector<ConfigKey> BuildKeys() {
           .Default("")
           .Secret(),
 
+      Key("http.io_threads", &SC::http, &SC::Http::io_threads)
+          .Doc("Threads of the event-driven HTTP front: they read and write every connection "
+               "(idle, slow and streaming clients need no thread of their own).")
+          .Default(2)
+          .Range(1, 64),
+      Key("http.workers", &SC::http, &SC::Http::workers)
+          .Doc("Threads that turn HTTP request bodies into engine requests (JSON, chat template, "
+               "tokenizer, image decoding). Requests beyond batching.max_queue_size waiting for "
+               "one get 429.")
+          .Default(4)
+          .Range(1, 256),
+      Key("http.idle_timeout_seconds", &SC::http, &SC::Http::idle_timeout_seconds)
+          .Doc("A connection with no request in progress (before its first, between keep-alive "
+               "requests) is closed after this long without a byte (nginx's keepalive_timeout).")
+          .Default(60)
+          .Range(0.01, 86400),
+      Key("http.request_head_timeout_seconds", &SC::http, &SC::Http::request_head_timeout_seconds)
+          .Doc("From the first byte of a request to the end of its head (request line and "
+               "headers), whatever the pace of the bytes; then 408 and the connection is closed "
+               "(slowloris; nginx's client_header_timeout).")
+          .Default(10)
+          .Range(0.01, 3600),
+      Key("http.request_body_timeout_seconds", &SC::http, &SC::Http::request_body_timeout_seconds)
+          .Doc("The whole request body must arrive within this long of its head; then 408 and "
+               "the connection is closed (slow bodies).")
+          .Default(60)
+          .Range(0.01, 3600),
+      Key("http.write_timeout_seconds", &SC::http, &SC::Http::write_timeout_seconds)
+          .Doc("Each write of a response (a stream's event included) must complete within this "
+               "long, else the connection is closed and its generation cancelled (a client that "
+               "stops reading).")
+          .Default(30)
+          .Range(0.01, 3600),
+      Key("http.max_connections", &SC::http, &SC::Http::max_connections)
+          .Doc("Open HTTP connections in all; a connection beyond it gets 503 and is closed.")
+          .Default(16384)
+          .Range(1, 10000000),
+      Key("http.max_connections_per_client", &SC::http, &SC::Http::max_connections_per_client)
+          .Doc("Open HTTP connections per client IP address; a connection beyond it gets 503 and "
+               "is closed (nginx's limit_conn). 0 = no limit: set 0 behind a proxy or load "
+               "balancer, where every client has its address.")
+          .Default(1024)
+          .Range(0, 10000000),
+
       Key("auth.api_keys_file", &SC::auth, &SC::Auth::api_keys_file)
           .Doc("API keys with scopes (docs/security.md); \"\" = no keys. One \"SCOPES KEY\" line "
                "per key, scopes inference, train or all, comma-separated: "
@@ -508,8 +552,9 @@ std::vector<ConfigKey> BuildKeys() {
           .Default(40000000)
           .Range(1, kTwoTo40),
       Key("limits.max_images_per_request", &SC::limits, &SC::Limits::max_images_per_request)
-          .Doc("Images per request.")
-          .Default(8)
+          .Doc("Images per request. With max_image_bytes it sets the largest request "
+               "(limits.max_request_bytes, and x 4/3 the largest HTTP body).")
+          .Default(4)
           .Range(0, 1024),
       Key("limits.max_new_tokens", &SC::limits, &SC::Limits::max_new_tokens)
           .Doc("max_new_tokens of one Generate request.")

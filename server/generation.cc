@@ -11,93 +11,121 @@ double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Cancels the stream's sequence unless it finished: covers every early exit.
-class CancelUnlessDone {
- public:
-  CancelUnlessDone(Scheduler* scheduler, std::shared_ptr<GenerationStream> stream)
-      : scheduler_(scheduler), stream_(std::move(stream)) {}
-  ~CancelUnlessDone() {
-    if (!done_) scheduler_->Cancel(stream_);
-  }
-  void set_done() { done_ = true; }
-
- private:
-  Scheduler* scheduler_;
-  std::shared_ptr<GenerationStream> stream_;
-  bool done_ = false;
-};
-
 }  // namespace
+
+GenerationSession::GenerationSession(Scheduler& scheduler, Metrics* metrics,
+                                     ValidatedRequest request, Clock::time_point accepted,
+                                     TextStream* text, std::function<void()> on_update)
+    : scheduler_(scheduler),
+      metrics_(metrics),
+      text_(text),
+      accepted_(accepted),
+      stream_(scheduler.SubmitGenerate(std::move(request), accepted)),
+      last_delta_(accepted) {
+  if (on_update) stream_->SetListener(std::move(on_update));
+}
+
+GenerationSession::~GenerationSession() {
+  stream_->SetListener(nullptr);
+  if (!engine_done_) scheduler_.Cancel(stream_);
+}
+
+void GenerationSession::Cancel() { scheduler_.Cancel(stream_); }
+
+void GenerationSession::Record(const GenerationDelta& delta) {
+  const auto now = Clock::now();
+  const int64_t k = static_cast<int64_t>(delta.token_ids.size());
+  if (k == 0) return;
+  if (out_.generated_tokens == 0) {
+    out_.time_to_first_token_seconds = std::chrono::duration<double>(now - accepted_).count();
+    if (metrics_) {
+      metrics_->ObserveTimeToFirstToken(out_.time_to_first_token_seconds);
+      for (int64_t i = 1; i < k; ++i) metrics_->ObserveInterTokenLatency(0);
+    }
+  } else if (metrics_) {
+    const double gap =
+        std::chrono::duration<double>(now - last_delta_).count() / static_cast<double>(k);
+    for (int64_t i = 0; i < k; ++i) metrics_->ObserveInterTokenLatency(gap);
+  }
+  last_delta_ = now;
+  out_.generated_tokens += k;
+  if (metrics_) metrics_->AddGeneratedTokens(k);
+}
+
+GenerationSession::Taken GenerationSession::Take(std::chrono::milliseconds timeout) {
+  Taken taken;
+  if (finished_) {
+    taken.finished = true;
+    taken.outcome = out_;
+    return taken;
+  }
+  GenerationStream::Update u = stream_->Wait(timeout);
+  if (!u.tokens.empty()) {
+    GenerationDelta delta;
+    for (int64_t t : u.tokens) {
+      delta.token_ids.push_back(t);
+      if (!text_) continue;
+      TextStream::Delta d = text_->Push(t);
+      delta.text += d.text;
+      if (d.stopped) {
+        // A stop string matched: this token ends the generation; the engine's sequence is
+        // cancelled (the engine has not ended it).
+        out_.stop_string_matched = true;
+        break;
+      }
+    }
+    Record(delta);
+    taken.deltas.push_back(std::move(delta));
+    if (out_.stop_string_matched) {
+      out_.reason = FinishReason::kStopToken;
+      scheduler_.Cancel(stream_);
+      engine_done_ = true;  // cancelled just now
+      u.done = true;
+      u.error = nullptr;
+    }
+  }
+  if (u.error) {
+    engine_done_ = true;  // the scheduler ended it (failed or cancelled)
+    finished_ = true;
+    taken.finished = true;
+    taken.error = u.error;
+    return taken;
+  }
+  if (u.done) {
+    engine_done_ = true;
+    if (!out_.stop_string_matched) {
+      out_.reason = u.reason;
+      if (text_) {
+        GenerationDelta last;
+        last.text = text_->Finish();
+        if (!last.text.empty()) taken.deltas.push_back(std::move(last));
+      }
+    }
+    out_.queue_seconds = stream_->queue_seconds();
+    out_.total_seconds = SecondsSince(accepted_);
+    finished_ = true;
+    taken.finished = true;
+    taken.outcome = out_;
+  }
+  return taken;
+}
 
 GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,
                                 const std::function<bool(const GenerationDelta&)>& write,
                                 const std::function<bool()>& is_cancelled) {
-  auto stream = scheduler.SubmitGenerate(std::move(request), accepted);
-  CancelUnlessDone guard(&scheduler, stream);
-
-  GenerationOutcome out;
-  Clock::time_point last_write = accepted;
-  auto send = [&](GenerationDelta& delta) {
-    if (!write(delta))
-      throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
-    const auto now = Clock::now();
-    const int64_t k = static_cast<int64_t>(delta.token_ids.size());
-    if (k == 0) return;
-    if (out.generated_tokens == 0) {
-      out.time_to_first_token_seconds = std::chrono::duration<double>(now - accepted).count();
-      if (metrics) {
-        metrics->ObserveTimeToFirstToken(out.time_to_first_token_seconds);
-        for (int64_t i = 1; i < k; ++i) metrics->ObserveInterTokenLatency(0);
-      }
-    } else if (metrics) {
-      const double gap =
-          std::chrono::duration<double>(now - last_write).count() / static_cast<double>(k);
-      for (int64_t i = 0; i < k; ++i) metrics->ObserveInterTokenLatency(gap);
-    }
-    last_write = now;
-    out.generated_tokens += k;
-    if (metrics) metrics->AddGeneratedTokens(k);
-  };
-
+  GenerationSession session(scheduler, metrics, std::move(request), accepted, text, nullptr);
   while (true) {
-    GenerationStream::Update u = stream->Wait(kGenerationPollInterval);
+    GenerationSession::Taken t = session.Take(kGenerationPollInterval);
+    for (const GenerationDelta& d : t.deltas) {
+      if (!write(d)) throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
+    }
+    if (t.finished) {
+      if (t.error) std::rethrow_exception(t.error);
+      return t.outcome;
+    }
     if (is_cancelled()) throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
-    if (!u.tokens.empty()) {
-      GenerationDelta delta;
-      for (int64_t t : u.tokens) {
-        delta.token_ids.push_back(t);
-        if (!text) continue;
-        TextStream::Delta d = text->Push(t);
-        delta.text += d.text;
-        if (d.stopped) {
-          // A stop string matched: this token ends the generation; the engine's sequence is
-          // cancelled by the guard's early exit below (set_done is not called for it).
-          out.stop_string_matched = true;
-          break;
-        }
-      }
-      send(delta);
-      if (out.stop_string_matched) {
-        out.reason = FinishReason::kStopToken;
-        break;  // the guard cancels the sequence
-      }
-    }
-    if (u.error) std::rethrow_exception(u.error);
-    if (u.done) {
-      out.reason = u.reason;
-      guard.set_done();
-      if (text) {
-        GenerationDelta last;
-        last.text = text->Finish();
-        if (!last.text.empty()) send(last);
-      }
-      break;
-    }
   }
-  out.queue_seconds = stream->queue_seconds();
-  out.total_seconds = SecondsSince(accepted);
-  return out;
 }
 
 }  // namespace vlmgraph::server

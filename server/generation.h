@@ -15,10 +15,25 @@
 // Errors: ServerError CANCELLED when `is_cancelled` turns true or `write` returns false (the
 // sequence is cancelled in the engine first); what the scheduler throws (RESOURCE_EXHAUSTED,
 // UNAVAILABLE) and what the engine reported for the request. Thread rules: call from the
-// request's own thread (an RPC or HTTP handler); it blocks until the generation ends.
+// request's own thread (an RPC handler); it blocks until the generation ends.
+//
+// GenerationSession is the same generation without a thread of its own, for event-driven
+// transports (the HTTP front, server/http_server.h): it submits at construction, calls
+// `on_update` (from the GPU thread; it must only post work) whenever something arrived, and
+// Take() turns what arrived into deltas without blocking:
+//
+//   auto session = std::make_shared<GenerationSession>(scheduler, metrics, std::move(request),
+//                                                      accepted, text, [=] { post(drain); });
+//   // drain, on the transport's thread:
+//   GenerationSession::Taken t = session->Take();
+//   for (const GenerationDelta& d : t.deltas) write(d);
+//   if (t.finished) { ... t.outcome or t.error ... }
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <exception>
+#include <memory>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -50,6 +65,45 @@ struct GenerationOutcome {
 
 // How often a waiting request checks `is_cancelled`.
 inline constexpr std::chrono::milliseconds kGenerationPollInterval{50};
+
+class GenerationSession {
+ public:
+  // Queues the request (throws what Scheduler::SubmitGenerate throws: RESOURCE_EXHAUSTED,
+  // UNAVAILABLE). `text` may be null and must outlive the session; `on_update` may be empty.
+  GenerationSession(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
+                    Clock::time_point accepted, TextStream* text, std::function<void()> on_update);
+  // Cancels the sequence in the engine unless it finished.
+  ~GenerationSession();
+  GenerationSession(const GenerationSession&) = delete;
+  GenerationSession& operator=(const GenerationSession&) = delete;
+
+  struct Taken {
+    std::vector<GenerationDelta> deltas;  // in order; time to first token and inter-token
+                                          // latency are recorded as they are taken
+    bool finished = false;                // nothing more will come
+    GenerationOutcome outcome;            // when finished without error
+    std::exception_ptr error;             // when finished with an error
+  };
+  // What arrived since the last call; waits up to `timeout` for something (0: never blocks). One
+  // thread at a time; after `finished` it returns finished again with nothing new.
+  Taken Take(std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+  // Ends the generation with CANCELLED (the engine's sequence is freed). Any thread.
+  void Cancel();
+  bool finished() const { return finished_; }
+
+ private:
+  void Record(const GenerationDelta& delta);
+
+  Scheduler& scheduler_;
+  Metrics* const metrics_;
+  TextStream* const text_;
+  const Clock::time_point accepted_;
+  std::shared_ptr<GenerationStream> stream_;
+  GenerationOutcome out_;
+  Clock::time_point last_delta_;
+  std::atomic<bool> finished_{false};
+  bool engine_done_ = false;  // the engine ended the sequence (no cancel needed)
+};
 
 GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,

@@ -15,6 +15,7 @@
 // failures.
 #include <pthread.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,6 +52,13 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   using namespace vlmgraph;
   using namespace vlmgraph::server;
   LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
+  // Every HTTP connection is a file descriptor: lift the soft limit to the hard one (as nginx's
+  // worker_rlimit_nofile), so http.max_connections is what bounds them.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
   // Keys and the exposure rule first: a server that must not start fails before any work.
   const ApiKeys keys = ApiKeys::Load(config);
   CheckExposure(config, keys);

@@ -1,49 +1,38 @@
 #include "server/metrics_http.h"
 
-#include <httplib.h>
-#include <sys/socket.h>
-
 #include <stdexcept>
+
+#include "server/http_server.h"
 
 namespace vlmgraph::server {
 
-struct MetricsHttpServer::Impl {
-  httplib::Server server;
-};
-
 MetricsHttpServer::MetricsHttpServer(const std::string& address,
-                                     std::function<std::string()> render)
-    : impl_(std::make_unique<Impl>()) {
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
-  const std::string port_text = colon == std::string::npos ? address : address.substr(colon + 1);
-  if (host.empty()) host = "0.0.0.0";
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  int port = 0;
+                                     std::function<std::string()> render) {
+  HttpServerOptions o;
+  o.address = address;
+  o.io_threads = 1;
+  o.max_connections = 1024;
+  o.max_connections_per_client = 64;
+  HttpHandlers h;
+  h.on_head = [](const HttpRequest& head) {
+    if (head.path != "/metrics") return HeadVerdict::Refuse(404, "text/plain", "not found: only /metrics\n");
+    if (head.method != "GET") {
+      return HeadVerdict::Refuse(405, "text/plain", "use GET /metrics\n", {{"Allow", "GET"}});
+    }
+    return HeadVerdict::Accept(0);
+  };
+  h.on_request = [render = std::move(render)](std::shared_ptr<HttpExchange> x) {
+    x->Respond(200, "text/plain; version=0.0.4; charset=utf-8", render());
+  };
   try {
-    port = std::stoi(port_text);
-  } catch (const std::exception&) {
-    throw std::runtime_error("server.metrics_address: " + address + ": the port is not a number");
+    server_ = std::make_unique<HttpServer>(o, h);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("server.metrics_address: " + std::string(e.what()));
   }
-  httplib::Server& s = impl_->server;
-  s.Get("/metrics", [render = std::move(render)](const httplib::Request&, httplib::Response& res) {
-    res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  s.set_keep_alive_max_count(1);
-  // SO_REUSEADDR only: a second server on the same port must fail, not share it.
-  s.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  port_ = port == 0 ? s.bind_to_any_port(host) : (s.bind_to_port(host, port) ? port : -1);
-  if (port_ <= 0) throw std::runtime_error("server.metrics_address: cannot listen on " + address);
-  thread_ = std::thread([this] { impl_->server.listen_after_bind(); });
 }
 
-MetricsHttpServer::~MetricsHttpServer() {
-  impl_->server.stop();
-  if (thread_.joinable()) thread_.join();
-}
+MetricsHttpServer::~MetricsHttpServer() = default;
+
+int MetricsHttpServer::port() const { return server_->port(); }
 
 }  // namespace vlmgraph::server

@@ -1,12 +1,14 @@
 #include "server/openai_http.h"
 
-#include <httplib.h>
-#include <sys/socket.h>
-
 #include <algorithm>
 #include <atomic>
+#include <boost/asio/post.hpp>
+#include <boost/asio/strand.hpp>
+#include <boost/asio/thread_pool.hpp>
+#include <cctype>
 #include <chrono>
 #include <condition_variable>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -22,84 +24,70 @@ namespace vlmgraph::server {
 namespace {
 
 using namespace openai;  // NOLINT: this file is the protocol's HTTP side
-
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// The request a worker thread is serving. cpp-httplib runs a request's pre-routing handler, its
-// handler, its content provider (streams) and the logger on one worker thread, one request at a
-// time, so the logger reads what the earlier stages left here.
-struct WorkerRequest {
-  Clock::time_point accepted{};  // pre-routing: the request line and headers are read
-  int final_status = 0;          // a stream's outcome (0: the response's status)
-};
-thread_local WorkerRequest t_request;
+namespace net = boost::asio;
 
 // Routes, for the metric's endpoint label and for 405 (method) vs 404 (path).
+enum class Endpoint { kHealth, kModels, kModel, kChat, kCompletions, kTokenize, kDetokenize };
 struct Route {
   const char* path;
   const char* method;
+  Endpoint endpoint;
 };
 constexpr Route kRoutes[] = {
-    {"/health", "GET"},          {"/v1/models", "GET"}, {"/v1/chat/completions", "POST"},
-    {"/v1/completions", "POST"}, {"/tokenize", "POST"}, {"/detokenize", "POST"},
+    {"/health", "GET", Endpoint::kHealth},
+    {"/v1/models", "GET", Endpoint::kModels},
+    {"/v1/chat/completions", "POST", Endpoint::kChat},
+    {"/v1/completions", "POST", Endpoint::kCompletions},
+    {"/tokenize", "POST", Endpoint::kTokenize},
+    {"/detokenize", "POST", Endpoint::kDetokenize},
 };
 constexpr const char* kModelPath = "/v1/models/{model}";
+constexpr const char* kModelPrefix = "/v1/models/";
 
 std::string EndpointLabel(const std::string& path) {
   for (const Route& r : kRoutes) {
     if (path == r.path) return r.path;
   }
-  if (path.rfind("/v1/models/", 0) == 0) return kModelPath;
+  if (path.rfind(kModelPrefix, 0) == 0 && path.size() > std::string(kModelPrefix).size())
+    return kModelPath;
   return "other";  // bounded label values: unknown paths share one
 }
 
-const Route* FindRoute(const std::string& path) {
+// The route of `path` whatever the method; nullopt for an unknown path.
+std::optional<Route> FindRoute(const std::string& path) {
   for (const Route& r : kRoutes) {
-    if (path == r.path) return &r;
+    if (path == r.path) return r;
   }
-  return nullptr;
+  if (path.rfind(kModelPrefix, 0) == 0 && path.size() > std::string(kModelPrefix).size())
+    return Route{kModelPath, "GET", Endpoint::kModel};
+  return std::nullopt;
 }
 
-// "host:port" -> (host for bind, port); "[::1]:80" -> ("::1", 80).
-std::pair<std::string, int> SplitAddress(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
-  const std::string port_text = colon == std::string::npos ? address : address.substr(colon + 1);
-  if (host.empty()) host = "0.0.0.0";
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  try {
-    return {host, std::stoi(port_text)};
-  } catch (const std::exception&) {
-    throw std::runtime_error("server.http_address: " + address + ": the port is not a number");
-  }
+// "application/json; charset=utf-8" -> true; media types compare case-insensitively (RFC 9110).
+bool IsJsonContentType(const std::string& value) {
+  std::string media = value.substr(0, value.find(';'));
+  while (!media.empty() && std::isspace(static_cast<unsigned char>(media.back()))) media.pop_back();
+  size_t start = 0;
+  while (start < media.size() && std::isspace(static_cast<unsigned char>(media[start]))) ++start;
+  media = media.substr(start);
+  std::transform(media.begin(), media.end(), media.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return media == "application/json";
 }
 
-// Counts requests in flight for Shutdown's drain; a stream's token lives until its last byte.
-class InFlight {
- public:
-  InFlight(std::mutex* mu, std::condition_variable* cv, int64_t* count)
-      : mu_(mu), cv_(cv), count_(count) {
-    std::lock_guard<std::mutex> lock(*mu_);
-    ++*count_;
-  }
-  ~InFlight() {
-    {
-      std::lock_guard<std::mutex> lock(*mu_);
-      --*count_;
+std::string PercentDecodeModel(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && i + 2 < text.size() && std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
+        std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
+      out += static_cast<char>(std::stoi(text.substr(i + 1, 2), nullptr, 16));
+      i += 2;
+    } else {
+      out += text[i];
     }
-    cv_->notify_all();
   }
-  InFlight(const InFlight&) = delete;
-  InFlight& operator=(const InFlight&) = delete;
-
- private:
-  std::mutex* mu_;
-  std::condition_variable* cv_;
-  int64_t* count_;
-};
+  return out;
+}
 
 }  // namespace
 
@@ -111,23 +99,50 @@ struct OpenAiHttpServer::Impl {
   Impl(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics, const TextModel* text,
        const ApiKeys* keys);
 
-  // --- handlers (worker threads) ---
-  using Body =
-      std::function<void(const httplib::Request&, httplib::Response&, std::shared_ptr<InFlight>)>;
-  httplib::Server::Handler Wrap(bool needs_auth, Body body);
-  void CheckAuth(const httplib::Request& req) const;
-  const TextModel& RequireText() const;
-  void SendError(const httplib::Request& req, httplib::Response& res, const ErrorInfo& e) const;
-  void Generate(const httplib::Request& req, httplib::Response& res, PreparedGeneration g,
-                bool chat, std::shared_ptr<InFlight> in_flight);
-  // Errors of a cancelled generation read as "shutting down" when Shutdown cancelled it.
-  ErrorInfo ErrorOf(std::exception_ptr error) const;
+  // One generation over HTTP, from its submission to its last byte. Lives while the engine or
+  // the connection may still call it; its lifetime is what Shutdown's drain counts.
+  struct Generation : std::enable_shared_from_this<Generation> {
+    Generation(Impl* owner, std::shared_ptr<HttpExchange> exchange, PreparedGeneration g,
+               bool chat);
+    ~Generation();
+    void Start(ValidatedRequest request);
+    void ScheduleDrain();
+    void Drain();
+    void Fail(std::exception_ptr error);
 
-  void HandleHealth(const httplib::Request& req, httplib::Response& res);
-  void HandleChat(const httplib::Request& req, httplib::Response& res,
-                  std::shared_ptr<InFlight> in_flight);
-  void HandleCompletion(const httplib::Request& req, httplib::Response& res,
-                        std::shared_ptr<InFlight> in_flight);
+    Impl* const owner;
+    const std::shared_ptr<HttpExchange> exchange;
+    PreparedGeneration g;
+    const bool chat;
+    const ResponseMeta meta;
+    TextStream text;
+    net::strand<net::thread_pool::executor_type> strand;
+    std::unique_ptr<GenerationSession> session;  // strand
+    std::atomic<bool> drain_scheduled{false};
+    std::string out;    // non-streaming: the text so far
+    bool ended = false;  // strand
+    // Itself while the generation runs (Start to the end of Drain or Fail): nothing else holds a
+    // generation that waits for the engine.
+    std::shared_ptr<Generation> self;
+  };
+
+  HeadVerdict OnHead(const HttpRequest& head);
+  void OnRequest(std::shared_ptr<HttpExchange> exchange);
+  void OnComplete(const HttpRequest& request, int status, double seconds);
+
+  // On a worker thread.
+  void Handle(const std::shared_ptr<HttpExchange>& x, Endpoint endpoint);
+  void StartGeneration(const std::shared_ptr<HttpExchange>& x, PreparedGeneration g, bool chat);
+
+  void Authorize(const HttpRequest& head) const;  // throws ApiError 401 / 403
+  const TextModel& RequireText() const;
+  ErrorInfo ErrorOf(std::exception_ptr error) const;
+  void SendError(HttpExchange& x, const ErrorInfo& e) const;
+  HeadVerdict RefuseHead(const HttpRequest& head, const ErrorInfo& e) const;
+  void LogRefusal(const HttpRequest& r, const ErrorInfo& e) const;
+
+  void Register(Generation* g);
+  void Unregister(Generation* g);
 
   const ServerConfig config;
   Scheduler* const scheduler;
@@ -136,19 +151,21 @@ struct OpenAiHttpServer::Impl {
   const ApiKeys* const keys;  // may be null: no keys
   const RequestContext ctx;
   const int64_t created;  // Unix seconds: /v1/models' "created"
+  const int64_t max_body_bytes;
 
   std::atomic<bool> accepting{true};
   std::atomic<bool> cancel_all{false};
-  std::mutex mu;
+  mutable std::mutex mu;
   std::condition_variable cv;
-  int64_t in_flight = 0;  // mu
+  int64_t in_flight = 0;                                  // mu: requests after their head
+  std::map<Generation*, std::weak_ptr<Generation>> live;  // mu
   Clock::time_point drain_start{};
   bool stopped = false;
+  std::atomic<int64_t> queued_work{0};  // bodies waiting for a worker
 
-  std::unique_ptr<httplib::Server> server;  // an httplib::SSLServer with tls.cert_file
-  std::string host;                         // as configured, for address()
-  int port = 0;
-  std::thread thread;
+  net::thread_pool workers;
+  net::thread_pool streams{kStreamThreads};
+  std::unique_ptr<HttpServer> http;  // last: stopped first
 };
 
 OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler_in,
@@ -161,29 +178,77 @@ OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler
       ctx{config_in.served_model_name, config_in.limits},
       created(std::chrono::duration_cast<std::chrono::seconds>(
                   std::chrono::system_clock::now().time_since_epoch())
-                  .count()) {}
+                  .count()),
+      max_body_bytes(MaxHttpBodyBytes(config_in.limits)),
+      workers(static_cast<size_t>(std::max<int64_t>(1, config_in.http.workers))) {}
 
-httplib::Server::Handler OpenAiHttpServer::Impl::Wrap(bool needs_auth, Body body) {
-  return [this, needs_auth, body = std::move(body)](const httplib::Request& req,
-                                                    httplib::Response& res) {
-    auto token = std::make_shared<InFlight>(&mu, &cv, &in_flight);
-    try {
-      if (!accepting.load()) {
-        throw ServerError(grpc::StatusCode::UNAVAILABLE,
-                          "the server is shutting down; retry on another replica");
-      }
-      if (needs_auth) CheckAuth(req);
-      body(req, res, std::move(token));
-    } catch (...) {
-      SendError(req, res, ErrorOf(std::current_exception()));
+// --- the head: everything decided before the body is read (Note [Limits before work]) ---------
+
+HeadVerdict OpenAiHttpServer::Impl::OnHead(const HttpRequest& head) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++in_flight;  // balanced in OnComplete, which the front calls once per head
+  }
+  const std::optional<Route> route = FindRoute(head.path);
+  if (!route) {
+    return RefuseHead(head, {404, "invalid_request_error",
+                             "Invalid URL (" + LogSafe(head.method, 16) + " " +
+                                 LogSafe(head.path, 256) +
+                                 "): this server serves /v1/chat/completions, /v1/completions, "
+                                 "/v1/models, /tokenize, /detokenize and /health",
+                             "", ""});
+  }
+  if (head.method != route->method) {
+    HeadVerdict v = RefuseHead(head, {405, "invalid_request_error",
+                                      "method " + LogSafe(head.method, 16) + " is not allowed on " +
+                                          head.path + "; use " + route->method,
+                                      "", ""});
+    v.headers.emplace_back("Allow", route->method);
+    return v;
+  }
+  if (route->endpoint == Endpoint::kHealth) return HeadVerdict::Accept(0);
+  try {
+    Authorize(head);
+    if (!accepting.load()) {
+      throw ServerError(grpc::StatusCode::UNAVAILABLE,
+                        "the server is shutting down; retry on another replica");
     }
-  };
+  } catch (...) {
+    return RefuseHead(head, ErrorOf(std::current_exception()));
+  }
+  if (std::string(route->method) == "GET") return HeadVerdict::Accept(0);
+  const std::string content_type = head.Header("Content-Type");
+  if (!IsJsonContentType(content_type)) {
+    return RefuseHead(
+        head, {415, "invalid_request_error",
+               "Content-Type must be application/json, got " +
+                   (content_type.empty() ? std::string("none") : "'" + LogSafe(content_type, 64) + "'") +
+                   "; send the JSON body with `Content-Type: application/json`",
+               "", ""});
+  }
+  if (head.content_length && *head.content_length > static_cast<uint64_t>(max_body_bytes)) {
+    return RefuseHead(head, {413, "invalid_request_error",
+                             "the request body has " + std::to_string(*head.content_length) +
+                                 " bytes, more than " + std::to_string(max_body_bytes) +
+                                 " (limits.max_request_bytes x 4/3 for base64 images); send "
+                                 "fewer or smaller images",
+                             "", ""});
+  }
+  return HeadVerdict::Accept(max_body_bytes);
 }
 
-void OpenAiHttpServer::Impl::CheckAuth(const httplib::Request& req) const {
+HeadVerdict OpenAiHttpServer::Impl::RefuseHead(const HttpRequest& head, const ErrorInfo& e) const {
+  LogRefusal(head, e);
+  HttpHeaders headers;
+  if (e.http_status == 401) headers.emplace_back("WWW-Authenticate", "Bearer");
+  return HeadVerdict::Refuse(e.http_status, "application/json", Dump(ErrorJson(e)),
+                             std::move(headers));
+}
+
+void OpenAiHttpServer::Impl::Authorize(const HttpRequest& head) const {
   if (keys == nullptr || !keys->enabled()) return;
   try {
-    keys->Authorize(req.get_header_value("Authorization"), Scope::kInference, req.path);
+    keys->Authorize(head.Header("Authorization"), Scope::kInference, head.path);
   } catch (const ServerError& refused) {
     ErrorInfo e;
     const bool forbidden = refused.code() == grpc::StatusCode::PERMISSION_DENIED;
@@ -192,6 +257,106 @@ void OpenAiHttpServer::Impl::CheckAuth(const httplib::Request& req) const {
     e.code = forbidden ? "insufficient_scope" : "invalid_api_key";
     e.message = refused.what();
     throw ApiError(std::move(e));
+  }
+}
+
+void OpenAiHttpServer::Impl::OnComplete(const HttpRequest& request, int status, double seconds) {
+  if (metrics) metrics->ObserveHttpRequest(EndpointLabel(request.path), status, seconds);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    --in_flight;
+  }
+  cv.notify_all();
+}
+
+// --- the body ------------------------------------------------------------------------------------
+
+void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
+  const std::optional<Route> route = FindRoute(x->request().path);
+  const Endpoint endpoint = route ? route->endpoint : Endpoint::kHealth;
+  if (endpoint == Endpoint::kHealth) {
+    if (accepting.load()) {
+      x->Respond(200, "application/json", "{}");
+    } else {
+      SendError(*x, ErrorOf(std::make_exception_ptr(ServerError(grpc::StatusCode::UNAVAILABLE,
+                                                                "the server is shutting down"))));
+    }
+    return;
+  }
+  // Everything else may parse, tokenize or decode: a worker's job. The queue before the workers
+  // is bounded like the scheduler's.
+  if (queued_work.load() >= config.batching.max_queue_size) {
+    SendError(*x, ErrorOf(std::make_exception_ptr(ServerError(
+                      grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      "too many requests are waiting to be prepared (batching.max_queue_size = " +
+                          std::to_string(config.batching.max_queue_size) + "); retry later"))));
+    return;
+  }
+  ++queued_work;
+  net::post(workers, [this, x, endpoint] {
+    --queued_work;
+    if (x->client_gone()) return;
+    try {
+      if (!accepting.load() && cancel_all.load()) {
+        throw ServerError(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+      }
+      Handle(x, endpoint);
+    } catch (...) {
+      SendError(*x, ErrorOf(std::current_exception()));
+    }
+  });
+}
+
+void OpenAiHttpServer::Impl::Handle(const std::shared_ptr<HttpExchange>& x, Endpoint endpoint) {
+  const std::string& body = x->request().body;
+  Engine& engine = scheduler->engine();
+  switch (endpoint) {
+    case Endpoint::kModels:
+      x->Respond(200, "application/json",
+                 Dump(ModelListJson(ctx.served_model_name, created, engine.max_context())));
+      return;
+    case Endpoint::kModel: {
+      const std::string model =
+          PercentDecodeModel(x->request().path.substr(std::string(kModelPrefix).size()));
+      if (model != ctx.served_model_name) {
+        throw ApiError({404, "invalid_request_error",
+                        "The model `" + model + "` does not exist. This server serves `" +
+                            ctx.served_model_name + "`.",
+                        "model", "model_not_found"});
+      }
+      x->Respond(200, "application/json", Dump(ModelJson(model, created, engine.max_context())));
+      return;
+    }
+    case Endpoint::kChat: {
+      const ChatCompletionRequest request = ParseChatCompletionRequest(body, ctx);
+      StartGeneration(x,
+                      PrepareChatCompletion(request, RequireText(), engine.model_config(),
+                                            config.limits, engine.max_context()),
+                      /*chat=*/true);
+      return;
+    }
+    case Endpoint::kCompletions: {
+      const CompletionRequest request = ParseCompletionRequest(body, ctx);
+      StartGeneration(
+          x, PrepareCompletion(request, RequireText(), config.limits, engine.max_context()),
+          /*chat=*/false);
+      return;
+    }
+    case Endpoint::kTokenize: {
+      const TokenizeRequest request = ParseTokenizeRequest(body, ctx);
+      const std::vector<int64_t> ids =
+          TokenizeIds(request, RequireText(), engine.model_config(), config.limits);
+      x->Respond(200, "application/json", Dump(TokenizeJson(ids, engine.max_context())));
+      return;
+    }
+    case Endpoint::kDetokenize: {
+      const DetokenizeRequest request = ParseDetokenizeRequest(body, ctx);
+      x->Respond(200, "application/json",
+                 Dump(DetokenizeJson(DetokenizeText(request, RequireText()))));
+      return;
+    }
+    case Endpoint::kHealth:
+      break;
   }
 }
 
@@ -216,303 +381,218 @@ ErrorInfo OpenAiHttpServer::Impl::ErrorOf(std::exception_ptr error) const {
   return e;
 }
 
-void OpenAiHttpServer::Impl::SendError(const httplib::Request& req, httplib::Response& res,
-                                       const ErrorInfo& e) const {
-  res.status = e.http_status;
-  if (e.http_status == 401) res.set_header("WWW-Authenticate", "Bearer");
-  res.set_content(Dump(ErrorJson(e)), "application/json");
+void OpenAiHttpServer::Impl::LogRefusal(const HttpRequest& r, const ErrorInfo& e) const {
   const bool server_fault = e.http_status >= 500 && e.http_status != 503;
+  if (!server_fault && !LogEnabled(LogLevel::kDebug)) return;
   Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-      "HTTP " + LogSafe(req.method, 16) + " " + LogSafe(req.path) + " from " + req.remote_addr +
+      "HTTP " + LogSafe(r.method, 16) + " " + LogSafe(r.path) + " from " + r.remote_address +
           " -> " + std::to_string(e.http_status) + ": " + LogSafe(e.message, 512));
 }
 
-void OpenAiHttpServer::Impl::HandleHealth(const httplib::Request& req, httplib::Response& res) {
-  if (accepting.load()) {
-    res.status = 200;
-    return;
+void OpenAiHttpServer::Impl::SendError(HttpExchange& x, const ErrorInfo& e) const {
+  if (e.http_status == kClientClosedRequest) return;  // nobody to answer
+  LogRefusal(x.request(), e);
+  HttpHeaders headers;
+  if (e.http_status == 401) headers.emplace_back("WWW-Authenticate", "Bearer");
+  x.Respond(e.http_status, "application/json", Dump(ErrorJson(e)), std::move(headers));
+}
+
+// --- generations -------------------------------------------------------------------------------
+
+void OpenAiHttpServer::Impl::Register(Generation* g) {
+  std::lock_guard<std::mutex> lock(mu);
+  live.emplace(g, g->weak_from_this());
+}
+
+void OpenAiHttpServer::Impl::Unregister(Generation* g) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    live.erase(g);
   }
-  SendError(req, res,
-            ErrorOf(std::make_exception_ptr(
-                ServerError(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"))));
+  cv.notify_all();
 }
 
-void OpenAiHttpServer::Impl::HandleChat(const httplib::Request& req, httplib::Response& res,
-                                        std::shared_ptr<InFlight> in_flight) {
-  const ChatCompletionRequest request = ParseChatCompletionRequest(req.body, ctx);
-  Engine& engine = scheduler->engine();
-  PreparedGeneration g = PrepareChatCompletion(request, RequireText(), engine.model_config(),
-                                               config.limits, engine.max_context());
-  Generate(req, res, std::move(g), /*chat=*/true, std::move(in_flight));
-}
+OpenAiHttpServer::Impl::Generation::Generation(Impl* owner_in, std::shared_ptr<HttpExchange> x,
+                                               PreparedGeneration g_in, bool chat_in)
+    : owner(owner_in),
+      exchange(std::move(x)),
+      g(std::move(g_in)),
+      chat(chat_in),
+      meta(NewResponseMeta(chat_in ? "chatcmpl" : "cmpl", owner_in->ctx.served_model_name)),
+      text(&owner_in->RequireText().tokenizer(), g.stop_strings),
+      strand(net::make_strand(owner_in->streams.get_executor())) {}
 
-void OpenAiHttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res,
-                                              std::shared_ptr<InFlight> in_flight) {
-  const CompletionRequest request = ParseCompletionRequest(req.body, ctx);
-  Engine& engine = scheduler->engine();
-  PreparedGeneration g =
-      PrepareCompletion(request, RequireText(), config.limits, engine.max_context());
-  Generate(req, res, std::move(g), /*chat=*/false, std::move(in_flight));
-}
+OpenAiHttpServer::Impl::Generation::~Generation() { owner->Unregister(this); }
 
-void OpenAiHttpServer::Impl::Generate(const httplib::Request& req, httplib::Response& res,
-                                      PreparedGeneration g, bool chat,
-                                      std::shared_ptr<InFlight> in_flight) {
+void OpenAiHttpServer::Impl::StartGeneration(const std::shared_ptr<HttpExchange>& x,
+                                             PreparedGeneration g, bool chat) {
   // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
   ValidatedRequest request = scheduler->engine().Validate(std::move(g.request));
-  const Clock::time_point accepted =
-      t_request.accepted == Clock::time_point{} ? Clock::now() : t_request.accepted;
   if (LogEnabled(LogLevel::kDebug)) {
     const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
-    LogDebug("HTTP " + req.path + " from " + req.remote_addr + ": " +
+    LogDebug("HTTP " + x->request().path + " from " + x->request().remote_address + ": " +
              std::to_string(g.prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
              " tiles, max_tokens " + std::to_string(request->sampling.max_new_tokens) +
              (g.stream ? ", stream" : ""));
   }
-  const ResponseMeta meta = NewResponseMeta(chat ? "chatcmpl" : "cmpl", ctx.served_model_name);
-  auto text_stream = std::make_shared<TextStream>(&RequireText().tokenizer(), g.stop_strings);
-  const auto is_cancelled = [this] { return cancel_all.load(); };
-
-  if (!g.stream) {
-    std::string out;
-    const GenerationOutcome o = RunGeneration(
-        *scheduler, metrics, std::move(request), accepted, text_stream.get(),
-        [&out](const GenerationDelta& d) {
-          out += d.text;
-          return true;
-        },
-        is_cancelled);
-    const Usage usage{g.prompt_tokens, o.generated_tokens};
-    const std::string reason = FinishReasonString(o.reason);
-    res.status = 200;
-    res.set_content(Dump(chat ? ChatCompletionJson(meta, out, reason, usage)
-                              : CompletionJson(meta, out, reason, usage)),
-                    "application/json");
-    return;
-  }
-
-  // Streaming: the 200 goes out before the generation is queued, so refuse a full queue here
-  // (the scheduler still has the last word; a request that loses that race gets an error event).
-  const int64_t depth = scheduler->QueueDepth();
-  if (depth >= config.batching.max_queue_size) {
-    throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      "request queue is full (" + std::to_string(depth) +
-                          " waiting, batching.max_queue_size = " +
-                          std::to_string(config.batching.max_queue_size) + "); retry later");
-  }
-  struct StreamState {
-    PreparedGeneration g;
-    std::optional<ValidatedRequest> request;
-    std::shared_ptr<TextStream> text;
-    std::shared_ptr<InFlight> in_flight;
-  };
-  auto state = std::make_shared<StreamState>(
-      StreamState{std::move(g), std::move(request), std::move(text_stream), std::move(in_flight)});
-  res.status = 200;
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");  // proxies: pass events on at once
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, state, meta, chat, accepted, is_cancelled](size_t, httplib::DataSink& sink) {
-        const bool usage_chunks = state->g.include_usage;
-        bool client_gone = false;
-        auto send = [&](const std::string& event) {
-          if (!client_gone && !sink.write(event.data(), event.size())) client_gone = true;
-          return !client_gone;
-        };
-        int status = 200;
-        try {
-          if (chat) {
-            send(SseEvent(ChatCompletionChunkJson(meta, {{"role", "assistant"}, {"content", ""}},
-                                                  "", usage_chunks)));
-          }
-          const GenerationOutcome o = RunGeneration(
-              *scheduler, metrics, std::move(*state->request), accepted, state->text.get(),
-              [&](const GenerationDelta& d) {
-                if (d.text.empty()) return !client_gone;  // held back: nothing to send yet
-                return send(SseEvent(
-                    chat ? ChatCompletionChunkJson(meta, {{"content", d.text}}, "", usage_chunks)
-                         : CompletionChunkJson(meta, d.text, "", usage_chunks)));
-              },
-              [&] { return client_gone || is_cancelled(); });
-          const std::string reason = FinishReasonString(o.reason);
-          send(SseEvent(chat ? ChatCompletionChunkJson(meta, json::object(), reason, usage_chunks)
-                             : CompletionChunkJson(meta, "", reason, usage_chunks)));
-          if (usage_chunks) {
-            send(SseEvent(UsageChunkJson(meta, chat ? "chat.completion.chunk" : "text_completion",
-                                         {state->g.prompt_tokens, o.generated_tokens})));
-          }
-          send(kSseDone);
-          if (client_gone) status = kClientClosedRequest;
-        } catch (...) {
-          const ErrorInfo e = client_gone ? ErrorInfo{kClientClosedRequest, "", "client went away"}
-                                          : ErrorOf(std::current_exception());
-          status = e.http_status;
-          if (status != kClientClosedRequest) {
-            const bool server_fault = status >= 500 && status != 503;
-            Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-                "HTTP stream " + meta.id + " -> " + std::to_string(status) + ": " +
-                    LogSafe(e.message, 512));
-            send(SseEvent(ErrorJson(e)));
-            send(kSseDone);
-          }
-        }
-        t_request.final_status = client_gone ? kClientClosedRequest : status;
-        if (client_gone) return false;  // close the connection
-        sink.done();
-        return true;
-      });
+  auto gen = std::make_shared<Generation>(this, x, std::move(g), chat);
+  Register(gen.get());
+  gen->Start(std::move(request));  // throws RESOURCE_EXHAUSTED / UNAVAILABLE before any byte
 }
+
+void OpenAiHttpServer::Impl::Generation::Start(ValidatedRequest request) {
+  const Clock::time_point accepted =
+      Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(exchange->seconds()));
+  std::weak_ptr<Generation> weak = weak_from_this();
+  session = std::make_unique<GenerationSession>(
+      *owner->scheduler, owner->metrics, std::move(request), accepted, &text, [weak] {
+        if (auto self = weak.lock()) self->ScheduleDrain();
+      });
+  self = shared_from_this();
+  // Submitted: from here on errors go to the client through Drain.
+  if (g.stream) {
+    exchange->StartStream(200, "text/event-stream",
+                          {{"Cache-Control", "no-cache"},
+                           {"X-Accel-Buffering", "no"}});  // proxies: pass events on at once
+    if (chat) {
+      exchange->Write(SseEvent(ChatCompletionChunkJson(
+          meta, {{"role", "assistant"}, {"content", ""}}, "", g.include_usage)));
+    }
+  }
+  exchange->OnClientGone([weak] {
+    if (auto s = weak.lock()) {
+      net::post(s->strand, [s] {
+        if (s->session) s->session->Cancel();
+      });
+    }
+  });
+  // The session lives on the strand from now on: a notification may have come already.
+  net::post(strand, [s = self] { s->Drain(); });
+}
+
+void OpenAiHttpServer::Impl::Generation::ScheduleDrain() {
+  if (drain_scheduled.exchange(true)) return;
+  net::post(strand, [s = shared_from_this()] { s->Drain(); });
+}
+
+void OpenAiHttpServer::Impl::Generation::Drain() {
+  drain_scheduled = false;
+  if (ended || !session) return;
+  GenerationSession::Taken t;
+  try {
+    t = session->Take();
+  } catch (...) {
+    return Fail(std::current_exception());
+  }
+  for (const GenerationDelta& d : t.deltas) {
+    if (!g.stream) {
+      out += d.text;
+    } else if (!d.text.empty()) {
+      exchange->Write(SseEvent(chat ? ChatCompletionChunkJson(meta, {{"content", d.text}}, "",
+                                                              g.include_usage)
+                                    : CompletionChunkJson(meta, d.text, "", g.include_usage)));
+    }
+  }
+  if (!t.finished) return;
+  if (t.error) return Fail(t.error);
+  ended = true;
+  const GenerationOutcome& o = t.outcome;
+  const std::string reason = FinishReasonString(o.reason);
+  const Usage usage{g.prompt_tokens, o.generated_tokens};
+  if (!g.stream) {
+    exchange->Respond(200, "application/json",
+                      Dump(chat ? ChatCompletionJson(meta, out, reason, usage)
+                                : CompletionJson(meta, out, reason, usage)));
+  } else {
+    exchange->Write(SseEvent(chat ? ChatCompletionChunkJson(meta, json::object(), reason,
+                                                            g.include_usage)
+                                  : CompletionChunkJson(meta, "", reason, g.include_usage)));
+    if (g.include_usage) {
+      exchange->Write(SseEvent(
+          UsageChunkJson(meta, chat ? "chat.completion.chunk" : "text_completion", usage)));
+    }
+    exchange->Write(kSseDone);
+    exchange->EndStream();
+  }
+  session.reset();
+  self.reset();  // may destroy this generation: last
+}
+
+void OpenAiHttpServer::Impl::Generation::Fail(std::exception_ptr error) {
+  ended = true;
+  session.reset();
+  const std::shared_ptr<Generation> keep = std::move(self);  // released as this returns
+  if (exchange->client_gone()) return;  // reported as 499 by the front
+  const ErrorInfo e = owner->ErrorOf(error);
+  if (!g.stream) return owner->SendError(*exchange, e);
+  const bool server_fault = e.http_status >= 500 && e.http_status != 503;
+  Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
+      "HTTP stream " + meta.id + " -> " + std::to_string(e.http_status) + ": " +
+          LogSafe(e.message, 512));
+  exchange->SetReportedStatus(e.http_status);
+  exchange->Write(SseEvent(ErrorJson(e)));
+  exchange->Write(kSseDone);
+  exchange->EndStream();
+}
+
+// --- OpenAiHttpServer ----------------------------------------------------------------------------
 
 OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler,
                                    Metrics* metrics, const TextModel* text, const ApiKeys* keys)
     : impl_(std::make_unique<Impl>(config, scheduler, metrics, text, keys)) {
   Impl& m = *impl_;
-  if (config.tls.cert_file.empty()) {
-    m.server = std::make_unique<httplib::Server>();
-  } else {
-    auto tls = std::make_unique<httplib::SSLServer>(
-        config.tls.cert_file.c_str(), config.tls.key_file.c_str(),
-        config.tls.client_ca_file.empty() ? nullptr : config.tls.client_ca_file.c_str());
-    if (!tls->is_valid()) {
-      throw ServerConfigError("tls.cert_file", "the HTTP API cannot use " + config.tls.cert_file +
-                                                   " / " + config.tls.key_file +
-                                                   " (not a matching PEM certificate and key?)");
-    }
-    m.server = std::move(tls);
-  }
-  httplib::Server& s = *m.server;
-  const std::vector<int64_t>& batches = scheduler->engine().options().buckets.batch_sizes;
-  const int64_t max_batch = batches.empty() ? 1 : *std::max_element(batches.begin(), batches.end());
-  const size_t workers =
-      static_cast<size_t>(max_batch + config.batching.max_queue_size + kSpareHttpWorkers);
-  s.new_task_queue = [workers] { return new httplib::ThreadPool(workers); };
-  s.set_payload_max_length(static_cast<size_t>(MaxHttpBodyBytes(config.limits)));
-  s.set_tcp_nodelay(true);  // each SSE event leaves at once
-  s.set_keep_alive_max_count(100);
-
-  s.set_pre_routing_handler([](const httplib::Request&, httplib::Response&) {
-    t_request = WorkerRequest{Clock::now(), 0};
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
-  s.set_logger([&m](const httplib::Request& req, const httplib::Response& res) {
-    const int status = t_request.final_status != 0 ? t_request.final_status : res.status;
-    const double seconds =
-        t_request.accepted == Clock::time_point{} ? 0.0 : SecondsSince(t_request.accepted);
-    if (m.metrics) m.metrics->ObserveHttpRequest(EndpointLabel(req.path), status, seconds);
-    t_request = WorkerRequest{};
-  });
-  // Responses cpp-httplib makes itself (unknown path or method, body too large, unreadable
-  // request) get OpenAI's error body too; those from handlers already have one.
-  s.set_error_handler(httplib::Server::HandlerWithResponse(
-      [&m](const httplib::Request& req, httplib::Response& res) {
-        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-        ErrorInfo e{res.status, res.status >= 500 ? "server_error" : "invalid_request_error", "",
-                    "", ""};
-        if (res.status == 404) {
-          if (const Route* r = FindRoute(req.path)) {
-            e.http_status = 405;
-            res.set_header("Allow", r->method);
-            e.message =
-                "method " + req.method + " is not allowed on " + req.path + "; use " + r->method;
-          } else {
-            e.message = "Invalid URL (" + req.method + " " + req.path +
-                        "): this server serves /v1/chat/completions, /v1/completions, "
-                        "/v1/models, /tokenize, /detokenize and /health";
-          }
-        } else if (res.status == 413) {
-          e.message = "the request body is larger than " +
-                      std::to_string(MaxHttpBodyBytes(m.config.limits)) +
-                      " bytes (limits.max_request_bytes x 4/3 for base64 images); send fewer "
-                      "or smaller images";
-        } else {
-          e.message = "HTTP " + std::to_string(res.status) + " for " + req.method + " " + req.path;
-        }
-        m.SendError(req, res, e);
-        return httplib::Server::HandlerResponse::Handled;
-      }));
-  s.set_exception_handler(
-      [&m](const httplib::Request& req, httplib::Response& res, std::exception_ptr error) {
-        m.SendError(req, res, m.ErrorOf(error));
-      });
-
-  s.Get("/health",
-        [&m](const httplib::Request& req, httplib::Response& res) { m.HandleHealth(req, res); });
-  s.Get("/v1/models", m.Wrap(true, [&m](const httplib::Request&, httplib::Response& res,
-                                        std::shared_ptr<InFlight>) {
-    res.set_content(Dump(ModelListJson(m.ctx.served_model_name, m.created,
-                                       m.scheduler->engine().max_context())),
-                    "application/json");
-  }));
-  s.Get("/v1/models/(.+)", m.Wrap(true, [&m](const httplib::Request& req, httplib::Response& res,
-                                             std::shared_ptr<InFlight>) {
-    const std::string model = req.matches[1];
-    if (model != m.ctx.served_model_name) {
-      throw ApiError({404, "invalid_request_error",
-                      "The model `" + model + "` does not exist. This server serves `" +
-                          m.ctx.served_model_name + "`.",
-                      "model", "model_not_found"});
-    }
-    res.set_content(Dump(ModelJson(model, m.created, m.scheduler->engine().max_context())),
-                    "application/json");
-  }));
-  s.Post("/v1/chat/completions",
-         m.Wrap(true, [&m](const httplib::Request& req, httplib::Response& res,
-                           std::shared_ptr<InFlight> t) { m.HandleChat(req, res, std::move(t)); }));
-  s.Post("/v1/completions", m.Wrap(true, [&m](const httplib::Request& req, httplib::Response& res,
-                                              std::shared_ptr<InFlight> t) {
-    m.HandleCompletion(req, res, std::move(t));
-  }));
-  s.Post("/tokenize", m.Wrap(true, [&m](const httplib::Request& req, httplib::Response& res,
-                                        std::shared_ptr<InFlight>) {
-    const TokenizeRequest request = ParseTokenizeRequest(req.body, m.ctx);
-    Engine& engine = m.scheduler->engine();
-    const std::vector<int64_t> ids =
-        TokenizeIds(request, m.RequireText(), engine.model_config(), m.config.limits);
-    res.set_content(Dump(TokenizeJson(ids, engine.max_context())), "application/json");
-  }));
-  s.Post("/detokenize", m.Wrap(true, [&m](const httplib::Request& req, httplib::Response& res,
-                                          std::shared_ptr<InFlight>) {
-    const DetokenizeRequest request = ParseDetokenizeRequest(req.body, m.ctx);
-    res.set_content(Dump(DetokenizeJson(DetokenizeText(request, m.RequireText()))),
-                    "application/json");
-  }));
-
-  // SO_REUSEADDR only: a second server on the same port must fail, not share it.
-  s.set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  const std::string& address = config.server.http_address;
-  const auto [bind_host, port] = SplitAddress(address);
-  m.host = address.substr(0, address.rfind(':'));
-  m.port =
-      port == 0 ? s.bind_to_any_port(bind_host) : (s.bind_to_port(bind_host, port) ? port : -1);
-  if (m.port <= 0) throw std::runtime_error("server.http_address: cannot listen on " + address);
+  HttpServerOptions o;
+  o.address = config.server.http_address;
+  o.io_threads = static_cast<int>(config.http.io_threads);
+  o.tls_cert_file = config.tls.cert_file;
+  o.tls_key_file = config.tls.key_file;
+  o.tls_client_ca_file = config.tls.client_ca_file;
+  o.idle_timeout_seconds = config.http.idle_timeout_seconds;
+  o.request_head_timeout_seconds = config.http.request_head_timeout_seconds;
+  o.request_body_timeout_seconds = config.http.request_body_timeout_seconds;
+  o.write_timeout_seconds = config.http.write_timeout_seconds;
+  o.max_connections = config.http.max_connections;
+  o.max_connections_per_client = config.http.max_connections_per_client;
+  HttpHandlers h;
+  h.on_head = [&m](const HttpRequest& head) { return m.OnHead(head); };
+  h.on_request = [&m](std::shared_ptr<HttpExchange> x) { m.OnRequest(std::move(x)); };
+  h.on_complete = [&m](const HttpRequest& r, int status, double seconds) {
+    m.OnComplete(r, status, seconds);
+  };
+  h.error_body = [](int status, const std::string& message) {
+    ErrorInfo e{status, status >= 500 ? "server_error" : "invalid_request_error", message, "",
+                ""};
+    return std::make_pair(std::string("application/json"), Dump(ErrorJson(e)));
+  };
   if (metrics) {
     std::vector<std::string> endpoints;
     for (const Route& r : kRoutes) endpoints.push_back(r.path);
     metrics->InitHttpEndpoints(endpoints);
   }
-  m.thread = std::thread([&s] { s.listen_after_bind(); });
-  // stop() before the listen loop has started would be lost; wait for it.
-  const auto deadline = Clock::now() + std::chrono::seconds(10);
-  while (!s.is_running() && Clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  try {
+    m.http = std::make_unique<HttpServer>(o, h);
+  } catch (const ServerConfigError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw std::runtime_error("server.http_address: " + std::string(e.what()));
   }
 }
 
 OpenAiHttpServer::~OpenAiHttpServer() { Shutdown(0); }
 
-int OpenAiHttpServer::port() const { return impl_->port; }
+int OpenAiHttpServer::port() const { return impl_->http->port(); }
 
 int64_t OpenAiHttpServer::in_flight() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->in_flight;
 }
 
+HttpServerStats OpenAiHttpServer::stats() const { return impl_->http->stats(); }
+
 std::string OpenAiHttpServer::address() const {
-  return impl_->host + ":" + std::to_string(impl_->port);
+  const std::string& address = impl_->config.server.http_address;
+  return address.substr(0, address.rfind(':')) + ":" + std::to_string(port());
 }
 
 void OpenAiHttpServer::StopAccepting() {
@@ -526,6 +606,7 @@ void OpenAiHttpServer::Shutdown(double timeout_seconds) {
   Impl& m = *impl_;
   if (m.stopped) return;
   StopAccepting();
+  std::vector<std::shared_ptr<Impl::Generation>> running;
   {
     std::unique_lock<std::mutex> lock(m.mu);
     const auto deadline =
@@ -536,10 +617,25 @@ void OpenAiHttpServer::Shutdown(double timeout_seconds) {
       LogInfo("HTTP: cancelling " + std::to_string(m.in_flight) +
               " requests still running at the shutdown timeout");
     }
+    m.cancel_all = true;  // what is cancelled from now on answers 503
+    for (auto& [ptr, weak] : m.live) {
+      if (auto g = weak.lock()) running.push_back(std::move(g));
+    }
   }
-  m.cancel_all = true;  // running generations end within kGenerationPollInterval
-  m.server->stop();
-  if (m.thread.joinable()) m.thread.join();  // after every worker has finished
+  for (auto& g : running) {
+    net::post(g->strand, [g] {
+      if (g->session) g->session->Cancel();
+    });
+  }
+  running.clear();
+  {
+    // Cancelled generations end within one drain; give their last bytes a moment to leave.
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.cv.wait_for(lock, std::chrono::seconds(5), [&m] { return m.live.empty(); });
+  }
+  m.workers.join();
+  m.streams.join();
+  m.http->Stop();  // closes what is left; every exchange reports
   m.stopped = true;
 }
 

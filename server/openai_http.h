@@ -1,7 +1,8 @@
 // server/openai_http.h: the OpenAI-compatible HTTP API on its own address (server.http_address),
-// on cpp-httplib (Debian's libcpp-httplib-dev). Requests run through the same validation,
-// Scheduler, limits and metrics as gRPC Generate (RunGeneration, server/generation.h); the JSON
-// side (formats, accepted fields, their sources) is server/openai_protocol.h.
+// served by the event-driven HTTP front (server/http_server.h: Boost.Beast). Requests run through
+// the same validation, Scheduler, limits and metrics as gRPC Generate (GenerationSession,
+// server/generation.h); the JSON side (formats, accepted fields, their sources) is
+// server/openai_protocol.h.
 //
 //   OpenAiHttpServer http(config, &scheduler, &metrics, text_model.get());   // listening
 //   http.address();          // "127.0.0.1:8000" (resolves port 0)
@@ -12,8 +13,8 @@
 //   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
 //     -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 //
-// Endpoints (every one but /health needs `Authorization: Bearer <server.api_key>` when a key is
-// set; the environment variable VLMGRAPH_API_KEY overrides the config):
+// Endpoints (every one but /health needs `Authorization: Bearer <key>` with the inference scope
+// when keys are configured, server/auth.h):
 //   GET  /health               200 while serving, 503 once shutting down (as vLLM's)
 //   GET  /v1/models            the one model, served_model_name; GET /v1/models/{model} too
 //   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE
@@ -22,45 +23,50 @@
 //   POST /detokenize           vLLM's: {"tokens"} -> {"prompt"}
 // A known path with another method answers 405, any other path 404, both with OpenAI's error body.
 //
+// Note [Limits before work]: everything that can be decided from the request head is decided
+// before one byte of the body is read: the route (404, 405), the API key (401, 403: an
+// unauthenticated client cannot make the server read, buffer or parse a body), the Content-Type
+// (415 unless application/json, so a web page cannot post to the API from a browser without a
+// CORS preflight), a Content-Length over MaxHttpBodyBytes (413), shutting down (503). Then the
+// body is read within http.request_body_timeout_seconds, and parsed, tokenized and decoded on
+// one of http.workers threads; at most batching.max_queue_size requests wait for a worker (429).
+//
 // Errors (OpenAI's {"error": {"message", "type", "param", "code"}}; the mapping from the
 // server's exceptions is openai::ErrorFromException, the one place that maps them):
-//   400 invalid_request_error  malformed JSON, missing or bad fields, bad base64, a remote image
-//                              URL, n > 1, a prompt longer than the context
+//   400 invalid_request_error  malformed JSON or HTTP, missing or bad fields, bad base64, a remote
+//                              image URL, n > 1, a prompt longer than the context
 //                              (code context_length_exceeded), no tokenizer loaded
 //   401 authentication_error   missing or wrong API key (code invalid_api_key)
+//   403 permission_error       the key lacks the inference scope
 //   404                        unknown model (code model_not_found) or path
+//   408                        the request head or body did not arrive in time
 //   413                        body over MaxHttpBodyBytes(limits)
-//   429 rate_limit_error       the scheduler's queue is full (batching.max_queue_size)
-//   503 server_error           shutting down
+//   414, 431                   request line or head over 64 KiB
+//   415                        Content-Type is not application/json
+//   429 rate_limit_error       the scheduler's queue or the workers' queue is full
+//   503 server_error           shutting down; too many connections (http.max_connections*)
 //   500 server_error           a server bug (logged as an error)
 // An error after a stream has started (its 200 is sent) arrives as one more event,
 // `data: {"error": {...}}`, followed by `data: [DONE]` (as vLLM).
 //
-// Cancellation: a streaming client that disconnects cancels its sequence at the next delta (the
-// write fails). A non-streaming request runs to its end (at most max_tokens) even when its client
-// has gone: cpp-httplib 0.11 gives a handler no way to see the connection.
-//
-// Note [HTTP workers]: cpp-httplib serves each connection on one worker thread of a fixed pool for
-// its whole life, keep-alive included (5 s idle), and leaves connections beyond the pool waiting
-// in an unbounded list. The pool therefore has a worker for every sequence the engine can run
-// (the largest batch bucket) and every request the scheduler's queue may hold
-// (batching.max_queue_size), plus kSpareHttpWorkers for idle keep-alive connections and
-// /tokenize-style requests, so a full queue answers 429 instead of leaving connections unserved.
+// Cancellation: a client that closes its connection cancels its generation at once, streaming or
+// not (the front keeps reading the connection while the response is pending).
 //
 // Graceful shutdown (Note [Graceful shutdown], server/grpc_server.h): StopAccepting turns /health
 // to 503 and refuses new requests with 503; Shutdown(timeout) lets requests in flight run until
-// `timeout` seconds after StopAccepting, then cancels the rest (their handlers notice within
-// kGenerationPollInterval and answer 503), stops listening and joins every worker. An idle
-// keep-alive connection can hold that join up to its 5 s idle timeout.
+// `timeout` seconds after StopAccepting, then cancels the rest (streams end with a 503 error
+// event, other requests answer 503), closes every connection and joins the front's threads.
 //
 // Metrics: vlmgraph_http_requests_total{endpoint, status} and
 // vlmgraph_http_request_duration_seconds{endpoint} for every request (docs/metrics.md); generations
 // also record time to first token, inter-token latency and generated tokens as gRPC does.
 //
-// Thread rules: construct, StopAccepting, Shutdown and destroy from the main thread; handlers run
-// on the worker threads and only use thread-safe objects (Scheduler, Engine::Validate, Metrics, the
+// Threads: http.io_threads serve the connections, http.workers prepare requests, and
+// kStreamThreads turn engine tokens into response chunks; nothing blocks on a client.
+// Thread rules: construct, StopAccepting, Shutdown and destroy from the main thread; the rest runs
+// on those threads and only uses thread-safe objects (Scheduler, Engine::Validate, Metrics, the
 // immutable TextModel). Errors: the constructor throws std::runtime_error naming
-// server.http_address when it cannot listen.
+// server.http_address when it cannot listen, ServerConfigError when the TLS files do not load.
 #pragma once
 
 #include <cstdint>
@@ -69,14 +75,15 @@
 
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
 
 namespace vlmgraph::server {
 
-// Worker threads beyond the batch and the queue (Note [HTTP workers]).
-inline constexpr int64_t kSpareHttpWorkers = 32;
+// Threads that turn the engine's tokens into response chunks (light work: detokenize, JSON).
+inline constexpr int kStreamThreads = 2;
 
 // The largest request body accepted: limits.max_request_bytes grown by base64's 4/3 (images come
 // inline as base64 in JSON), so a request that fits gRPC fits HTTP. Larger bodies get 413.
@@ -104,6 +111,8 @@ class OpenAiHttpServer {
   void StopAccepting();
   // Requests being handled now.
   int64_t in_flight() const;
+  // The front's counters (connections, refusals, deadlines).
+  HttpServerStats stats() const;
   // StopAccepting, waits until `timeout_seconds` after the first StopAccepting for requests in
   // flight, cancels the rest, stops listening and joins the workers. Idempotent.
   void Shutdown(double timeout_seconds);

@@ -36,6 +36,25 @@ GenerationStream::Update GenerationStream::Wait(std::chrono::milliseconds timeou
   return u;
 }
 
+void GenerationStream::SetListener(std::function<void()> listener) {
+  bool changed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    listener_ = std::move(listener);
+    changed = done_ || !tokens_.empty();
+  }
+  if (changed) Notify();
+}
+
+void GenerationStream::Notify() {
+  std::function<void()> listener;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    listener = listener_;
+  }
+  if (listener) listener();
+}
+
 bool GenerationStream::done() {
   std::lock_guard<std::mutex> lock(mu_);
   return done_;
@@ -52,6 +71,7 @@ void GenerationStream::Push(const TokenEvent& event) {
     }
   }
   cv_.notify_all();
+  Notify();
 }
 
 void GenerationStream::Fail(std::exception_ptr error) {
@@ -62,6 +82,7 @@ void GenerationStream::Fail(std::exception_ptr error) {
     error_ = std::move(error);
   }
   cv_.notify_all();
+  Notify();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -91,8 +91,15 @@ class GenerationStream {
 
   explicit GenerationStream(Clock::time_point accepted) : accepted_(accepted) {}
 
-  // Blocks until tokens arrive, the stream ends, or `timeout` passes (empty update).
+  // Blocks until tokens arrive, the stream ends, or `timeout` passes (empty update). A zero
+  // timeout takes what has arrived without blocking.
   Update Wait(std::chrono::milliseconds timeout);
+
+  // Called after every change (tokens, end, failure), from the thread that made it (the GPU
+  // thread, or the canceller's), outside the stream's lock; it must not block and must not call
+  // Wait itself (post the work elsewhere: event-driven transports, server/http_server.h). Set
+  // once, before the change it should see; a change made before it was set is signalled at once.
+  void SetListener(std::function<void()> listener);
 
   Clock::time_point accepted() const { return accepted_; }
   // Seconds from acceptance to admission (prefill start); 0 before admission.
@@ -103,6 +110,7 @@ class GenerationStream {
   bool done();
   void Push(const TokenEvent& event);
   void Fail(std::exception_ptr error);
+  void Notify();
 
   const Clock::time_point accepted_;
   std::atomic<double> queue_seconds_{0};
@@ -115,6 +123,7 @@ class GenerationStream {
   bool done_ = false;
   FinishReason reason_ = FinishReason::kNone;
   std::exception_ptr error_;
+  std::function<void()> listener_;  // mu_
 };
 
 class Scheduler {

@@ -76,13 +76,15 @@ std::string Text(const std::vector<int64_t>& v) {
 // NonDefaultConfig below, and give the field a key in server/config_schema.cc.
 std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [model, seed, dtype, device, stop_ids, tokenizer, served_model_name, buckets, capture,
-               batching, endpoints, auth, tls, limits, train, shutdown_timeout_seconds, log_level] =
+               batching, endpoints, http, auth, tls, limits, train, shutdown_timeout_seconds, log_level] =
       c;
   const auto& [batch_sizes, seq_lens, context_lens, tile_counts, train_batch_sizes, train_seq_lens,
                oversize] = buckets;
   const auto& [enabled, lazy, pdl] = capture;
   const auto& [max_queue_delay_us, max_queue_size] = batching;
   const auto& [grpc_address, metrics_address, http_address, api_key] = endpoints;
+  const auto& [io_threads, workers, http_idle, head_timeout, body_timeout, write_timeout,
+               max_connections, max_connections_per_client] = http;
   const auto& [api_keys_file, allow_unauthenticated] = auth;
   const auto& [cert_file, key_file, client_ca_file] = tls;
   const auto& [max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
@@ -112,6 +114,14 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(metrics_address),
           Text(http_address),
           Text(api_key),
+          Text(io_threads),
+          Text(workers),
+          Text(http_idle),
+          Text(head_timeout),
+          Text(body_timeout),
+          Text(write_timeout),
+          Text(max_connections),
+          Text(max_connections_per_client),
           Text(api_keys_file),
           Text(allow_unauthenticated),
           Text(cert_file),
@@ -158,6 +168,14 @@ ServerConfig NonDefaultConfig() {
   c.server.metrics_address = "127.0.0.1:2";
   c.server.http_address = "";
   c.server.api_key = "k";
+  c.http.io_threads = 3;
+  c.http.workers = 5;
+  c.http.idle_timeout_seconds = 7.5;
+  c.http.request_head_timeout_seconds = 2.5;
+  c.http.request_body_timeout_seconds = 3.5;
+  c.http.write_timeout_seconds = 4.5;
+  c.http.max_connections = 99;
+  c.http.max_connections_per_client = 9;
   c.auth.api_keys_file = "/keys";
   c.auth.allow_unauthenticated = true;
   c.tls.cert_file = "/c.pem";

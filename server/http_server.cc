@@ -1,0 +1,862 @@
+#include "server/http_server.h"
+
+#include <algorithm>
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/asio/ssl.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <cctype>
+#include <chrono>
+#include <deque>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <thread>
+
+#include "model/log.h"
+#include "server/config.h"
+
+namespace vlmgraph::server {
+namespace {
+
+namespace net = boost::asio;
+namespace ssl = boost::asio::ssl;
+namespace beast = boost::beast;
+namespace http = boost::beast::http;
+using tcp = net::ip::tcp;
+using Strand = net::strand<net::io_context::executor_type>;
+
+double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+std::chrono::steady_clock::duration Duration(double seconds) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(std::max(0.0, seconds)));
+}
+
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(a[i])) !=
+        std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  }
+  return true;
+}
+
+tcp::socket& Lowest(tcp::socket& s) { return s; }
+tcp::socket& Lowest(ssl::stream<tcp::socket>& s) { return s.next_layer(); }
+
+// The canned answer to a connection over the limits, written without waiting (a new socket's
+// send buffer is empty).
+constexpr char kTooManyConnections[] =
+    "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 60\r\n"
+    "Connection: close\r\nRetry-After: 1\r\n\r\n"
+    "too many connections from this client or in all; retry later";
+static_assert(sizeof("too many connections from this client or in all; retry later") - 1 == 60);
+
+}  // namespace
+
+std::string HttpRequest::Header(std::string_view name) const {
+  for (const auto& [k, v] : headers) {
+    if (EqualsIgnoreCase(k, name)) return v;
+  }
+  return "";
+}
+
+std::pair<std::string, int> SplitHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
+  const std::string port_text = colon == std::string::npos ? address : address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
+  if (host == "*") host.clear();
+  size_t used = 0;
+  int port = -1;
+  try {
+    port = std::stoi(port_text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != port_text.size() || port < 0 || port > 65535) {
+    throw std::runtime_error(address + ": the port is not a number from 0 to 65535");
+  }
+  return {host, port};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The connection: one per accepted socket, every handler on its strand.
+
+class HttpConnectionBase : public std::enable_shared_from_this<HttpConnectionBase> {
+ public:
+  virtual ~HttpConnectionBase() = default;
+  virtual void Post(std::function<void()> fn) = 0;
+  virtual void DoRespond(HttpExchange* x, int status, std::string content_type, std::string body,
+                         HttpHeaders headers) = 0;
+  virtual void DoStartStream(HttpExchange* x, int status, std::string content_type,
+                             HttpHeaders headers) = 0;
+  virtual void DoWrite(HttpExchange* x, std::string data) = 0;
+  virtual void DoEndStream(HttpExchange* x) = 0;
+  virtual void DoClose() = 0;
+  std::atomic<int64_t> pending_write_bytes{0};
+  int64_t max_pending_write_bytes = 0;  // 0: no limit
+  std::atomic<int> reported_status{0};
+};
+
+struct HttpServerImpl : std::enable_shared_from_this<HttpServerImpl> {
+  HttpServerImpl(HttpServerOptions options_in, HttpHandlers handlers_in)
+      : options(std::move(options_in)), handlers(std::move(handlers_in)), acceptor(ioc) {}
+
+  void Accept();
+  bool Register(const std::string& ip);  // false: over a limit
+  void Unregister(const std::string& ip);
+  void Track(const std::shared_ptr<HttpConnectionBase>& c);
+
+  const HttpServerOptions options;
+  const HttpHandlers handlers;
+  net::io_context ioc;
+  std::optional<net::executor_work_guard<net::io_context::executor_type>> work;
+  std::unique_ptr<ssl::context> tls;
+  tcp::acceptor acceptor;
+  int port = 0;
+  std::vector<std::thread> threads;
+  bool stopped = false;
+
+  mutable std::mutex mu;
+  std::map<std::string, int64_t> per_client;  // mu
+  std::vector<std::weak_ptr<HttpConnectionBase>> connections;  // mu
+  int64_t open = 0;                                             // mu
+  std::atomic<int64_t> refused{0};
+  std::atomic<int64_t> timed_out{0};
+  std::atomic<int> running_threads{0};
+};
+
+template <class Stream>
+class HttpConnection final : public HttpConnectionBase {
+ public:
+  enum class Phase { kNone, kHandshake, kIdle, kHead, kBody, kWrite, kLinger };
+
+  HttpConnection(std::shared_ptr<HttpServerImpl> server, Stream stream, std::string ip)
+      : server_(std::move(server)),
+        stream_(std::move(stream)),
+        deadline_(Lowest(stream_).get_executor()),
+        ip_(std::move(ip)) {
+    max_pending_write_bytes = server_->options.max_pending_write_bytes;
+  }
+
+  void Start() {
+    if constexpr (std::is_same_v<Stream, ssl::stream<tcp::socket>>) {
+      SetDeadline(Phase::kHandshake, server_->options.request_head_timeout_seconds);
+      stream_.async_handshake(ssl::stream_base::server,
+                              [self = Self()](beast::error_code ec) {
+                                if (ec) return self->Close();
+                                self->ReadNext();
+                              });
+    } else {
+      ReadNext();
+    }
+  }
+
+  void Post(std::function<void()> fn) override {
+    net::post(Lowest(stream_).get_executor(), std::move(fn));
+  }
+
+  void DoRespond(HttpExchange* x, int status, std::string content_type, std::string body,
+                 HttpHeaders headers) override {
+    if (!Current(x) || response_started_) return;
+    response_started_ = true;
+    reported_status = reported_status.load() != 0 ? reported_status.load() : status;
+    auto res = std::make_shared<http::response<http::string_body>>(
+        static_cast<http::status>(status), 11);
+    res->set(http::field::content_type, content_type);
+    for (auto& [k, v] : headers) res->insert(k, v);
+    res->keep_alive(keep_alive_);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
+    http::async_write(stream_, *res,
+                      [self = Self(), res](beast::error_code ec, std::size_t) {
+                        self->CancelDeadline();
+                        if (ec) return self->Close();
+                        self->FinishExchange();
+                      });
+  }
+
+  void DoStartStream(HttpExchange* x, int status, std::string content_type,
+                     HttpHeaders headers) override {
+    if (!Current(x) || response_started_) return;
+    response_started_ = true;
+    streaming_ = true;
+    if (reported_status.load() == 0) reported_status = status;
+    auto res = std::make_shared<http::response<http::empty_body>>(
+        static_cast<http::status>(status), 11);
+    res->set(http::field::content_type, content_type);
+    for (auto& [k, v] : headers) res->insert(k, v);
+    res->keep_alive(keep_alive_);
+    res->chunked(true);
+    auto sr = std::make_shared<http::response_serializer<http::empty_body>>(*res);
+    writing_ = true;
+    SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
+    http::async_write_header(stream_, *sr,
+                             [self = Self(), res, sr](beast::error_code ec, std::size_t) {
+                               self->writing_ = false;
+                               self->CancelDeadline();
+                               if (ec) return self->Close();
+                               self->head_written_ = true;
+                               self->Flush();
+                             });
+  }
+
+  void DoWrite(HttpExchange* x, std::string data) override {
+    if (!Current(x) || !streaming_ || end_requested_) {
+      pending_write_bytes -= static_cast<int64_t>(data.size());
+      return;
+    }
+    queue_.push_back(std::move(data));
+    Flush();
+  }
+
+  void DoEndStream(HttpExchange* x) override {
+    if (!Current(x) || !streaming_) return;
+    end_requested_ = true;
+    Flush();
+  }
+
+  void DoClose() override { Close(); }
+
+ private:
+  std::shared_ptr<HttpConnection> Self() {
+    return std::static_pointer_cast<HttpConnection>(shared_from_this());
+  }
+  bool Current(HttpExchange* x) const { return !closed_ && exchange_ && exchange_.get() == x; }
+
+  void SetDeadline(Phase phase, double seconds) {
+    phase_ = phase;
+    deadline_.expires_after(Duration(seconds));
+    deadline_.async_wait([weak = std::weak_ptr<HttpConnectionBase>(shared_from_this()),
+                          phase](beast::error_code ec) {
+      if (ec) return;  // cancelled or re-armed
+      if (auto self = weak.lock()) static_cast<HttpConnection*>(self.get())->OnDeadline(phase);
+    });
+  }
+  void CancelDeadline() {
+    phase_ = Phase::kNone;
+    deadline_.cancel();
+  }
+
+  void OnDeadline(Phase phase) {
+    if (closed_ || phase != phase_) return;
+    ++server_->timed_out;
+    if (phase == Phase::kHead || phase == Phase::kBody) {
+      // The pending read completes with operation_aborted; its handler writes the 408.
+      timed_out_ = true;
+      beast::error_code ignored;
+      Lowest(stream_).cancel(ignored);
+      return;
+    }
+    Close();
+  }
+
+  // A new request: its first bytes may already be buffered (pipelining, or read while the last
+  // response was pending).
+  void ReadNext() {
+    if (closed_) return;
+    if (requests_ >= server_->options.max_requests_per_connection) return Close();
+    parser_.emplace();
+    parser_->header_limit(static_cast<std::uint32_t>(
+        std::min<int64_t>(server_->options.max_head_bytes, UINT32_MAX)));
+    // No limit while the head is read (Beast checks Content-Length against it as the head ends);
+    // on_head's verdict sets it.
+    parser_->body_limit((std::numeric_limits<std::uint64_t>::max)());
+    timed_out_ = false;
+    if (buffer_.size() > 0) return ReadHead();
+    SetDeadline(Phase::kIdle, server_->options.idle_timeout_seconds);
+    if (!reading_) ReadSome();
+  }
+
+  // Reads whatever arrives: the next request's first bytes, or the news that the client closed
+  // (while a response is pending, this is how a vanished client is noticed).
+  void ReadSome() {
+    reading_ = true;
+    stream_.async_read_some(buffer_.prepare(16 * 1024),
+                            [self = Self()](beast::error_code ec, std::size_t n) {
+                              self->OnReadSome(ec, n);
+                            });
+  }
+
+  void OnReadSome(beast::error_code ec, std::size_t n) {
+    reading_ = false;
+    if (ec) return Close();
+    if (closing_) {
+      buffer_.consume(buffer_.size());
+      return Discard();
+    }
+    buffer_.commit(n);
+    if (exchange_ || closed_) return;  // kept for the next request
+    ReadHead();
+  }
+
+  void ReadHead() {
+    started_ = MonotonicSeconds();
+    SetDeadline(Phase::kHead, server_->options.request_head_timeout_seconds);
+    http::async_read_header(stream_, buffer_, *parser_,
+                            [self = Self()](beast::error_code ec, std::size_t) {
+                              self->OnHead(ec);
+                            });
+  }
+
+  HttpRequest HeadOf() const {
+    const auto& msg = parser_->get();
+    HttpRequest r;
+    r.method = std::string(msg.method_string());
+    r.target = std::string(msg.target());
+    r.path = r.target.substr(0, r.target.find('?'));
+    for (const auto& field : msg) {
+      r.headers.emplace_back(std::string(field.name_string()), std::string(field.value()));
+    }
+    if (auto length = parser_->content_length()) r.content_length = *length;
+    r.remote_address = ip_;
+    return r;
+  }
+
+  void OnHead(beast::error_code ec) {
+    CancelDeadline();
+    if (ec) {
+      if (timed_out_) {
+        return WriteErrorAndClose(408, "the request head (request line and headers) did not "
+                                       "arrive within " +
+                                           Seconds(server_->options.request_head_timeout_seconds) +
+                                           " s of its first byte");
+      }
+      if (ec == http::error::header_limit) {
+        const bool line = parser_->get().method_string().empty();
+        return WriteErrorAndClose(
+            line ? 414 : 431,
+            std::string(line ? "the request line" : "the request head") + " is longer than " +
+                std::to_string(server_->options.max_head_bytes) +
+                " bytes; send a shorter URL and fewer or shorter headers");
+      }
+      if (ec == http::error::end_of_stream || ec == net::error::eof ||
+          ec == net::error::operation_aborted || ec == net::error::connection_reset ||
+          buffer_.size() == 0) {
+        return Close();
+      }
+      return WriteErrorAndClose(400, "malformed HTTP request: " + ec.message());
+    }
+    head_ = HeadOf();
+    ++requests_;
+    keep_alive_ = parser_->keep_alive() && requests_ < server_->options.max_requests_per_connection;
+    HeadVerdict verdict;
+    head_seen_ = true;
+    try {
+      verdict = server_->handlers.on_head(head_);
+    } catch (const std::exception& e) {
+      LogError(std::string("HTTP: on_head threw: ") + e.what());
+      verdict = HeadVerdict::Refuse(500, "text/plain", "internal error");
+    }
+    if (!verdict.accept) {
+      return RefuseAndClose(verdict.status, std::move(verdict.content_type),
+                            std::move(verdict.body), std::move(verdict.headers));
+    }
+    if (head_.content_length && *head_.content_length > static_cast<uint64_t>(verdict.max_body_bytes)) {
+      return WriteErrorAndClose(413, BodyTooLarge(verdict.max_body_bytes));
+    }
+    max_body_bytes_ = verdict.max_body_bytes;
+    parser_->body_limit(static_cast<std::uint64_t>(std::max<int64_t>(0, verdict.max_body_bytes)));
+    if (parser_->is_done()) return OnBodyDone();
+    SetDeadline(Phase::kBody, server_->options.request_body_timeout_seconds);
+    if (EqualsIgnoreCase(head_.Header("Expect"), "100-continue")) {
+      net::async_write(stream_, net::buffer(kContinue, sizeof(kContinue) - 1),
+                       [self = Self()](beast::error_code ec, std::size_t) {
+                         if (ec) return self->Close();
+                         self->ReadBody();
+                       });
+      return;
+    }
+    ReadBody();
+  }
+
+  static constexpr char kContinue[] = "HTTP/1.1 100 Continue\r\n\r\n";
+
+  static std::string Seconds(double s) {
+    std::string text = std::to_string(s);
+    text.erase(text.find_last_not_of('0') + 1);
+    if (!text.empty() && text.back() == '.') text.pop_back();
+    return text;
+  }
+  static std::string BodyTooLarge(int64_t limit) {
+    return "the request body is larger than " + std::to_string(limit) +
+           " bytes, the largest this endpoint reads";
+  }
+
+  void ReadBody() {
+    http::async_read(stream_, buffer_, *parser_,
+                     [self = Self()](beast::error_code ec, std::size_t) { self->OnBody(ec); });
+  }
+
+  void OnBody(beast::error_code ec) {
+    CancelDeadline();
+    if (ec) {
+      if (timed_out_) {
+        return WriteErrorAndClose(408, "the request body did not arrive within " +
+                                           Seconds(server_->options.request_body_timeout_seconds) +
+                                           " s");
+      }
+      if (ec == http::error::body_limit) {
+        return WriteErrorAndClose(413, BodyTooLarge(max_body_bytes_));
+      }
+      if (ec == http::error::end_of_stream || ec == net::error::eof ||
+          ec == net::error::connection_reset || ec == net::error::operation_aborted) {
+        Report(499);
+        return Close();
+      }
+      return WriteErrorAndClose(400, "malformed HTTP request body: " + ec.message());
+    }
+    OnBodyDone();
+  }
+
+  void OnBodyDone() {
+    head_.body = std::move(parser_->get().body());
+    parser_.reset();
+    response_started_ = streaming_ = head_written_ = end_requested_ = last_written_ = false;
+    reported_status = 0;
+    queue_.clear();
+    exchange_ = std::make_shared<HttpExchange>(shared_from_this(), std::move(head_), started_);
+    head_ = HttpRequest{};
+    try {
+      server_->handlers.on_request(exchange_);
+    } catch (const std::exception& e) {
+      LogError(std::string("HTTP: on_request threw: ") + e.what());
+      exchange_->Respond(500, "text/plain", "internal error");
+    }
+    if (!reading_ && buffer_.size() == 0 && !closed_) ReadSome();
+  }
+
+  void Flush() {
+    if (closed_ || writing_ || !head_written_ || last_written_) return;
+    if (queue_.empty()) {
+      if (!end_requested_) return;
+      last_written_ = true;
+      writing_ = true;
+      SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
+      net::async_write(stream_, http::make_chunk_last(),
+                       [self = Self()](beast::error_code ec, std::size_t) {
+                         self->writing_ = false;
+                         self->CancelDeadline();
+                         if (ec) return self->Close();
+                         self->FinishExchange();
+                       });
+      return;
+    }
+    chunk_.clear();
+    for (std::string& piece : queue_) chunk_ += piece;
+    queue_.clear();
+    const int64_t bytes = static_cast<int64_t>(chunk_.size());
+    writing_ = true;
+    SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
+    net::async_write(stream_, http::make_chunk(net::buffer(chunk_)),
+                     [self = Self(), bytes](beast::error_code ec, std::size_t) {
+                       self->writing_ = false;
+                       self->pending_write_bytes -= bytes;
+                       self->CancelDeadline();
+                       if (ec) return self->Close();
+                       self->Flush();
+                     });
+  }
+
+  // on_complete, once for each request whose head on_head saw.
+  void Report(int status) {
+    if (reported_ || !head_seen_) return;
+    reported_ = true;
+    if (server_->handlers.on_complete) {
+      const HttpRequest& r = exchange_ ? exchange_->request() : head_;
+      try {
+        server_->handlers.on_complete(r, status, MonotonicSeconds() - started_);
+      } catch (const std::exception& e) {
+        LogError(std::string("HTTP: on_complete threw: ") + e.what());
+      }
+    }
+  }
+
+  void FinishExchange() {
+    Report(reported_status.load() != 0 ? reported_status.load() : 200);
+    exchange_.reset();
+    reported_ = head_seen_ = false;
+    if (!keep_alive_) return LingeringClose();
+    ReadNext();
+  }
+
+  // An answer from the server itself (no handler saw the body): written with Connection: close.
+  void WriteErrorAndClose(int status, const std::string& message) {
+    std::string content_type = "text/plain", body = message;
+    if (server_->handlers.error_body) {
+      try {
+        std::tie(content_type, body) = server_->handlers.error_body(status, message);
+      } catch (const std::exception&) {
+      }
+    }
+    RefuseAndClose(status, std::move(content_type), std::move(body), {});
+  }
+
+  void RefuseAndClose(int status, std::string content_type, std::string body,
+                      HttpHeaders headers) {
+    Report(status);
+    keep_alive_ = false;
+    auto res = std::make_shared<http::response<http::string_body>>(
+        static_cast<http::status>(status), 11);
+    res->set(http::field::content_type, content_type);
+    for (auto& [k, v] : headers) res->insert(k, v);
+    res->keep_alive(false);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    response_started_ = true;
+    SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
+    http::async_write(stream_, *res, [self = Self(), res](beast::error_code ec, std::size_t) {
+      self->CancelDeadline();
+      if (ec) return self->Close();
+      self->LingeringClose();
+    });
+  }
+
+  // After a response with Connection: close: stop sending, then read and drop what the client
+  // still sends for a short while, so the kernel does not answer its unread bytes with a reset
+  // that would destroy the response before the client reads it (nginx's lingering_close).
+  void LingeringClose() {
+    if (closed_) return;
+    closing_ = true;
+    beast::error_code ignored;
+    Lowest(stream_).shutdown(tcp::socket::shutdown_send, ignored);
+    SetDeadline(Phase::kLinger, kLingerSeconds);
+    if (!reading_) Discard();
+  }
+  static constexpr double kLingerSeconds = 2.0;
+
+  void Discard() {
+    reading_ = true;
+    Lowest(stream_).async_read_some(
+        net::buffer(discard_), [self = Self()](beast::error_code ec, std::size_t) {
+          self->reading_ = false;
+          if (ec || self->closed_) return self->Close();
+          self->Discard();
+        });
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    deadline_.cancel();
+    beast::error_code ignored;
+    Lowest(stream_).shutdown(tcp::socket::shutdown_both, ignored);
+    Lowest(stream_).close(ignored);
+    if (exchange_) {
+      if (!reported_) Report(499);
+      exchange_->MarkGone();
+      exchange_.reset();
+    }
+    queue_.clear();
+    server_->Unregister(ip_);
+  }
+
+  const std::shared_ptr<HttpServerImpl> server_;
+  Stream stream_;
+  net::steady_timer deadline_;
+  const std::string ip_;
+  Phase phase_ = Phase::kNone;
+  beast::flat_buffer buffer_{1 << 20};
+  std::optional<http::request_parser<http::string_body>> parser_;
+  HttpRequest head_;
+  std::shared_ptr<HttpExchange> exchange_;
+  double started_ = 0;
+  int64_t requests_ = 0;
+  int64_t max_body_bytes_ = 0;
+  bool keep_alive_ = true;
+  bool reading_ = false;
+  bool timed_out_ = false;
+  bool response_started_ = false, streaming_ = false, head_written_ = false;
+  bool end_requested_ = false, last_written_ = false, writing_ = false;
+  bool reported_ = false;
+  bool head_seen_ = false;  // on_head saw the current request
+  bool closing_ = false, closed_ = false;
+  std::deque<std::string> queue_;
+  std::string chunk_;
+  std::array<char, 64 * 1024> discard_{};
+};
+
+// ---------------------------------------------------------------------------------------------
+// HttpExchange
+
+HttpExchange::HttpExchange(std::shared_ptr<HttpConnectionBase> connection, HttpRequest request,
+                           double started_monotonic_seconds)
+    : connection_(std::move(connection)),
+      request_(std::move(request)),
+      started_(started_monotonic_seconds) {}
+
+HttpExchange::~HttpExchange() = default;
+
+double HttpExchange::seconds() const { return MonotonicSeconds() - started_; }
+
+void HttpExchange::Respond(int status, std::string content_type, std::string body,
+                           HttpHeaders headers) {
+  auto c = connection_;
+  c->Post([c, x = shared_from_this(), status, ct = std::move(content_type), b = std::move(body),
+           h = std::move(headers)]() mutable {
+    c->DoRespond(x.get(), status, std::move(ct), std::move(b), std::move(h));
+  });
+}
+
+void HttpExchange::StartStream(int status, std::string content_type, HttpHeaders headers) {
+  auto c = connection_;
+  c->Post([c, x = shared_from_this(), status, ct = std::move(content_type),
+           h = std::move(headers)]() mutable {
+    c->DoStartStream(x.get(), status, std::move(ct), std::move(h));
+  });
+}
+
+bool HttpExchange::Write(std::string data) {
+  if (client_gone()) return false;
+  const int64_t bytes = static_cast<int64_t>(data.size());
+  auto c = connection_;
+  const int64_t pending = c->pending_write_bytes += bytes;
+  if (c->max_pending_write_bytes > 0 && pending > c->max_pending_write_bytes) {
+    // The client reads slower than the stream is written: close rather than buffer without end.
+    c->pending_write_bytes -= bytes;
+    c->Post([c] { c->DoClose(); });
+    return false;
+  }
+  c->Post([c, x = shared_from_this(), d = std::move(data)]() mutable {
+    c->DoWrite(x.get(), std::move(d));
+  });
+  return true;
+}
+
+void HttpExchange::EndStream() {
+  auto c = connection_;
+  c->Post([c, x = shared_from_this()] { c->DoEndStream(x.get()); });
+}
+
+void HttpExchange::SetReportedStatus(int status) { connection_->reported_status = status; }
+
+bool HttpExchange::client_gone() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gone_;
+}
+
+void HttpExchange::OnClientGone(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!gone_) {
+      on_gone_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
+}
+
+void HttpExchange::MarkGone() {
+  std::vector<std::function<void()>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (gone_) return;
+    gone_ = true;
+    callbacks.swap(on_gone_);
+  }
+  for (auto& fn : callbacks) fn();
+}
+
+// ---------------------------------------------------------------------------------------------
+// HttpServer
+
+bool HttpServerImpl::Register(const std::string& ip) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (options.max_connections > 0 && open >= options.max_connections) return false;
+  int64_t& mine = per_client[ip];
+  if (options.max_connections_per_client > 0 && mine >= options.max_connections_per_client) {
+    if (mine == 0) per_client.erase(ip);
+    return false;
+  }
+  ++mine;
+  ++open;
+  return true;
+}
+
+void HttpServerImpl::Unregister(const std::string& ip) {
+  std::lock_guard<std::mutex> lock(mu);
+  --open;
+  auto it = per_client.find(ip);
+  if (it != per_client.end() && --it->second <= 0) per_client.erase(it);
+}
+
+void HttpServerImpl::Track(const std::shared_ptr<HttpConnectionBase>& c) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (connections.size() > 64 && connections.size() > 2 * static_cast<size_t>(open)) {
+    connections.erase(std::remove_if(connections.begin(), connections.end(),
+                                     [](const auto& w) { return w.expired(); }),
+                      connections.end());
+  }
+  connections.push_back(c);
+}
+
+void HttpServerImpl::Accept() {
+  acceptor.async_accept(net::make_strand(ioc), [this](beast::error_code ec, tcp::socket socket) {
+    if (ec == net::error::operation_aborted || !acceptor.is_open()) return;
+    if (!ec) {
+      beast::error_code ignored;
+      const auto endpoint = socket.remote_endpoint(ignored);
+      std::string ip = ignored ? std::string("unknown") : endpoint.address().to_string();
+      if (!Register(ip)) {
+        ++refused;
+        socket.non_blocking(true, ignored);
+        socket.write_some(net::buffer(kTooManyConnections, sizeof(kTooManyConnections) - 1),
+                          ignored);
+        socket.shutdown(tcp::socket::shutdown_both, ignored);
+        socket.close(ignored);
+      } else {
+        socket.set_option(tcp::no_delay(true), ignored);  // each stream event leaves at once
+        std::shared_ptr<HttpConnectionBase> c;
+        if (tls) {
+          auto conn = std::make_shared<HttpConnection<ssl::stream<tcp::socket>>>(
+              shared_from_this(), ssl::stream<tcp::socket>(std::move(socket), *tls), ip);
+          c = conn;
+          Track(c);
+          conn->Start();
+        } else {
+          auto conn = std::make_shared<HttpConnection<tcp::socket>>(shared_from_this(),
+                                                                    std::move(socket), ip);
+          c = conn;
+          Track(c);
+          conn->Start();
+        }
+      }
+    } else if (ec == net::error::no_descriptors) {
+      LogWarn("HTTP: out of file descriptors; accepting again in 100 ms");
+      auto timer = std::make_shared<net::steady_timer>(ioc, std::chrono::milliseconds(100));
+      timer->async_wait([this, timer](beast::error_code) { Accept(); });
+      return;
+    }
+    Accept();
+  });
+}
+
+HttpServer::HttpServer(HttpServerOptions options, HttpHandlers handlers)
+    : impl_(std::make_shared<HttpServerImpl>(std::move(options), std::move(handlers))) {
+  HttpServerImpl& m = *impl_;
+  const HttpServerOptions& o = m.options;
+  if (!o.tls_cert_file.empty()) {
+    m.tls = std::make_unique<ssl::context>(ssl::context::tls_server);
+    m.tls->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
+                       ssl::context::no_sslv3 | ssl::context::no_tlsv1 |
+                       ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
+    try {
+      m.tls->use_certificate_chain_file(o.tls_cert_file);
+      m.tls->use_private_key_file(o.tls_key_file, ssl::context::pem);
+      if (!o.tls_client_ca_file.empty()) {
+        m.tls->load_verify_file(o.tls_client_ca_file);
+        m.tls->set_verify_mode(ssl::verify_peer | ssl::verify_fail_if_no_peer_cert);
+      }
+    } catch (const std::exception& e) {
+      throw ServerConfigError("tls.cert_file", "the HTTP API cannot use " + o.tls_cert_file +
+                                                   " / " + o.tls_key_file + ": " + e.what() +
+                                                   " (not a matching PEM certificate and key?)");
+    }
+  }
+  const auto [host, port] = SplitHostPort(o.address);
+  beast::error_code ec;
+  net::ip::address bind_address;
+  if (host.empty()) {
+    bind_address = net::ip::address_v6::any();
+  } else if (host == "localhost") {
+    bind_address = net::ip::make_address("127.0.0.1");
+  } else {
+    bind_address = net::ip::make_address(host, ec);
+    if (ec) {
+      tcp::resolver resolver(m.ioc);
+      auto results = resolver.resolve(host, std::to_string(port), ec);
+      if (ec || results.empty()) {
+        throw std::runtime_error(o.address + ": cannot resolve host " + host);
+      }
+      bind_address = results.begin()->endpoint().address();
+    }
+  }
+  const tcp::endpoint endpoint(bind_address, static_cast<unsigned short>(port));
+  m.acceptor.open(endpoint.protocol(), ec);
+  if (!ec && host.empty()) m.acceptor.set_option(net::ip::v6_only(false), ec);
+  // SO_REUSEADDR only: a second server on the same port must fail, not share it.
+  if (!ec) m.acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) m.acceptor.bind(endpoint, ec);
+  if (!ec) m.acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) throw std::runtime_error("cannot listen on " + o.address + ": " + ec.message());
+  m.port = m.acceptor.local_endpoint().port();
+  m.work.emplace(m.ioc.get_executor());
+  m.Accept();
+  const int threads = std::max(1, o.io_threads);
+  for (int i = 0; i < threads; ++i) {
+    ++m.running_threads;
+    m.threads.emplace_back([&m] {
+      while (true) {
+        try {
+          m.ioc.run();
+          --m.running_threads;
+          return;
+        } catch (const std::exception& e) {
+          LogError(std::string("HTTP: an I/O handler threw: ") + e.what());
+        }
+      }
+    });
+  }
+}
+
+HttpServer::~HttpServer() { Stop(); }
+
+int HttpServer::port() const { return impl_->port; }
+
+HttpServerStats HttpServer::stats() const {
+  HttpServerStats s;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    s.open_connections = impl_->open;
+  }
+  s.refused_connections = impl_->refused.load();
+  s.timed_out_requests = impl_->timed_out.load();
+  s.io_threads = static_cast<int>(impl_->threads.size());
+  return s;
+}
+
+void HttpServer::Stop() {
+  HttpServerImpl& m = *impl_;
+  if (m.stopped) return;
+  m.stopped = true;
+  net::post(m.ioc, [&m] {
+    beast::error_code ignored;
+    m.acceptor.close(ignored);
+  });
+  // Close every connection (again for any accepted meanwhile) until none is open.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  do {
+    std::vector<std::shared_ptr<HttpConnectionBase>> live;
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      for (auto& w : m.connections) {
+        if (auto c = w.lock()) live.push_back(std::move(c));
+      }
+      if (m.open <= 0) break;
+    }
+    for (auto& c : live) c->Post([c] { c->DoClose(); });
+    live.clear();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } while (std::chrono::steady_clock::now() < give_up);
+  // With the acceptor and every socket closed, the threads run out of work and return.
+  m.work.reset();
+  const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (m.running_threads.load() > 0 && std::chrono::steady_clock::now() < grace) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  m.ioc.stop();
+  for (auto& t : m.threads) t.join();
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.connections.clear();
+}
+
+}  // namespace vlmgraph::server
