@@ -564,6 +564,57 @@ class Soak:
 
         self.run_op("http_vanish_stream", call, {"VANISHED"})
 
+    def _raw_http(self, data, slow_seconds=0.0, timeout=None):
+        """Sends raw bytes (over `slow_seconds`, one byte at a time, when set) and returns the
+        status of the answer ("HTTP_nnn"), or CLOSED when the server closed without one."""
+        host, port = self.http_addr.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout or self.args.deadline) as s:
+            if slow_seconds:
+                pause = slow_seconds / max(1, len(data))
+                for i in range(len(data)):
+                    try:
+                        s.sendall(data[i:i + 1])
+                    except OSError:
+                        break
+                    time.sleep(pause)
+            else:
+                s.sendall(data)
+            got = b""
+            try:
+                while b"\r\n" not in got:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+        if got.startswith(b"HTTP/1.1 "):
+            return "HTTP_" + got.split(b" ")[1].decode()
+        return "CLOSED"
+
+    def op_http_attack(self, rng):
+        """Hostile HTTP clients (docs/security.md): a head sent one byte at a time past
+        http.request_head_timeout_seconds (408 or closed), a 200 MB body announced but never sent
+        (413 from its Content-Length), a form body (415), a request line over 64 KiB (414)."""
+        which = rng.choice(["slow_head", "huge_body", "form_body", "long_line"])
+        if which == "slow_head":
+            head = b"GET /health HTTP/1.1\r\nHost: soak\r\nX-Slow: " + b"s" * 200 + b"\r\n\r\n"
+            self.run_op("http_slow_head", lambda: self._raw_http(head, slow_seconds=60, timeout=90),
+                        {"HTTP_408", "CLOSED"})
+        elif which == "huge_body":
+            head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 200000000\r\n\r\n")
+            self.run_op("http_huge_body", lambda: self._raw_http(head), {"HTTP_413", "HTTP_401"})
+        elif which == "form_body":
+            body = b"messages=hello"
+            req = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n"
+                   b"Content-Type: application/x-www-form-urlencoded\r\n"
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            self.run_op("http_form_body", lambda: self._raw_http(req), {"HTTP_415", "HTTP_401"})
+        else:
+            req = b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nHost: soak\r\n\r\n"
+            self.run_op("http_long_line", lambda: self._raw_http(req), {"HTTP_414"})
+
     # gRPC text prompts
 
     def op_grpc_text(self, rng):
@@ -585,7 +636,8 @@ class Soak:
                (self.op_gen_image_chelsea, 3), (self.op_forward, 14), (self.op_train, 4), (self.op_train_bad, 1),
                (self.op_bad, 12), (self.op_cancel, 6), (self.op_vanish, 5)]
         if self.http_addr:
-            ops += [(self.op_http_misc, 6), (self.op_http_text, 10 if self.has_tokenizer else 3)]
+            ops += [(self.op_http_misc, 6), (self.op_http_text, 10 if self.has_tokenizer else 3),
+                    (self.op_http_attack, 2)]
             if self.has_tokenizer:
                 ops.append((self.op_http_vanish, 3))
         ops.append((self.op_grpc_text, 12 if self.has_tokenizer else 2))
@@ -938,7 +990,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", help="only these operations, comma-separated (default: the whole mix): gen_ids, "
                     "gen_long, gen_image_small, gen_image_chelsea, forward, train, train_bad, bad, cancel, vanish, "
-                    "http_misc, http_text, http_vanish (tokenizer), grpc_text")
+                    "http_misc, http_text, http_attack, http_vanish (tokenizer), grpc_text")
     ap.add_argument("--json", help="write the report as JSON here")
     ap.add_argument("--verbose", action="store_true", help="print each UNEXPECTED outcome as it happens")
     args = ap.parse_args()
