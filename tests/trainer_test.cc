@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
@@ -220,6 +221,47 @@ TEST(Trainer, CheckpointResumesExactly) {
   EXPECT_NEAR(b.Step(FixtureBatch()).loss, next_in_memory, 1e-6);
   EXPECT_NEAR(b.Step(FixtureBatch()).loss,
               AdamwReference()["losses_before_each_step"][3].get<double>(), 1e-5);
+}
+
+// SaveCheckpoint replaces symbolic links planted in the checkpoint directory (under its files'
+// names and their temporaries') with its own files, and never writes what they point to.
+TEST(Trainer, SaveCheckpointReplacesPlantedSymbolicLinks) {
+  namespace fs = std::filesystem;
+  const std::string suffix = std::to_string(::getpid());
+  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_train_links_" + suffix);
+  const fs::path outside = fs::temp_directory_path() / ("vlmgraph_train_links_outside_" + suffix);
+  testing::RemoveFlatDirectory(dir.string());
+  testing::RemoveFlatDirectory(outside.string());
+  fs::create_directories(dir);
+  fs::create_directories(outside);
+  std::vector<std::string> names;
+  for (const char* file : {"config.json", "model.safetensors", "optimizer.safetensors"}) {
+    for (const char* ending : {"", ".tmp"}) names.push_back(std::string(file) + ending);
+  }
+  for (const std::string& name : names) {
+    std::ofstream(outside / name) << "precious";
+    fs::create_symlink(outside / name, dir / name);
+  }
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  Trainer t(m, FixtureOptions(at::kCPU, false));
+  t.Step(FixtureBatch());
+  t.SaveCheckpoint(dir.string());
+  for (const std::string& name : names) {
+    std::ifstream in(outside / name);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, "precious") << name << " was written through its link";
+    const fs::file_status st = fs::symlink_status(dir / name);
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+      EXPECT_FALSE(fs::exists(st)) << name;
+    } else {
+      EXPECT_TRUE(fs::is_regular_file(st)) << name;
+    }
+  }
+  Trainer resumed(m, FixtureOptions(at::kCPU, false));
+  resumed.LoadOptimizerState((dir / "optimizer.safetensors").string());
+  EXPECT_EQ(resumed.steps(), 1);
+  testing::RemoveFlatDirectory(dir.string());
+  testing::RemoveFlatDirectory(outside.string());
 }
 
 TEST(Trainer, BFloat16WorkingWeightsTrackFloat32MastersAndLearn) {
