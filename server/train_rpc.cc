@@ -355,15 +355,24 @@ void VlmGraphService::RunTrain(
     bool autosave_now = false;
     switch (message.kind_case()) {
       case v1::TrainRequest::kBatch: {
-        const std::vector<TrainExample> batch = ToTrainBatch(
-            message.batch(), engine_->model_config(), config_.limits, engine_->max_context());
+        std::vector<TrainExample> batch = ToTrainBatch(message.batch(), engine_->model_config(),
+                                                       config_.limits, engine_->max_context());
         TrainStepResult stats;
         double queue_seconds = 0;
-        scheduler_->RunOnGpuThread(
+        bool begun = false;
+        // One micro-batch per piece: the GPU thread decodes between them (Note [Interleaving
+        // bound] in server/scheduler.h).
+        scheduler_->RunPiecesOnGpuThread(
             "Train",
             [&](Engine&) {
-              queue_seconds = SecondsSince(received);
-              stats = job->Step(batch);
+              if (!begun) {
+                begun = true;
+                queue_seconds = SecondsSince(received);
+                job->BeginStep(std::move(batch));
+              }
+              if (!job->RunNextMicroBatch()) return false;
+              stats = job->StepResult();
+              return true;
             },
             received, Scheduler::Admission::kInFlight);
         const double learning_rate = LanguageLearningRate(stats);
