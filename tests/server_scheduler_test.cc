@@ -20,6 +20,7 @@
 #include "server/graphed_trainer.h"
 #include "server/scheduler.h"
 #include "server/status.h"
+#include "server/train_slot.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -259,6 +260,40 @@ TEST(ServerScheduler, EngineStartupErrorsReachStart) {
 }
 
 // --- eager trainer -------------------------------------------------------------------------------
+
+TEST(TrainSlot, OneJobAtATimeAndAnEndingJobMakesNewOnesWait) {
+  TrainSlot slot;
+  slot.Acquire(nullptr);
+  try {
+    slot.Acquire(nullptr);
+    ADD_FAILURE() << "two jobs at once";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  // The job is ending (its client was told): a new job waits for it instead of being refused.
+  slot.MarkEnding();
+  std::atomic<bool> acquired{false};
+  std::thread next([&] {
+    slot.Acquire([] { return false; });
+    acquired = true;
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_FALSE(acquired.load());  // still waiting: the ending job holds the slot
+  slot.Release();
+  next.join();
+  EXPECT_TRUE(acquired.load());
+  // A waiting call that is cancelled gives up with CANCELLED.
+  slot.MarkEnding();
+  try {
+    slot.Acquire([] { return true; });
+    ADD_FAILURE() << "a cancelled call took the slot";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::CANCELLED);
+  }
+  slot.Release();
+  slot.Acquire(nullptr);  // free again
+  slot.Release();
+}
 
 std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
   std::vector<TrainExample> out;
