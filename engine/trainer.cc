@@ -4,9 +4,12 @@
 #include <torch/nn/module.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <optional>
+#include <stdexcept>
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
@@ -26,6 +29,23 @@ EngineError Invalid(const std::string& m) {
 
 // The optimizer part's graph key (no batch or sequence shape).
 const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
+
+// A trainer that runs AdamW inside its one-micro-batch steps (Note [Optimizer inside the
+// micro-step]) keeps a second graph per bucket for the micro-steps of steps with several
+// micro-batches, which accumulate instead (Note [Micro-batches]). BucketKey::tiles, which region
+// train does not use and Label() does not show, tells the two graphs apart.
+BucketKey AccumulatingGraph(BucketKey bucket) {
+  bucket.tiles = 1;
+  return bucket;
+}
+BucketKey PlainBucket(BucketKey key) {
+  key.tiles = 0;
+  return key;
+}
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 }  // namespace
 
@@ -48,6 +68,17 @@ struct Trainer::MicroBuffers {
   at::Tensor tiles;    // (b * max_tiles_per_example, 3, S, S) compute dtype, or undefined
   // Tiles the current micro-batch filled (CPU eager runs encode only these).
   int64_t real_tiles = 0;
+};
+
+// A step between BeginStep and its last RunNextMicroBatch.
+struct Trainer::PendingStep {
+  std::vector<TrainExample> examples;
+  std::vector<size_t> starts;  // micro-batch i: examples [starts[i], starts[i + 1])
+  size_t next = 0;             // the micro-batch RunNextMicroBatch runs next
+  bool direct = false;         // AdamW inside the one micro-step (Note [Optimizer inside ...])
+  at::Tensor loss_sum;         // device float32 scalar: the sum of the scaled micro-batch losses
+  std::vector<at::Tensor> optimizer_out;  // device scalars: gradient norm, found_inf
+  TrainStepResult result;
 };
 
 namespace {
@@ -160,6 +191,7 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   if (params_.empty())
     throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
+  micro_batches_ = at::ones({}, f32);
   grad_sq_sum_ = at::zeros({}, f32.dtype(at::kDouble));
   for (const auto& g : groups_) {
     auto append = [](std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
@@ -228,7 +260,7 @@ Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
   return *buffers_.emplace(key, MakeBuffers(key)).first->second;
 }
 
-std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
+std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct) {
   at::AutoGradMode grad_mode(true);
   // A graph encodes the whole static tile buffer. An eager run on CUDA does too, so that both take
   // the same kernels (cuBLAS picks its algorithms by shape) and compute the same values (float32
@@ -241,11 +273,17 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   at::Tensor targets = buf.targets.reshape({-1});
   // Cross entropy in float32 whatever the compute dtype.
   at::Tensor ce = model_->decoder->CrossEntropySum(hidden, targets, -100);
-  // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none.
+  // Mean over counted targets (nanoVLM's reduction), guarded against a batch with none, divided
+  // by the step's number of micro-batches.
   at::Tensor count = targets.ne(-100).sum().clamp_min(1).to(at::kFloat);
-  at::Tensor loss = ce / count / static_cast<double>(options_.grad_accum_steps);
+  at::Tensor loss = ce / count / micro_batches_;
+  // Note [Micro-batches without a gradient]: a micro-batch that no trained parameter reaches (an
+  // eager run without images while only the vision encoder and projector train) has a loss
+  // without a graph: its gradient is zero, so it adds nothing. BeginStep refuses a step where
+  // this holds for every micro-batch.
+  const bool learns = loss.requires_grad();
   if (!mixed_precision()) {
-    loss.backward();  // accumulates into the persistent float32 .grad tensors
+    if (learns) loss.backward();  // accumulates into the persistent float32 .grad tensors
     return {loss.detach()};
   }
   // Note [Transient bf16 gradients]: the bf16 working parameters have no persistent .grad. With
@@ -260,7 +298,7 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   // the adds a capture records stay right on every replay. Eager runs rebuild the list each time:
   // a micro-batch without tiles leaves the vision encoder without gradients.
   for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
-  loss.backward();
+  if (learns) loss.backward();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;  // one per parameter, undefined where none came (= zero)
   grads.reserve(params_.size());
@@ -268,10 +306,10 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
     grads.push_back(p.grad());
     p.mutable_grad() = at::Tensor();
   }
-  if (direct_) {  // Note [Optimizer inside the micro-step]
+  if (direct) {  // Note [Optimizer inside the micro-step]
     AdamWTensors t = adamw_;
     t.grads = std::move(grads);
-    std::vector<at::Tensor> opt = RunFusedAdamW(t);
+    std::vector<at::Tensor> opt = RunFusedAdamW(t, /*direct=*/true);
     return {loss.detach(), opt[0], opt[1]};
   }
   if (fused_) {
@@ -291,10 +329,10 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf) {
   return {loss.detach()};
 }
 
-std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t) {
+std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t, bool direct) {
   // The squared norm is always computed: it decides whether the step is skipped (Note [Skipped
   // steps]) and, with clipping on, the clipping coefficient.
-  if (direct_) {  // the backward's bf16 gradients: their norm
+  if (direct) {  // the backward's bf16 gradients: their norm
     grad_sq_sum_.zero_();
     AddSquaredNorm(t.grads, grad_sq_sum_);
   } else if (!mixed_precision() || data_parallel_) {
@@ -318,7 +356,7 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t) {
 // captured graph. Step() reports the step as skipped; the server counts consecutive skips.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
-  if (fused_) return RunFusedAdamW(adamw_);
+  if (fused_) return RunFusedAdamW(adamw_, /*direct=*/false);
   at::Tensor total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
   at::Tensor found_inf = at::isfinite(total).logical_not().to(at::kFloat);
   if (options_.max_grad_norm > 0) {
@@ -367,7 +405,7 @@ void Trainer::Warmup() {
   for (const auto& key :
        options_.exact_shapes ? std::vector<BucketKey>{} : options_.buckets.All(Region::kTrain)) {
     MicroBuffers& buf = BuffersFor(key);
-    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf); });
+    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_); });
     ++captures_;
     if (options_.observer) options_.observer->OnCapture(key, seconds);
     if (options_.log_captures) {
@@ -434,33 +472,53 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
   dst.copy_(staged, /*non_blocking=*/true);
 }
 
-at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key,
-                              RunKind* kind, int64_t* target_tokens,
+at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct,
+                              BucketKey* key, RunKind* kind, int64_t* target_tokens,
                               std::vector<at::Tensor>* optimizer_out) {
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
+  std::optional<BucketKey> graph =
+      options_.exact_shapes ? std::nullopt : options_.buckets.PickTrain(n, max_len);
+  bool captured = false;
+  if (graph && direct_ && !direct) graph = AccumulatingGraph(*graph);
+  if (graph && runner_->captures() && !runner_->Has(*graph)) {
+    // Only the accumulating graphs of a direct_ trainer are captured here (Warmup captured the
+    // rest). Their warm-up runs and capture see neutral inputs (every target -100: zero loss,
+    // zero gradients), so the accumulators keep what earlier micro-batches of this step added.
+    if (!(direct_ && !direct)) {
+      throw EngineError(EngineError::Code::kInternal,
+                        "train bucket " + graph->Label() + " was not captured by Warmup");
+    }
+    MicroBuffers& buf = BuffersFor(PlainBucket(*graph));
+    buf.targets.fill_(-100);
+    const double seconds =
+        runner_->Capture(*graph, [this, &buf] { return RunMicro(buf, /*direct=*/false); });
+    ++captures_;
+    captured = true;
+    if (options_.observer) options_.observer->OnCapture(PlainBucket(*graph), seconds);
+  }
   std::unique_ptr<MicroBuffers> exact_buffers;
   const DispatchResult r = dispatch_->Run(
-      options_.exact_shapes ? std::nullopt : options_.buckets.PickTrain(n, max_len),
-      BucketKey{Region::kTrain, n, max_len, 0},
+      graph, BucketKey{Region::kTrain, n, max_len, 0},
       [&](const BucketKey& k) -> RegionFn {
-        MicroBuffers& buf = BuffersFor(k);
+        MicroBuffers& buf = BuffersFor(PlainBucket(k));
         FillBuffers(buf, micro, target_tokens);
-        return [this, &buf] { return RunMicro(buf); };
+        return [this, &buf, direct] { return RunMicro(buf, direct); };
       },
       [&] {
         exact_buffers = MakeBuffers(BucketKey{Region::kTrain, n, max_len, 0});
         FillBuffers(*exact_buffers, micro, target_tokens);
-        return RunMicro(*exact_buffers);
+        return RunMicro(*exact_buffers, direct);
       },
       /*exact_requested=*/options_.exact_shapes);
-  *key = r.key;
+  *key = PlainBucket(r.key);
   *kind = r.kind;
   if (r.kind == RunKind::kCaptureAndReplay) {
     ++captures_;
-    if (options_.observer) options_.observer->OnCapture(r.key, r.seconds);
+    if (options_.observer) options_.observer->OnCapture(*key, r.seconds);
   }
+  if (captured && r.kind == RunKind::kReplay) *kind = RunKind::kCaptureAndReplay;
   if (r.kind != RunKind::kEager) ++replays_;
   if (!r.bucketed) {
     if (r.outputs.size() > 2) *optimizer_out = {r.outputs[1], r.outputs[2]};
@@ -471,68 +529,198 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, Buc
   return r.outputs[0].clone();
 }
 
-TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
+void Trainer::CheckSomethingLearns(const std::vector<TrainExample>& examples) const {
+  // The language model's parameters see every token; the vision encoder's and the projector's
+  // only what an image reaches.
+  std::string trained;
+  for (const auto& g : groups_) {
+    if (g.name == "language") return;
+    trained += (trained.empty() ? "" : " and ") + g.name;
+  }
+  for (const auto& e : examples) {
+    if (TileCount(e.tiles) > 0) return;
+  }
+  throw Invalid("no trained parameter can learn from this batch: the job trains only the " +
+                trained +
+                ", which see images only, and no example has an image; send examples with "
+                "images, or train the language model too (with a learning rate above 0)");
+}
+
+// Note [Micro-batches]: a step's examples are split in order into contiguous micro-batches (as
+// ShardForRank splits a global batch): at least grad_accum_steps of them, and more when the
+// examples would not fit the largest train batch bucket, so no micro-batch has more rows than a
+// bucket and none runs eagerly for its row count. With n examples, B = max(train_batch_sizes) and
+// a = grad_accum_steps: count = max(a, ceil(n / B)) micro-batches of ceil(n / count) examples (the
+// last may be smaller, and there are fewer when ceil(n / count) rounds up). Each micro-batch's
+// mean loss is divided by the number of micro-batches the step has (a device scalar, so one
+// graph serves any count) and the gradients add up in the float32 accumulators: exactly the step
+// that grad_accum_steps = count takes, nanoVLM's gradient accumulation. (Like nanoVLM's, it is
+// the mean of micro-batch means, not the mean over every target of the batch.)
+//
+// A trainer that runs AdamW inside the micro-step (direct_, Note [Optimizer inside the
+// micro-step]) does so for steps of one micro-batch only. Its first step with several
+// micro-batches allocates the float32 accumulators it had saved (4 bytes per trained parameter)
+// and captures the optimizer graph (PrepareAccumulation), and each bucket's accumulating
+// micro-step graph is captured the first time a micro-batch uses it (MicroStep); one-micro-batch
+// steps keep their graphs.
+//
+// Note [Micro-steps]: BeginStep, each RunNextMicroBatch and StepResult are separate calls, so the
+// thread that drives the trainer may run other work between micro-batches: the server's GPU
+// thread runs a decode step between them (server/scheduler.h, Note [Interleaving bound]), so one
+// micro-batch's forward + backward (the last one with the optimizer part) is the most a decode
+// waits for. The step's state (accumulated gradients, the device loss sum) lives on the device
+// between the calls; nothing else may use the trainer meanwhile.
+void Trainer::BeginStep(std::vector<TrainExample> examples) {
+  AbandonStep();
+  finished_.reset();
   if (examples.empty()) throw Invalid("a training step needs at least one example");
   for (const auto& e : examples) ValidateExample(e);
+  // With data parallelism a rank whose shard has no image still takes part (its micro-batches
+  // add zero gradients); only a single rank refuses such a step.
+  if (!data_parallel_) CheckSomethingLearns(examples);
   Warmup();
   const auto t0 = Clock::now();
-  TrainStepResult r;
+  auto step = std::make_unique<PendingStep>();
+  const int64_t n = static_cast<int64_t>(examples.size());
+  const int64_t max_rows = options_.buckets.train_batch_sizes.back();
+  const int64_t count = std::max(options_.grad_accum_steps, (n + max_rows - 1) / max_rows);
+  const int64_t per_micro = (n + count - 1) / count;
+  for (int64_t i = 0; i < n; i += per_micro) step->starts.push_back(static_cast<size_t>(i));
+  step->starts.push_back(static_cast<size_t>(n));
+  const int64_t micro_batches = static_cast<int64_t>(step->starts.size()) - 1;
+  step->direct = direct_ && micro_batches == 1;
+  if (direct_ && micro_batches > 1) PrepareAccumulation();
+  micro_batches_.fill_(static_cast<double>(micro_batches));
+  step->loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
+  TrainStepResult& r = step->result;
   for (const auto& g : groups_) r.learning_rates[g.name] = g.configured_lr * lr_scale_;
-  const int64_t accum = options_.grad_accum_steps;
-  const int64_t per_micro = (static_cast<int64_t>(examples.size()) + accum - 1) / accum;
-  at::Tensor loss_sum =
-      at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   r.kind = RunKind::kReplay;
-  std::vector<at::Tensor> opt_out;  // device scalars: gradient norm, found_inf
-  for (int64_t m = 0; m < accum; ++m) {
+  step->examples = std::move(examples);
+  r.seconds = SecondsSince(t0);
+  pending_ = std::move(step);
+}
+
+bool Trainer::RunNextMicroBatch() {
+  if (!pending_) throw std::logic_error("Trainer::RunNextMicroBatch: no step begun (BeginStep)");
+  const auto t0 = Clock::now();
+  PendingStep& s = *pending_;
+  TrainStepResult& r = s.result;
+  bool last = false;
+  try {
+    const size_t m = s.next++;
+    last = s.next + 1 == s.starts.size();
     std::vector<const TrainExample*> micro;
-    for (int64_t i = m * per_micro; i < std::min<int64_t>((m + 1) * per_micro, examples.size());
-         ++i) {
-      micro.push_back(&examples[i]);
-      r.real_tokens += static_cast<int64_t>(examples[i].input_ids.size());
+    for (size_t i = s.starts[m]; i < s.starts[m + 1]; ++i) {
+      micro.push_back(&s.examples[i]);
+      r.real_tokens += static_cast<int64_t>(s.examples[i].input_ids.size());
     }
-    if (micro.empty()) continue;
     BucketKey key;
     RunKind kind;
-    loss_sum += MicroStep(micro, &key, &kind, &r.target_tokens, &opt_out);
+    s.loss_sum += MicroStep(micro, s.direct, &key, &kind, &r.target_tokens, &s.optimizer_out);
     r.buckets.push_back(key);
     r.padded_tokens += key.batch * key.seq;
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;
     if (kind == RunKind::kCaptureAndReplay && r.kind != RunKind::kEager)
       r.kind = RunKind::kCaptureAndReplay;
+    if (last) FinishStep();
+  } catch (...) {
+    try {
+      AbandonStep();
+    } catch (...) {  // e.g. the device failed: the original error says more
+    }
+    throw;
   }
+  r.seconds += SecondsSince(t0);
+  if (!last) return false;
+  finished_ = std::make_unique<TrainStepResult>(std::move(r));
+  pending_.reset();
+  if (options_.observer) {  // one step of region train: its first micro-batch's bucket
+    options_.observer->OnStep(finished_->buckets.front(), finished_->kind != RunKind::kEager,
+                              finished_->seconds);
+    options_.observer->OnTokens(Region::kTrain, finished_->real_tokens, finished_->padded_tokens);
+  }
+  return true;
+}
+
+void Trainer::FinishStep() {
+  PendingStep& s = *pending_;
+  TrainStepResult& r = s.result;
   if (data_parallel_) {
     // Average the accumulated gradients and the loss over the ranks (the loss rides in the last
     // bucket). The optimizer below then sees the global gradient on every rank.
     const auto t_reduce = Clock::now();
     std::vector<at::Tensor> reduced = master_grads_;
-    at::Tensor loss_view = loss_sum.view({1});
+    at::Tensor loss_view = s.loss_sum.view({1});
     reduced.push_back(loss_view);
     r.all_reduce_bytes = options_.data_parallel->AllReduceMean(reduced);
-    r.all_reduce_seconds = std::chrono::duration<double>(Clock::now() - t_reduce).count();
+    r.all_reduce_seconds = SecondsSince(t_reduce);
   }
-  if (!direct_) {
+  if (!s.direct) {
     const RunKind opt_kind = runner_->Run(
-        kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &opt_out);
+        kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &s.optimizer_out);
     if (opt_kind != RunKind::kEager) ++replays_;
   }
+  // The step's one host synchronisation: loss, gradient norm and found_inf together.
+  at::Tensor report = at::stack({s.loss_sum.to(at::kDouble), s.optimizer_out.at(0).to(at::kDouble),
+                                 s.optimizer_out.at(1).to(at::kDouble)})
+                          .cpu();
   ++steps_;
   r.step = steps_;
-  // The step's one host synchronisation: loss, gradient norm and found_inf together.
-  at::Tensor report = at::stack({loss_sum.to(at::kDouble), opt_out.at(0).to(at::kDouble),
-                                 opt_out.at(1).to(at::kDouble)})
-                          .cpu();
   const double* v = report.data_ptr<double>();
   r.loss = v[0];
   r.grad_norm = v[1];
   r.skipped = v[2] != 0;
   if (r.skipped) ++skipped_steps_;
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (options_.observer) {  // one step of region train: its first micro-batch's bucket
-    options_.observer->OnStep(r.buckets.front(), r.kind != RunKind::kEager, r.seconds);
-    options_.observer->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
+}
+
+void Trainer::PrepareAccumulation() {
+  if (!master_grads_.empty()) return;
+  at::NoGradGuard no_grad;
+  for (auto& g : groups_) {
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      g.grads[i] = at::zeros_like(g.params[i]);
+      master_grads_.push_back(g.grads[i]);
+    }
   }
+  adamw_.grads = master_grads_;
+  if (!runner_->captures() || runner_->Has(kOptimizerKey)) return;
+  // Captured before any gradient is accumulated, on a NaN gradient norm: its warm-up runs and
+  // capture are skipped steps (Note [Skipped steps]) that change no weight, moment or counter
+  // and zero the (zero) accumulators. The accumulating micro-steps zero the norm before they add
+  // into it.
+  grad_sq_sum_.fill_(std::numeric_limits<double>::quiet_NaN());
+  const double seconds = runner_->Capture(kOptimizerKey, [this] { return RunOptimizer(); });
+  grad_sq_sum_.zero_();
+  ++captures_;
+  if (options_.observer) options_.observer->OnCapture(kOptimizerKey, seconds);
+}
+
+TrainStepResult Trainer::StepResult() {
+  if (!finished_) {
+    throw std::logic_error(
+        "Trainer::StepResult: no finished step (call RunNextMicroBatch until it returns true)");
+  }
+  TrainStepResult r = std::move(*finished_);
+  finished_.reset();
   return r;
+}
+
+void Trainer::AbandonStep() {
+  if (!pending_) return;
+  pending_.reset();
+  at::NoGradGuard no_grad;
+  if (!master_grads_.empty()) at::_foreach_zero_(master_grads_);
+  if (mixed_precision()) {
+    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+  }
+  grad_sq_sum_.zero_();
+}
+
+TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
+  BeginStep(examples);
+  while (!RunNextMicroBatch()) {
+  }
+  return StepResult();
 }
 
 void Trainer::SetLearningRateScale(double scale) {

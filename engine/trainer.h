@@ -4,9 +4,12 @@
 // accumulating into persistent float32 gradients; then gradient-norm clipping, AdamW and zeroing
 // the gradients in place. On CUDA with graphs on, each micro-batch bucket (batch x seq) is one
 // captured graph and the optimizer part another; every persistent tensor they touch keeps its
-// address (gradients zeroed in place, optimizer state preallocated, learning rates and step
-// counters are device tensors), so a learning-rate schedule changes the rate without recapture.
-// CPU, graphs off, or a micro-batch larger than every bucket run the same code eagerly. On CUDA an
+// address (gradients zeroed in place, optimizer state preallocated, learning rates, step
+// counters and the number of micro-batches are device tensors), so a learning-rate schedule or
+// another batch size changes them without recapture. A batch with more examples than the largest
+// train batch bucket is split into micro-batches that fit it (Note [Micro-batches] in
+// trainer.cc), never run eagerly at its own size. CPU, graphs off, or a micro-batch longer than
+// every bucket run the same code eagerly. On CUDA an
 // eager run encodes the whole padded tile buffer as a graph does, so graphed and eager steps
 // compute the same values; on the CPU it encodes the real tiles only. On CUDA each micro-batch
 // (ids, targets, tiles in the compute dtype) is staged in pinned host memory and copied
@@ -18,18 +21,24 @@
 //   TrainStepResult r = trainer.Step(examples);
 //   trainer.SaveCheckpoint("out/");        // config.json, model.safetensors, optimizer.safetensors
 //
+// A step in pieces, for a thread that runs other work between micro-batches (the server's GPU
+// thread decodes between them, server/scheduler.h):
+//   trainer.BeginStep(examples);                     // checks and plans the micro-batches
+//   while (!trainer.RunNextMicroBatch()) Decode();   // one forward + backward per call
+//   TrainStepResult r = trainer.StepResult();        // the last call ran the optimizer part too
+//
 // Data parallel (TrainOptions::data_parallel): one Trainer per rank, each given its rank's shard
 // of every global batch; the loss each Step reports is the global one, the token counts are the
 // rank's. Save checkpoints on rank 0 (every rank holds the same weights and optimizer state); they
 // load on any number of ranks.
 //
 // Formulas: loss = mean cross entropy over targets != -100 (upstream nanoVLM, ignore_index=-100),
-// computed in float32 from the logits, divided by the accumulation steps and summed over
-// micro-batches, as nanoVLM's train.py does; clipping as torch.nn.utils.clip_grad_norm_ (total L2
-// norm, coef = min(1, max / (norm + 1e-6))); AdamW (Loshchilov & Hutter 2019) with decoupled
-// weight decay, as at::_fused_adamw_ computes it. On CUDA the optimizer runs as the multi-tensor
-// kernels of engine/fused_optimizer.h (TrainOptions::fused_optimizer), elsewhere as ATen's
-// _foreach_* ops and _fused_adamw_.
+// computed in float32 from the logits, divided by the step's number of micro-batches and summed
+// over micro-batches, as nanoVLM's train.py does with its accumulation steps; clipping as
+// torch.nn.utils.clip_grad_norm_ (total L2 norm, coef = min(1, max / (norm + 1e-6))); AdamW
+// (Loshchilov & Hutter 2019) with decoupled weight decay, as at::_fused_adamw_ computes it. On CUDA
+// the optimizer runs as the multi-tensor kernels of engine/fused_optimizer.h
+// (TrainOptions::fused_optimizer), elsewhere as ATen's _foreach_* ops and _fused_adamw_.
 //
 // Precision (compute_dtype):
 // - float32: the model's parameters are the master weights; backward accumulates into their
@@ -48,7 +57,8 @@
 //   master 4 + accumulator 4 + exp_avg 4 + exp_avg_sq 4: the 16 of ZeRO, Rajbhandari et al. 2020,
 //   with Megatron-LM's float32 main_grad accumulator in place of a float32 grad, plus the bf16
 //   weight), plus up to 2 transient bytes (its bf16 gradient) during a backward (14 when the fused
-//   optimizer runs inside a one-micro-batch step, without the accumulator); 2 per frozen one
+//   optimizer runs inside a one-micro-batch step, without the accumulator, until a step with
+//   several micro-batches needs one); 2 per frozen one
 //   (plus a float32 host copy of it when the source model was not bf16, so checkpoints stay
 //   exact).
 //   SaveCheckpoint's model.safetensors and master_weights() carry the float32 masters;
@@ -58,7 +68,9 @@
 //
 // Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
 // Errors: EngineError(kInvalidArgument) for bad examples (ids out of range, image-token count not
-// matching tiles, targets length); std::runtime_error for I/O.
+// matching tiles, targets length) and for a batch that no trained parameter can learn from (the
+// language model is not trained and no example has an image); std::runtime_error for I/O
+// (std::system_error naming the file and errno when a checkpoint cannot be written).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -90,13 +102,16 @@ struct TrainOptions {
   double lr_language = -1;
   bool train_vision = true, train_projector = true, train_language = true;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
-  double max_grad_norm = 0;           // 0 = no clipping
-  int64_t grad_accum_steps = 1;       // micro-batches per optimizer step
+  double max_grad_norm = 0;  // 0 = no clipping
+  // Micro-batches per optimizer step, at least: a step takes more when its examples do not fit
+  // the largest train batch bucket in this many (Note [Micro-batches] in trainer.cc).
+  int64_t grad_accum_steps = 1;
   int64_t max_tiles_per_example = 1;  // image tiles each example may carry (sizes the tile buffers)
   bool cuda_graphs = true;
   BucketSpec buckets;  // train_batch_sizes x train_seq_lens
   // Run every micro-batch at its own shape (right-padded to its longest example), eagerly,
-  // instead of padding it to a bucket and replaying that bucket's graph.
+  // instead of padding it to a bucket and replaying that bucket's graph. Micro-batches are split
+  // as with buckets: at most max(train_batch_sizes) examples each.
   bool exact_shapes = false;
   // Activation recomputation (model/recompute.h) of the vision encoder's / the decoder's blocks:
   // only each block's input is kept for the backward pass, which runs the block again. Same
@@ -109,8 +124,9 @@ struct TrainOptions {
   bool log_captures = true;
   // Reports the trainer's work as the engine reports its own: OnCapture for each graph it captures
   // (its graphs are its own, captured when it first steps; the optimizer's as region train,
-  // batch 0), OnEagerFallback for a micro-batch no bucket fits, and per step one OnStep (the
-  // first micro-batch's bucket, the step's wall time) and OnTokens. May be null; not owned; called
+  // batch 0), OnEagerFallback for a micro-batch no bucket fits (one longer than every
+  // train_seq_lens bucket), and per step one OnStep (the first micro-batch's bucket, the step's
+  // seconds) and OnTokens. May be null; not owned; called
   // on the thread that drives the Trainer.
   EngineObserver* observer = nullptr;
   // Data parallelism (engine/data_parallel.h): this trainer is one rank of the group. Null or a
@@ -140,13 +156,15 @@ struct TrainStepResult {
   bool skipped = false;
   // The learning rate each trained group ("vision", "projector", "language") took this step.
   std::map<std::string, double> learning_rates;
-  double seconds = 0;  // wall time of the whole step
+  // Wall time of the step's own work: BeginStep and every RunNextMicroBatch call (not what the
+  // caller ran between them), the step's host synchronisation included.
+  double seconds = 0;
   // Data parallel: bytes of gradients (and loss) averaged over the ranks, and the host time the
   // all-reduce calls took (on the CPU the whole exchange; with NCCL the launch and wait, as the
   // collectives run on their own stream). 0 with one rank.
   int64_t all_reduce_bytes = 0;
   double all_reduce_seconds = 0;
-  std::vector<BucketKey> buckets;  // one per micro-batch
+  std::vector<BucketKey> buckets;  // one per micro-batch, in order
   RunKind kind = RunKind::kEager;  // kCaptureAndReplay / kReplay when graphed
   int64_t target_tokens = 0, real_tokens = 0, padded_tokens = 0;
 };
@@ -164,8 +182,24 @@ class Trainer {
   // calls it on first use.
   void Warmup();
 
-  // One optimizer step over `examples`, split in order into grad_accum_steps micro-batches.
+  // One optimizer step over `examples`, split in order into micro-batches (Note [Micro-batches]
+  // in trainer.cc): BeginStep, RunNextMicroBatch until it returns true, StepResult.
   TrainStepResult Step(const std::vector<TrainExample>& examples);
+
+  // Step() in pieces (Note [Micro-steps] in trainer.cc). BeginStep checks every example and
+  // plans the micro-batches (captures the trainer's graphs on its first call, Warmup); nothing
+  // changes when it throws. A BeginStep while another step is unfinished abandons that one.
+  void BeginStep(std::vector<TrainExample> examples);
+  // Runs the next micro-batch's forward + backward, adding its gradients into the accumulators;
+  // the call that runs the last one also runs the optimizer part and the step's one host
+  // synchronisation, and returns true. If it throws, the step is abandoned (AbandonStep).
+  bool RunNextMicroBatch();
+  // The step that the last RunNextMicroBatch completed (once; std::logic_error otherwise).
+  TrainStepResult StepResult();
+  // Drops an unfinished step: its gradients are zeroed, weights and optimizer state are as
+  // before it began. No-op without one.
+  void AbandonStep();
+  bool step_in_progress() const { return pending_ != nullptr; }
 
   // A schedule's factor: every group's rate becomes its configured rate x `scale` (as PyTorch's
   // LambdaLR multiplies each group's initial rate). The rates are device scalars: no recapture.
@@ -189,8 +223,9 @@ class Trainer {
   }
   // float32 gradient accumulator of each master weight, in master_weights() order (the .grad of
   // the parameters in float32 mode). All zero between steps: the optimizer part zeroes them.
-  // Empty when a bf16 step of one micro-batch runs the fused optimizer on the backward's own
-  // gradients (CUDA, fused_optimizer, grad_accum_steps 1).
+  // Empty while every step has been one bf16 micro-batch that ran the fused optimizer on the
+  // backward's own gradients (CUDA, fused_optimizer, grad_accum_steps 1): the first step with
+  // several micro-batches allocates them.
   const std::vector<at::Tensor>& gradient_accumulators() const { return master_grads_; }
   int64_t steps() const { return steps_; }
   int64_t skipped_steps() const { return skipped_steps_; }  // steps with non-finite gradients
@@ -202,18 +237,30 @@ class Trainer {
  private:
   struct Group;
   struct MicroBuffers;
+  struct PendingStep;
 
   void ValidateExample(const TrainExample& e) const;
+  // INVALID_ARGUMENT when no trained parameter is reached by any example of `examples`.
+  void CheckSomethingLearns(const std::vector<TrainExample>& examples) const;
   // Returns the micro-batch's scaled loss (device scalar) after forward + backward. With the
-  // optimizer inside the micro-step (direct_), *optimizer_out gets {gradient norm, found_inf}.
-  at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, BucketKey* key, RunKind* kind,
-                       int64_t* target_tokens, std::vector<at::Tensor>* optimizer_out);
+  // optimizer inside the micro-step (`direct`), *optimizer_out gets {gradient norm, found_inf}.
+  at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, bool direct, BucketKey* key,
+                       RunKind* kind, int64_t* target_tokens,
+                       std::vector<at::Tensor>* optimizer_out);
+  // The step's last part: the all-reduce (data parallel), the optimizer, the host report.
+  void FinishStep();
+  // A trainer with direct_ about to take a step of several micro-batches: allocates the float32
+  // accumulators and captures the optimizer graph (Note [Micro-batches]).
+  void PrepareAccumulation();
   bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
-  std::vector<at::Tensor> RunMicro(MicroBuffers& buf);
+  // Forward + backward over `buf`; with `direct` (Note [Optimizer inside the micro-step]) AdamW
+  // too, on the backward's own gradients.
+  std::vector<at::Tensor> RunMicro(MicroBuffers& buf, bool direct);
   std::vector<at::Tensor> RunOptimizer();
   // Squared norm, step counters and FusedAdamW over `t` (Note [Skipped steps]); returns
-  // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}.
-  std::vector<at::Tensor> RunFusedAdamW(const AdamWTensors& t);  // {norm, found_inf}
+  // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}. `direct`: t.grads
+  // are the backward's bf16 gradients (the norm is taken of them).
+  std::vector<at::Tensor> RunFusedAdamW(const AdamWTensors& t, bool direct);
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
@@ -245,6 +292,11 @@ class Trainer {
   // there are no float32 accumulators and no optimizer graph (Note [Optimizer inside the
   // micro-step] in trainer.cc).
   bool direct_ = false;
+  // Device float32 scalar: the current step's number of micro-batches, which divides each
+  // micro-batch's mean loss (read by the captured micro-steps).
+  at::Tensor micro_batches_;
+  std::unique_ptr<PendingStep> pending_;       // BeginStep .. the last RunNextMicroBatch
+  std::unique_ptr<TrainStepResult> finished_;  // .. StepResult
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;

@@ -4,11 +4,11 @@
 #include <torch/utils.h>
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
+#include "model/atomic_file.h"
 #include "model/safetensors.h"
 #include "model/weight_init.h"
 
@@ -128,11 +128,8 @@ void SaveModel(VisionLanguageModel& model, const std::string& dir) {
 void SaveModel(const VlmConfig& cfg, std::map<std::string, at::Tensor> tensors,
                const std::string& dir) {
   std::filesystem::create_directories(dir);
-  {
-    std::ofstream out(std::filesystem::path(dir) / "config.json");
-    if (!out) throw CheckpointError("cannot write config.json into '" + dir + "'");
-    out << cfg.ToJson().dump(4);
-  }
+  // Each file as a fresh temporary renamed into place (model/atomic_file.h).
+  WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(), cfg.ToJson().dump(4));
   std::map<std::string, std::string> metadata;
   if (cfg.lm_tie_weights) metadata[kEmbedding] = kHead;
   WriteSafetensors((std::filesystem::path(dir) / "model.safetensors").string(),

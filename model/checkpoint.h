@@ -10,8 +10,13 @@
 // saving writes it as upstream does. `decoder.rotary_embd.inv_freq` is loaded when present and
 // recomputed from the config otherwise.
 //
-// Errors: `CheckpointError` naming each missing, unexpected or mis-shaped tensor. Thread rules:
-// call while no other thread uses the model.
+// Saving writes each file as a fresh temporary renamed into place (model/atomic_file.h): a
+// symbolic link planted in the directory under a file's name (or its temporary's) is replaced,
+// never written through, and a failed write leaves no temporary behind.
+//
+// Errors: `CheckpointError` naming each missing, unexpected or mis-shaped tensor;
+// std::system_error (file and errno) when a save cannot write. Thread rules: call while no other
+// thread uses the model.
 #pragma once
 
 #include <map>

@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
+
+#include "model/atomic_file.h"
 
 namespace vlmgraph {
 namespace {
@@ -145,24 +145,16 @@ void WriteSafetensors(const std::string& path, const std::map<std::string, at::T
   }
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw SafetensorsError("cannot open '" + tmp + "' for writing");
-    uint64_t len = h.size();
-    uint8_t len_bytes[8];
-    for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(len >> (8 * i));
-    out.write(reinterpret_cast<const char*>(len_bytes), 8);
-    out.write(h.data(), static_cast<std::streamsize>(h.size()));
-    for (const auto& t : data) {
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    }
-    if (!out) throw SafetensorsError("write to '" + tmp + "' failed (disk full?)");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    throw SafetensorsError("cannot rename '" + tmp + "' to '" + path +
-                           "': " + std::strerror(errno));
-  }
+  // A fresh temporary renamed into place (model/atomic_file.h): never written through a symbolic
+  // link planted in the directory, and removed when a write fails.
+  AtomicFile out(path);
+  const uint64_t len = h.size();
+  uint8_t len_bytes[8];
+  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<uint8_t>(len >> (8 * i));
+  out.Write(len_bytes, 8);
+  out.Write(h.data(), h.size());
+  for (const auto& t : data) out.Write(t.data_ptr(), t.nbytes());
+  out.Commit();
 }
 
 }  // namespace vlmgraph

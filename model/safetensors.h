@@ -10,7 +10,7 @@
 //   vlmgraph::WriteSafetensors("out.safetensors", f.tensors, f.metadata);
 //
 // Supported dtypes: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL. Errors: throws
-// `SafetensorsError` naming the file and what is malformed. Thread rules: free functions, no state.
+// `SafetensorsError` naming the file and what is malformed; std::system_error for failed writes. Thread rules: free functions, no state.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -35,8 +35,10 @@ struct SafetensorsFile {
 SafetensorsFile ReadSafetensors(const std::string& path);
 
 // Writes `tensors` (any device, any layout: copied to contiguous CPU) with `metadata`. The header
-// is padded with spaces to a multiple of 8 bytes, as the reference implementation does. Writes to
-// `path + ".tmp"` and renames, so a crash never leaves a truncated checkpoint behind.
+// is padded with spaces to a multiple of 8 bytes, as the reference implementation does. Writes a
+// fresh `path + ".tmp"` and renames it (model/atomic_file.h), so a crash never leaves a truncated
+// checkpoint behind, a failed write leaves no temporary, and a symbolic link at either name is
+// replaced, never written through. Throws std::system_error when a write fails (e.g. disk full).
 void WriteSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

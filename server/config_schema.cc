@@ -574,9 +574,10 @@ std::vector<ConfigKey> BuildKeys() {
           .Default(64)
           .Range(1, kTwoTo20),
       Key("limits.max_train_batch_tokens", &SC::limits, &SC::Limits::max_train_batch_tokens)
-          .Doc("Examples x longest example of one Train batch, tokens; 0 = no limit. A step "
-               "larger than every train bucket runs eagerly and holds the GPU thread, so every "
-               "Generate waits for it.")
+          .Doc("Examples x longest example of one Train batch, tokens; 0 = no limit. A batch "
+               "with more examples than a train bucket runs as bucket-sized micro-batches with "
+               "decode steps between them; an example longer than every train bucket runs "
+               "eagerly and holds the GPU thread, so every Generate waits for it.")
           .Derived({"the largest train bucket (max train_batch_sizes x max train_seq_lens)",
                     LargestTrainBucket})
           .Range(0, kTwoTo40),

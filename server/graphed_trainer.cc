@@ -83,21 +83,27 @@ class GraphedTrainer final : public TrainBackend {
     }
   }
 
-  TrainStepResult Step(const std::vector<TrainExample>& batch) override {
+  void BeginStep(std::vector<TrainExample> batch) override {
+    // A batch with more examples than the largest train bucket is split into micro-batches that
+    // fit it (engine/trainer.h); only an example longer than every bucket fits none.
     const BucketSpec& buckets = trainer_.options().buckets;
     int64_t longest = 0;
     for (const auto& e : batch) longest = std::max<int64_t>(longest, e.input_ids.size());
     const int64_t rows = static_cast<int64_t>(batch.size());
     const bool exact = options_.trainer.exact_shapes;
-    const bool fits = !exact && buckets.PickTrain(rows, longest).has_value();
+    const bool fits =
+        !exact &&
+        buckets.PickTrain(std::min(rows, buckets.train_batch_sizes.back()), longest).has_value();
     if (!exact && !fits && buckets.oversize == OversizePolicy::kReject) {
-      throw InvalidArgument("batch: " + std::to_string(rows) + " examples of up to " +
-                            std::to_string(longest) +
-                            " tokens fit no train bucket (buckets.train_batch_sizes x "
-                            "train_seq_lens) and buckets.oversize is reject; send smaller batches");
+      throw InvalidArgument("batch: an example of " + std::to_string(longest) +
+                            " tokens fits no train bucket (buckets.train_seq_lens) and "
+                            "buckets.oversize is reject; send shorter examples");
     }
-    return trainer_.Step(batch);  // the Trainer reports the step to the observer itself
+    trainer_.BeginStep(std::move(batch));
   }
+  // The Trainer reports the step to the observer itself.
+  bool RunNextMicroBatch() override { return trainer_.RunNextMicroBatch(); }
+  TrainStepResult StepResult() override { return trainer_.StepResult(); }
 
   void Save(const std::string& directory) override {
     RequireFiniteWeights("save");

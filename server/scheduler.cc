@@ -188,6 +188,23 @@ void Scheduler::Cancel(const std::shared_ptr<GenerationStream>& stream) {
 
 void Scheduler::RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
                                Clock::time_point accepted, Admission admission) {
+  Enqueue(
+      rpc,
+      [&work](Engine& engine) {
+        work(engine);
+        return true;
+      },
+      accepted, admission);
+}
+
+void Scheduler::RunPiecesOnGpuThread(const std::string& rpc,
+                                     const std::function<bool(Engine&)>& piece,
+                                     Clock::time_point accepted, Admission admission) {
+  Enqueue(rpc, piece, accepted, admission);
+}
+
+void Scheduler::Enqueue(const std::string& rpc, std::function<bool(Engine&)> fn,
+                        Clock::time_point accepted, Admission admission) {
   auto done = std::make_shared<std::promise<void>>();
   std::future<void> result = done->get_future();
   const bool cleanup = admission == Admission::kCleanup;
@@ -199,10 +216,12 @@ void Scheduler::RunOnGpuThread(const std::string& rpc, const std::function<void(
     } else if (admission == Admission::kInFlight) {
       CheckQueueLimit();
     }
-    work_.push_back(WorkItem{rpc, work, accepted, cleanup, done});
+    work_.push_back(WorkItem{rpc, std::move(fn), accepted, cleanup, false, done});
   }
   cv_.notify_all();
-  result.get();  // rethrows the work's exception; Stop() fails queued items, so this returns
+  // Rethrows the work's exception; Stop() fails queued items, so this returns. `fn` may refer to
+  // the caller's locals: this returns only after its last call.
+  result.get();
 }
 
 int64_t Scheduler::QueueDepth() const {
@@ -292,14 +311,22 @@ void Scheduler::Serve() {
     while (!work.empty()) {
       WorkItem item = std::move(work.front());
       work.pop_front();
-      if (metrics_ && !item.cleanup)
+      if (metrics_ && !item.cleanup && !item.started)
         metrics_->ObserveQueueTime(item.rpc, Seconds(Clock::now() - item.accepted));
+      item.started = true;
+      bool finished = true;
       try {
-        item.fn(*engine_);
-        item.done->set_value();
+        finished = item.fn(*engine_);
+        if (finished) item.done->set_value();
       } catch (...) {
         item.done->set_exception(std::current_exception());
         if (DeviceFailed()) return give_back();
+      }
+      if (!finished) {
+        // Its next piece runs in the next iteration, after admission and a decode step (Note
+        // [Interleaving bound]); Stop() fails it there if the thread stops first.
+        std::lock_guard<std::mutex> lock(mu_);
+        work_.push_back(std::move(item));
       }
     }
     if (!admit.empty() && !Admit(std::move(admit), &events)) return;

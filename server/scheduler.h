@@ -13,12 +13,17 @@
 //   GenerationStream::Update u;
 //   while (!(u = stream->Wait(50ms)).done) Send(u.tokens);                 // tokens as they decode
 //   scheduler.Cancel(stream);                                              // the client went away
-//   scheduler.RunOnGpuThread("Forward", [&](Engine& e) { ... });           // Forward, Train steps
+//   scheduler.RunOnGpuThread("Forward", [&](Engine& e) { ... });           // Forward, saves
+//   scheduler.RunPiecesOnGpuThread("Train", [&](Engine& e) {               // a Train step:
+//     return job->RunNextMicroBatch();                                     //   true when done
+//   });
 // clang-format on
 //
 // Note [Batching policy]: the GPU thread loops over
 //   1. cancellations (Engine::Cancel frees the KV slot at once),
-//   2. queued work items (Forward, training steps, checkpoint saves), in arrival order,
+//   2. queued work items (Forward, training steps, checkpoint saves), in arrival order; an item
+//      in pieces (RunPiecesOnGpuThread: a Train step, one micro-batch per piece) runs one piece
+//      and, unless that was its last, goes back to the end of the queue for the next iteration,
 //   3. admission: waiting Generate requests are admitted (vision + prefill in bucket-sized groups,
 //      first token) when the engine has free slots and either as many requests wait as slots are
 //      free or the oldest has waited max_queue_delay_us, so a burst of requests lands in one
@@ -28,6 +33,18 @@
 //      short ones).
 // The queue is bounded: more than max_queue_size waiting requests (Generate and work items
 // together) -> RESOURCE_EXHAUSTED. After StopAccepting() submissions fail with UNAVAILABLE.
+//
+// Note [Interleaving bound]: between two decode steps the GPU thread runs at most one piece of
+// each work item that was queued before the first of them, so a running Generate waits for at
+// most the work items ahead of it, and a Train step never for more than one of its micro-batches:
+// its forward + backward at the size of a train bucket (the last one also runs the optimizer
+// step and the step's one host synchronisation). On the GPU that is one replay of a captured
+// micro-step, 40-150 ms today (docs/design/training.md); on the CPU one eager micro-step of a
+// bucket's size. A batch wider than the largest train bucket is split into micro-batches that
+// fit it (engine/trainer.h, Note [Micro-batches]); an example longer than every bucket still
+// runs as one eager micro-batch, bounded by limits.max_train_batch_tokens. Not split: a job's
+// first step also captures the job's graphs in its first piece, once per job (seconds for
+// nanovlm-460m), and creating a job, saving a checkpoint and publishing are one item each.
 //
 // Note [Device faults]: after any engine call fails, the GPU thread asks the engine whether its
 // device still works (Engine::DeviceFault). A CUDA error that leaves the context unusable (a
@@ -173,17 +190,28 @@ class Scheduler {
   void RunOnGpuThread(const std::string& rpc, const std::function<void(Engine&)>& work,
                       Clock::time_point accepted = Clock::now(),
                       Admission admission = Admission::kNew);
+  // As RunOnGpuThread, for work in pieces: calls `piece` once per loop iteration, with admission
+  // and a decode step between calls (Note [Interleaving bound]), until it returns true (the last
+  // piece) or throws (rethrown here; no more calls). Waits for the last piece. The queue time is
+  // recorded once, for the first piece. If the scheduler stops between pieces, this throws
+  // UNAVAILABLE and `piece` is not called again.
+  void RunPiecesOnGpuThread(const std::string& rpc, const std::function<bool(Engine&)>& piece,
+                            Clock::time_point accepted = Clock::now(),
+                            Admission admission = Admission::kNew);
 
   int64_t QueueDepth() const;
 
  private:
   struct WorkItem {
     std::string rpc;
-    std::function<void(Engine&)> fn;
+    std::function<bool(Engine&)> fn;  // true: done; false: call again next iteration
     Clock::time_point accepted;
     bool cleanup = false;
+    bool started = false;  // a piece has run (its queue time is recorded)
     std::shared_ptr<std::promise<void>> done;
   };
+  void Enqueue(const std::string& rpc, std::function<bool(Engine&)> fn, Clock::time_point accepted,
+               Admission admission);
 
   void Loop(const EngineStartup& make_engine, std::promise<void>* ready);
   void Serve();

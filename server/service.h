@@ -26,6 +26,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
+#include "server/train_slot.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
@@ -75,7 +76,7 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   const ServerConfig config_;
   const TextModel* text_;
   const ApiKeys* keys_;
-  std::atomic<bool> train_running_{false};
+  TrainSlot train_slot_;  // one Train job at a time (server/train_rpc.cc)
   std::atomic<int64_t> in_flight_{0};
 };
 

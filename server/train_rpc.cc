@@ -147,12 +147,14 @@ double LanguageLearningRate(const TrainStepResult& r) {
 }
 
 // Ends a Train stream that waits longer than `timeout` for its client's next message: a watchdog
-// thread cancels the call (grpc::ServerContext::TryCancel, which makes the blocked Read return
-// false). Time spent on the GPU thread does not count: only Wait() .. Got() does.
+// thread calls `on_fire` (which marks the job slot ending, server/train_slot.h) and then cancels
+// the call (grpc::ServerContext::TryCancel, which makes the blocked Read return false and tells
+// the client at once). Time spent on the GPU thread does not count: only Wait() .. Got() does.
 class IdleWatchdog {
  public:
-  IdleWatchdog(grpc::ServerContext* context, double timeout_seconds)
+  IdleWatchdog(grpc::ServerContext* context, double timeout_seconds, std::function<void()> on_fire)
       : context_(context),
+        on_fire_(std::move(on_fire)),
         timeout_(std::chrono::duration_cast<Clock::duration>(
             std::chrono::duration<double>(timeout_seconds))) {
     if (timeout_seconds > 0) thread_ = std::thread([this] { Run(); });
@@ -188,6 +190,7 @@ class IdleWatchdog {
       const auto deadline = waiting_since_ + timeout_;
       if (Clock::now() >= deadline) {
         fired_ = true;
+        on_fire_();  // before the client can learn that the job ended
         context_->TryCancel();
         return;
       }
@@ -196,6 +199,7 @@ class IdleWatchdog {
   }
 
   grpc::ServerContext* context_;
+  const std::function<void()> on_fire_;
   const Clock::duration timeout_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -236,17 +240,16 @@ grpc::Status VlmGraphService::Train(
 void VlmGraphService::RunTrain(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) {
-  if (train_running_.exchange(true)) {
-    throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      "a training job is already running (one at a time); retry when it ends");
-  }
+  // A job that is ending still holds the slot until it is destroyed (below, in reverse order):
+  // Acquire waits for it (server/train_slot.h).
+  train_slot_.Acquire([context] { return context->IsCancelled(); });
   struct Release {
-    std::atomic<bool>* flag;
-    ~Release() { *flag = false; }
-  } release{&train_running_};
+    TrainSlot* slot;
+    ~Release() { slot->Release(); }
+  } release{&train_slot_};
 
   const double idle_seconds = config_.train.idle_timeout_seconds;
-  IdleWatchdog watchdog(context, idle_seconds);
+  IdleWatchdog watchdog(context, idle_seconds, [this] { train_slot_.MarkEnding(); });
   auto idle_error = [&] {
     char text[160];
     std::snprintf(text, sizeof(text),
@@ -348,22 +351,36 @@ void VlmGraphService::RunTrain(
   int64_t consecutive_skips = 0;
   for (;;) {
     watchdog.Wait();
-    if (!stream->Read(&message)) break;
+    if (!stream->Read(&message)) {
+      // The stream ended (closed, cancelled by the client or the watchdog): what is left (a
+      // publish_on_end, the final autosave, destroying the job) runs while a new job waits.
+      train_slot_.MarkEnding();
+      break;
+    }
     watchdog.Got();
     const auto received = Clock::now();
     v1::TrainResponse response;
     bool autosave_now = false;
     switch (message.kind_case()) {
       case v1::TrainRequest::kBatch: {
-        const std::vector<TrainExample> batch = ToTrainBatch(
-            message.batch(), engine_->model_config(), config_.limits, engine_->max_context());
+        std::vector<TrainExample> batch = ToTrainBatch(message.batch(), engine_->model_config(),
+                                                       config_.limits, engine_->max_context());
         TrainStepResult stats;
         double queue_seconds = 0;
-        scheduler_->RunOnGpuThread(
+        bool begun = false;
+        // One micro-batch per piece: the GPU thread decodes between them (Note [Interleaving
+        // bound] in server/scheduler.h).
+        scheduler_->RunPiecesOnGpuThread(
             "Train",
             [&](Engine&) {
-              queue_seconds = SecondsSince(received);
-              stats = job->Step(batch);
+              if (!begun) {
+                begun = true;
+                queue_seconds = SecondsSince(received);
+                job->BeginStep(std::move(batch));
+              }
+              if (!job->RunNextMicroBatch()) return false;
+              stats = job->StepResult();
+              return true;
             },
             received, Scheduler::Admission::kInFlight);
         const double learning_rate = LanguageLearningRate(stats);

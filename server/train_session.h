@@ -1,26 +1,32 @@
 // server/train_session.h: the interface the Train RPC drives, and its settings.
 //
-// A TrainBackend is one training job started from the serving model's weights: Step() takes a
+// A TrainBackend is one training job started from the serving model's weights: a step takes a
 // checked batch (server/convert.h), runs forward + backward + optimizer on the job's own copy of
 // the weights and reports the step; Save() writes a nanoVLM checkpoint; Publish() copies the job's
 // weights into the serving model (the only way training changes what clients are served).
-// MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer.
+// MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer. A step runs in
+// pieces, one micro-batch each (engine/trainer.h, Note [Micro-batches]), so the GPU thread
+// decodes between them (server/scheduler.h, Note [Interleaving bound]).
 //
 // clang-format off
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
-//   TrainStepResult s = job->Step(batch);                                             // GPU thread
+//   job->BeginStep(batch);                                                            // GPU thread
+//   while (!job->RunNextMicroBatch()) { /* a decode step */ }                         // GPU thread
+//   TrainStepResult s = job->StepResult();                                            // GPU thread
 //   job->Save("/srv/checkpoints/run1");                                               // GPU thread
 //   job->Publish();                                                                   // GPU thread
 // clang-format on
 //
 // Thread rules: create, use and destroy a backend on the GPU thread only (it touches the
 // engine's model). Errors: ServerError INVALID_ARGUMENT for batches no bucket accepts (oversize
-// policy reject); FAILED_PRECONDITION from Save / Publish when a weight is not finite; torch
-// errors propagate (the RPC guard maps them).
+// policy reject); EngineError kInvalidArgument for a batch no trained parameter can learn from;
+// FAILED_PRECONDITION from Save / Publish when a weight is not finite; torch errors propagate
+// (the RPC guard maps them).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/bucket.h"
@@ -54,9 +60,19 @@ struct TrainJobOptions {
 class TrainBackend {
  public:
   virtual ~TrainBackend() = default;
-  // One optimizer step over `batch` (checked by ToTrainBatch); the step as engine/Trainer reports
-  // it.
-  virtual TrainStepResult Step(const std::vector<TrainExample>& batch) = 0;
+  // One optimizer step over `batch` (checked by ToTrainBatch) in pieces, as engine/Trainer's
+  // BeginStep, RunNextMicroBatch (true after the last micro-batch and the optimizer) and
+  // StepResult (the step as the Trainer reports it). A piece that throws abandons the step.
+  virtual void BeginStep(std::vector<TrainExample> batch) = 0;
+  virtual bool RunNextMicroBatch() = 0;
+  virtual TrainStepResult StepResult() = 0;
+  // The whole step at once (no other work between its micro-batches).
+  TrainStepResult Step(std::vector<TrainExample> batch) {
+    BeginStep(std::move(batch));
+    while (!RunNextMicroBatch()) {
+    }
+    return StepResult();
+  }
   virtual void Save(const std::string& directory) = 0;
   virtual void Publish() = 0;
   virtual int64_t steps() const = 0;

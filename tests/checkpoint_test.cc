@@ -3,10 +3,15 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
+#include <system_error>
 
 #include "model/layers.h"
 #include "model/recompute.h"
@@ -21,7 +26,7 @@ namespace fs = std::filesystem;
 fs::path TempDir(const std::string& name) {
   fs::path p =
       fs::temp_directory_path() / ("vlmgraph_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
+  testing::RemoveFlatDirectory(p.string());
   fs::create_directories(p);
   return p;
 }
@@ -257,6 +262,89 @@ TEST(Checkpoint, LoadsEveryTensorNameOfTheDefaultModel) {
     EXPECT_EQ(got, shape) << name;
   }
   EXPECT_EQ(listed, static_cast<int>(ours.size()) + 1);  // head listed besides the embedding
+}
+
+// Reads a whole file (or "" when it cannot be opened).
+std::string Contents(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// A save into a directory where someone planted symbolic links, under the checkpoint's file names
+// and under their temporaries' names, replaces the links with the checkpoint's files and never
+// writes the files they point to.
+TEST(Checkpoint, SaveReplacesPlantedSymbolicLinksWithoutWritingThroughThem) {
+  const fs::path dir = TempDir("ckpt_links"), outside = TempDir("ckpt_links_outside");
+  const std::vector<std::string> names = {"config.json", "model.safetensors", "config.json.tmp",
+                                          "model.safetensors.tmp"};
+  for (const std::string& name : names) {
+    std::ofstream(outside / name) << "precious " << name;
+    fs::create_symlink(outside / name, dir / name);
+  }
+  VisionLanguageModel m(VlmConfig::Preset("nanovlm-tiny"));
+  SaveModel(m, dir.string());
+  for (const std::string& name : names) {
+    EXPECT_EQ(Contents(outside / name), "precious " + name) << name << " was written through";
+    const bool temporary = name.size() > 4 && name.substr(name.size() - 4) == ".tmp";
+    if (temporary) {
+      EXPECT_FALSE(fs::exists(fs::symlink_status(dir / name))) << name;
+    } else {
+      EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(dir / name))) << name;
+    }
+  }
+  VisionLanguageModel loaded = LoadModel(dir.string());
+  EXPECT_TRUE(at::equal(loaded->MP->proj->weight, m->MP->proj->weight));
+  testing::RemoveFlatDirectory(dir.string());
+  testing::RemoveFlatDirectory(outside.string());
+}
+
+// Lowers the file size limit for its lifetime; a write past it fails with EFBIG as a full disk
+// fails with ENOSPC (SIGXFSZ, which would end the process, is ignored meanwhile).
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    saved_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit lower = saved_;
+    lower.rlim_cur = bytes;
+    EXPECT_EQ(::setrlimit(RLIMIT_FSIZE, &lower), 0);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, saved_handler_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+  void (*saved_handler_)(int) = nullptr;
+};
+
+// A save that fails part-way (a full disk, simulated by the file size limit) throws an error
+// that names the file and the cause, and leaves neither a partial file nor its temporary; an
+// existing checkpoint file stays as it was.
+TEST(Checkpoint, FailedSaveLeavesNoPartialOrTemporaryFile) {
+  const fs::path dir = TempDir("ckpt_full");
+  VisionLanguageModel m(VlmConfig::Preset("nanovlm-tiny"));
+  std::ofstream(dir / "model.safetensors") << "the previous checkpoint";
+  const std::map<std::string, at::Tensor> big = {{"w", at::ones({1 << 16})}};  // 256 KiB
+  std::string error;
+  {
+    FileSizeLimit limit(64 << 10);
+    error = ErrorOf([&] { WriteSafetensors((dir / "big.safetensors").string(), big); });
+    EXPECT_THROW(SaveModel(m, dir.string()), std::system_error);
+  }
+  EXPECT_NE(error.find("big.safetensors.tmp"), std::string::npos) << error;
+  EXPECT_NE(error.find(std::strerror(EFBIG)), std::string::npos) << error;
+  for (const char* name : {"big.safetensors", "big.safetensors.tmp", "model.safetensors.tmp"})
+    EXPECT_FALSE(fs::exists(fs::symlink_status(dir / name))) << name;
+  EXPECT_EQ(Contents(dir / "model.safetensors"), "the previous checkpoint");
+  // Without the limit the same saves succeed.
+  WriteSafetensors((dir / "big.safetensors").string(), big);
+  EXPECT_TRUE(
+      at::equal(ReadSafetensors((dir / "big.safetensors").string()).tensors.at("w"), big.at("w")));
+  testing::RemoveFlatDirectory(dir.string());
 }
 
 }  // namespace

@@ -1,20 +1,26 @@
 // The scheduler's GPU thread on a real (tiny, CPU) engine: streamed tokens equal Engine::Generate,
 // batching groups requests, continuous batching lets short requests pass long ones, a full queue
-// refuses, cancellation frees the slot, shutdown fails leftovers. And the eager trainer.
+// refuses, cancellation frees the slot, shutdown fails leftovers, work in pieces (a Train step's
+// micro-batches) takes turns with decode steps. And the eager trainer.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "model/checkpoint.h"
 #include "server/graphed_trainer.h"
 #include "server/scheduler.h"
 #include "server/status.h"
+#include "server/train_slot.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -37,9 +43,11 @@ class BatchRecorder : public EngineObserver {
 };
 
 std::unique_ptr<Engine> TinyEngine(std::vector<int64_t> batch_sizes = {1, 2, 4},
-                                   EngineObserver* observer = nullptr) {
+                                   EngineObserver* observer = nullptr,
+                                   OversizePolicy oversize = OversizePolicy::kEager) {
   at::manual_seed(0);
   EngineOptions o;
+  o.buckets.oversize = oversize;
   o.buckets.batch_sizes = std::move(batch_sizes);
   o.buckets.seq_lens = {16, 32};
   o.buckets.context_lens = {64, 128};
@@ -72,6 +80,16 @@ std::pair<std::vector<int64_t>, std::exception_ptr> Drain(GenerationStream& s) {
 }
 
 grpc::StatusCode CodeOf(std::exception_ptr e) { return StatusFromException(e).error_code(); }
+
+// The status the RPC guard makes of what `f` throws (OK when it throws nothing).
+grpc::Status StatusOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (...) {
+    return StatusFromException(std::current_exception());
+  }
+  return grpc::Status::OK;
+}
 
 TEST(ServerScheduler, StreamsWhatEngineGenerateReturns) {
   std::vector<GenerateRequest> reqs = {Prompt(3, 10, 12), Prompt(50, 20, 5), Prompt(9, 7, 9)};
@@ -243,6 +261,40 @@ TEST(ServerScheduler, EngineStartupErrorsReachStart) {
 
 // --- eager trainer -------------------------------------------------------------------------------
 
+TEST(TrainSlot, OneJobAtATimeAndAnEndingJobMakesNewOnesWait) {
+  TrainSlot slot;
+  slot.Acquire(nullptr);
+  try {
+    slot.Acquire(nullptr);
+    ADD_FAILURE() << "two jobs at once";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  // The job is ending (its client was told): a new job waits for it instead of being refused.
+  slot.MarkEnding();
+  std::atomic<bool> acquired{false};
+  std::thread next([&] {
+    slot.Acquire([] { return false; });
+    acquired = true;
+  });
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_FALSE(acquired.load());  // still waiting: the ending job holds the slot
+  slot.Release();
+  next.join();
+  EXPECT_TRUE(acquired.load());
+  // A waiting call that is cancelled gives up with CANCELLED.
+  slot.MarkEnding();
+  try {
+    slot.Acquire([] { return true; });
+    ADD_FAILURE() << "a cancelled call took the slot";
+  } catch (const ServerError& e) {
+    EXPECT_EQ(e.code(), grpc::StatusCode::CANCELLED);
+  }
+  slot.Release();
+  slot.Acquire(nullptr);  // free again
+  slot.Release();
+}
+
 std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
   std::vector<TrainExample> out;
   for (int64_t r = 0; r < rows; ++r) {
@@ -371,6 +423,157 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   const double after = engine->Forward(engine->Validate(probe)).loss;
   EXPECT_TRUE(std::isfinite(after));
   EXPECT_DOUBLE_EQ(after, before);
+}
+
+// Note [Interleaving bound]: a Train step of 32 examples (train batch buckets up to 4) runs as 8
+// micro-batches, one per pass of the GPU thread, and a running Generate takes a decode step
+// between every two of them instead of waiting for the whole step.
+TEST(ServerScheduler, GenerateDecodesBetweenTheMicroBatchesOfATrainStep) {
+  // What the GPU thread did, in order: 'd' a decode step, 'm' a train micro-batch.
+  struct Events : EngineObserver {
+    void OnBatch(Region region, int64_t) override {
+      if (region == Region::kDecode) Add('d');
+    }
+    void Add(char c) {
+      std::lock_guard<std::mutex> lock(mu);
+      log.push_back(c);
+    }
+    std::string Log() {
+      std::lock_guard<std::mutex> lock(mu);
+      return log;
+    }
+    std::mutex mu;
+    std::string log;
+  } events;
+  Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
+  scheduler.Start([&] { return TinyEngine({1, 2, 4}, &events); });
+  TrainJobOptions o;
+  o.trainer.train_vision = o.trainer.train_projector = false;
+  std::unique_ptr<TrainBackend> job;
+  scheduler.RunOnGpuThread("Train", [&](Engine& e) { job = MakeTrainBackend(e, o, nullptr); });
+  // A gate holds the GPU thread while the Generate request and the Train step are queued, so
+  // both start in the same pass of its loop, whatever the test threads' timing.
+  std::atomic<bool> gate_running{false}, open_gate{false};
+  std::thread gate([&] {
+    scheduler.RunOnGpuThread("test", [&](Engine&) {
+      gate_running = true;
+      while (!open_gate) std::this_thread::sleep_for(milliseconds(1));
+    });
+  });
+  while (!gate_running) std::this_thread::sleep_for(milliseconds(1));
+  auto generation =
+      scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(1, 8, 100)), Clock::now());
+  std::vector<TrainExample> batch = Batch(32, 12);
+  bool begun = false;
+  TrainStepResult stats;
+  std::thread train([&] {
+    scheduler.RunPiecesOnGpuThread("Train", [&](Engine&) {
+      if (!begun) {
+        begun = true;
+        job->BeginStep(std::move(batch));
+      }
+      events.Add('m');
+      if (!job->RunNextMicroBatch()) return false;
+      stats = job->StepResult();
+      return true;
+    });
+  });
+  while (scheduler.QueueDepth() < 2) std::this_thread::sleep_for(milliseconds(1));
+  open_gate = true;
+  gate.join();
+  train.join();
+  ASSERT_EQ(stats.buckets.size(), 8u);
+  EXPECT_EQ(stats.buckets.front().Label(), "b4xs16");
+  const std::string log = events.Log();
+  const size_t first = log.find('m'), last = log.rfind('m');
+  ASSERT_NE(first, std::string::npos);
+  const std::string during = log.substr(first, last - first + 1);
+  EXPECT_EQ(std::count(during.begin(), during.end(), 'm'), 8) << log;
+  EXPECT_EQ(during.find("mm"), std::string::npos) << "micro-batches without a decode step "
+                                                     "between them: "
+                                                  << log;
+  EXPECT_GE(std::count(during.begin(), during.end(), 'd'), 7) << log;
+  // The generation went on meanwhile: it decoded while the step ran and still finishes.
+  auto [tokens, error] = Drain(*generation);
+  EXPECT_FALSE(error);
+  EXPECT_EQ(tokens.size(), 100u);
+  scheduler.RunOnGpuThread("Train", [&](Engine&) { job.reset(); });
+  scheduler.Stop();
+}
+
+// Pieces of two items take turns, one piece each per pass of the GPU thread's loop; a piece that
+// throws ends its item (the error reaches the caller, no more pieces run).
+TEST(ServerScheduler, WorkInPiecesTakesTurnsAndStopsAtAnError) {
+  Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
+  scheduler.Start([] { return TinyEngine(); });
+  std::string order;  // written on the GPU thread, read after both items are done
+  int a_done = 0, b_done = 0;
+  std::atomic<bool> a_running{false};
+  std::thread a([&] {
+    scheduler.RunPiecesOnGpuThread("test", [&](Engine&) {
+      // The first piece holds the GPU thread until the second item is queued.
+      a_running = true;
+      while (a_done == 0 && scheduler.QueueDepth() < 1)
+        std::this_thread::sleep_for(milliseconds(1));
+      order.push_back('a');
+      return ++a_done == 3;
+    });
+  });
+  while (!a_running) std::this_thread::sleep_for(milliseconds(1));
+  std::thread b([&] {
+    scheduler.RunPiecesOnGpuThread("test", [&](Engine&) {
+      order.push_back('b');
+      return ++b_done == 3;
+    });
+  });
+  a.join();
+  b.join();
+  EXPECT_EQ(order, "ababab");
+  int calls = 0;
+  EXPECT_THROW(scheduler.RunPiecesOnGpuThread("test",
+                                              [&](Engine&) -> bool {
+                                                if (++calls == 2) throw std::runtime_error("x");
+                                                return false;
+                                              }),
+               std::runtime_error);
+  EXPECT_EQ(calls, 2);
+  scheduler.Stop();
+}
+
+// A batch wider than every train bucket is split into micro-batches that fit, also with oversize
+// reject; only an example longer than every bucket is refused.
+TEST(ServerTrainer, WideBatchesAreSplitAndOnlyTooLongExamplesRefused) {
+  auto engine = TinyEngine({1, 2, 4}, nullptr, OversizePolicy::kReject);
+  TrainJobOptions o;
+  o.trainer.train_vision = o.trainer.train_projector = false;
+  auto job = MakeTrainBackend(*engine, o, nullptr);
+  const TrainStepResult r = job->Step(Batch(9, 12));  // 3 micro-batches of 3
+  ASSERT_EQ(r.buckets.size(), 3u);
+  EXPECT_EQ(r.buckets.front().Label(), "b4xs16");
+  const grpc::Status s = StatusOf([&] { job->Step(Batch(2, 40)); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(s.error_message().find("buckets.train_seq_lens"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(job->steps(), 1);
+}
+
+// A valid job config that trains no language weight (language learning rate 0, or
+// trainable_parts without LANGUAGE) refuses a text-only batch with INVALID_ARGUMENT that says what
+// to change, and the job goes on (before: INTERNAL, "element 0 of tensors does not require grad").
+TEST(ServerTrainer, JobWithoutLanguageTrainingRefusesTextOnlyBatches) {
+  auto engine = TinyEngine();
+  TrainJobOptions zero_rate, vision_parts;
+  zero_rate.trainer.lr_language = 0;
+  vision_parts.trainer.train_language = false;
+  for (const TrainJobOptions& o : {zero_rate, vision_parts}) {
+    auto job = MakeTrainBackend(*engine, o, nullptr);
+    const grpc::Status s = StatusOf([&] { job->Step(Batch(3, 12)); });
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("no example has an image"), std::string::npos)
+        << s.error_message();
+    EXPECT_NE(s.error_message().find("train the language model"), std::string::npos);
+    EXPECT_EQ(job->steps(), 0);
+  }
 }
 
 }  // namespace

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <dirent.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <string>
 
@@ -21,6 +23,20 @@ inline const SafetensorsFile& TinyReference() {
   static const SafetensorsFile ref =
       ReadSafetensors(TinyCheckpointDir() + "/reference.safetensors");
   return ref;
+}
+
+// Removes `dir` and the files and symbolic links in it (not subdirectories), if it exists. Not
+// std::filesystem::remove_all: the pip LibTorch exports an incompatible copy of it, which crashes
+// on a directory holding symbolic links.
+inline void RemoveFlatDirectory(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* entry = ::readdir(d)) {
+      const std::string name = entry->d_name;
+      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
 }
 
 inline double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {

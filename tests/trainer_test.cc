@@ -18,8 +18,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <thread>
 
 #include "model/checkpoint.h"
@@ -221,6 +223,47 @@ TEST(Trainer, CheckpointResumesExactly) {
               AdamwReference()["losses_before_each_step"][3].get<double>(), 1e-5);
 }
 
+// SaveCheckpoint replaces symbolic links planted in the checkpoint directory (under its files'
+// names and their temporaries') with its own files, and never writes what they point to.
+TEST(Trainer, SaveCheckpointReplacesPlantedSymbolicLinks) {
+  namespace fs = std::filesystem;
+  const std::string suffix = std::to_string(::getpid());
+  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_train_links_" + suffix);
+  const fs::path outside = fs::temp_directory_path() / ("vlmgraph_train_links_outside_" + suffix);
+  testing::RemoveFlatDirectory(dir.string());
+  testing::RemoveFlatDirectory(outside.string());
+  fs::create_directories(dir);
+  fs::create_directories(outside);
+  std::vector<std::string> names;
+  for (const char* file : {"config.json", "model.safetensors", "optimizer.safetensors"}) {
+    for (const char* ending : {"", ".tmp"}) names.push_back(std::string(file) + ending);
+  }
+  for (const std::string& name : names) {
+    std::ofstream(outside / name) << "precious";
+    fs::create_symlink(outside / name, dir / name);
+  }
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  Trainer t(m, FixtureOptions(at::kCPU, false));
+  t.Step(FixtureBatch());
+  t.SaveCheckpoint(dir.string());
+  for (const std::string& name : names) {
+    std::ifstream in(outside / name);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, "precious") << name << " was written through its link";
+    const fs::file_status st = fs::symlink_status(dir / name);
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) {
+      EXPECT_FALSE(fs::exists(st)) << name;
+    } else {
+      EXPECT_TRUE(fs::is_regular_file(st)) << name;
+    }
+  }
+  Trainer resumed(m, FixtureOptions(at::kCPU, false));
+  resumed.LoadOptimizerState((dir / "optimizer.safetensors").string());
+  EXPECT_EQ(resumed.steps(), 1);
+  testing::RemoveFlatDirectory(dir.string());
+  testing::RemoveFlatDirectory(outside.string());
+}
+
 TEST(Trainer, BFloat16WorkingWeightsTrackFloat32MastersAndLearn) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCPU, false);
@@ -301,6 +344,15 @@ TrainExample TextOnly(const VlmConfig& cfg, int64_t r) {
     out.targets.push_back(e.targets[i]);
   }
   return out;
+}
+
+// A text-only example of `len` tokens with next-token targets; `seed` varies the ids.
+TrainExample TextExample(int64_t len, int64_t seed) {
+  TrainExample e;
+  for (int64_t i = 0; i < len; ++i) e.input_ids.push_back((seed * 31 + i * 7) % 900 + 1);
+  e.targets.assign(e.input_ids.begin() + 1, e.input_ids.end());
+  e.targets.push_back(-100);
+  return e;
 }
 
 // bf16 parameters have no .grad outside a backward, and the accumulators are zero between steps.
@@ -697,6 +749,45 @@ TEST(FusedOptimizer, TrainerStepsMatchATenOptimizer_CUDA) {
   }
 }
 
+// A bf16 trainer that runs AdamW inside its one-micro-batch steps (Note [Optimizer inside the
+// micro-step]) takes a batch wider than every bucket by accumulating (Note [Micro-batches]): the
+// float32 accumulators, the optimizer graph and the bucket's accumulating graph appear at that
+// step, one-micro-batch steps keep their graphs, and every step matches a trainer that always
+// accumulates and runs ATen's optimizer.
+TEST(FusedOptimizer, DirectTrainerSplitsWideBatches_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const VlmConfig& cfg = m->cfg;
+  TrainOptions o = FixtureOptions(at::kCUDA, true);  // train batch buckets 2 and 4
+  o.compute_dtype = at::kBFloat16;
+  o.max_grad_norm = 1.0;
+  Trainer direct(m, o);
+  o.fused_optimizer = false;
+  Trainer aten(m, o);
+  std::vector<TrainExample> wide = FixtureBatch();  // 8 examples: 2 micro-batches of 4
+  for (int64_t r = 0; r < 6; ++r) wide.push_back(Variant(cfg, r % 2));
+  const auto before = Masters(aten);
+  const std::vector<std::vector<TrainExample>> batches = {FixtureBatch(), wide, FixtureBatch(),
+                                                          wide};
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const TrainStepResult f = direct.Step(batches[i]), a = aten.Step(batches[i]);
+    EXPECT_EQ(f.buckets.size(), a.buckets.size()) << i;
+    EXPECT_NEAR(f.loss, a.loss, 1e-2) << i;
+    EXPECT_NEAR(f.grad_norm, a.grad_norm, 2e-2 * a.grad_norm) << i;
+    EXPECT_FALSE(f.skipped) << i;
+    if (i == 0) EXPECT_TRUE(direct.gradient_accumulators().empty());
+  }
+  // Warmup's 4 one-micro-batch graphs, then the optimizer and b4xs16's accumulating graph.
+  EXPECT_EQ(direct.captures(), 2 * 2 + 2);
+  ExpectNoBFloat16GradsAndZeroAccumulators(direct, "after wide steps");
+  ExpectWorkingIsRoundedMaster(direct, "after wide steps");
+  const double update = RelativeL2(Minus(Masters(direct), before), Minus(Masters(aten), before));
+  std::printf("[direct trainer, wide batches] relative update diff after 4 steps %.3g\n", update);
+  EXPECT_LT(update, 0.05);  // TrainerStepsMatchATenOptimizer_CUDA's bf16 bound
+}
+
 }  // namespace
 }  // namespace vlmgraph
 
@@ -989,12 +1080,151 @@ TEST(Trainer, ReportsStepsTokensAndFallbacksToItsObserver) {
   EXPECT_EQ(seen.fallbacks, 0);
   EXPECT_EQ(seen.real, r.real_tokens);
   EXPECT_EQ(seen.padded, r.padded_tokens);
-  // A batch wider than every train bucket (batch sizes 2, 4) runs eagerly and says so.
-  std::vector<TrainExample> wide;
-  for (int i = 0; i < 5; ++i) wide.push_back(FixtureBatch()[i % 2]);
-  t.Step(wide);
+  // An example longer than every train bucket (seq lens 16, 32) runs eagerly and says so.
+  t.Step({TextExample(40, 1)});
   EXPECT_EQ(seen.steps, 2);
   EXPECT_EQ(seen.fallbacks, 1);
+}
+
+// Note [Micro-batches]: 64 examples of 32 tokens with train batch buckets up to 8 take 8
+// micro-batches of bucket b8xs32, one RunNextMicroBatch each, and none runs eagerly at its own
+// size (before, the 64 rows ran as one eager micro-batch while every Generate waited).
+TEST(Trainer, SixtyFourByThirtyTwoBatchRunsInBucketSizedMicroBatches) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  RecordingObserver seen;
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.buckets.train_batch_sizes = {2, 4, 8};
+  o.buckets.train_seq_lens = {32};
+  o.observer = &seen;
+  Trainer t(m, o);
+  std::vector<TrainExample> batch;
+  for (int64_t i = 0; i < 64; ++i) batch.push_back(TextExample(32, i));
+  t.BeginStep(batch);
+  int pieces = 1;
+  while (!t.RunNextMicroBatch()) ++pieces;
+  EXPECT_EQ(pieces, 8);
+  EXPECT_FALSE(t.step_in_progress());
+  const TrainStepResult r = t.StepResult();
+  ASSERT_EQ(r.buckets.size(), 8u);
+  for (const BucketKey& key : r.buckets) EXPECT_EQ(key.Label(), "b8xs32");
+  EXPECT_EQ(r.real_tokens, 64 * 32);
+  EXPECT_EQ(r.padded_tokens, 64 * 32);
+  EXPECT_EQ(r.step, 1);
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_THROW(t.StepResult(), std::logic_error);  // taken once
+  // The same through Step(), and with 20 examples (micro-batches of 7, 7, 6, each in bucket 8).
+  EXPECT_EQ(t.Step(batch).buckets.size(), 8u);
+  batch.resize(20);
+  EXPECT_EQ(t.Step(batch).buckets.size(), 3u);
+  EXPECT_EQ(seen.fallbacks, 0);
+  EXPECT_EQ(seen.steps, 3);
+}
+
+// Splitting a batch wider than every bucket gives the step that gradient accumulation over the
+// same micro-batches gives (nanoVLM's mean of micro-batch means): same losses and weights.
+TEST(Trainer, WideBatchSplitEqualsGradientAccumulation) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const VlmConfig& cfg = m->cfg;
+  // 8 examples, images and text only, with different numbers of counted targets per
+  // micro-batch, so the mean of micro-batch means differs from the mean over the whole batch.
+  std::vector<TrainExample> batch = FixtureBatch();
+  batch.push_back(Variant(cfg, 0));
+  batch.push_back(Variant(cfg, 1));
+  for (int64_t r = 0; r < 4; ++r) {
+    TrainExample e = r < 2 ? TextOnly(cfg, r) : Variant(cfg, r - 2);
+    for (size_t i = 3 + r; i < e.targets.size(); ++i) e.targets[i] = -100;
+    batch.push_back(e);
+  }
+  TrainOptions o = FixtureOptions(at::kCPU, false);  // train batch buckets 2 and 4
+  o.max_grad_norm = 1.0;
+  RecordingObserver seen;
+  o.observer = &seen;
+  Trainer split(m, o);
+  o.observer = nullptr;
+  o.grad_accum_steps = 2;
+  Trainer accumulated(m, o);
+  for (int i = 0; i < 3; ++i) {
+    const TrainStepResult a = split.Step(batch), b = accumulated.Step(batch);
+    ASSERT_EQ(a.buckets.size(), 2u);
+    EXPECT_EQ(a.buckets[0].Label(), "b4xs16");
+    EXPECT_NEAR(a.loss, b.loss, 1e-5) << i;
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5) << i;
+    EXPECT_EQ(a.target_tokens, b.target_tokens);
+  }
+  EXPECT_EQ(seen.fallbacks, 0);
+  const ParamDiff d = MaxParamDiff(split, accumulated);
+  EXPECT_LT(d.max_abs, 1e-5) << d.name;
+  // And not the step of one 8-row batch (mean over every target): the test can tell them apart.
+  TrainOptions whole_options = FixtureOptions(at::kCPU, false);
+  whole_options.buckets.train_batch_sizes = {8};
+  Trainer whole(m, whole_options);
+  Trainer fresh(m, FixtureOptions(at::kCPU, false));
+  EXPECT_GT(std::abs(whole.Step(batch).loss - fresh.Step(batch).loss), 1e-3);
+}
+
+// A step abandoned half-way (or replaced by a new BeginStep) leaves no gradient behind: the next
+// step is the one a fresh trainer takes.
+TEST(Trainer, AbandonedStepLeavesNoTrace) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const VlmConfig& cfg = m->cfg;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.compute_dtype = dtype;
+    Trainer t(m, o), fresh(m, o);
+    std::vector<TrainExample> wide = FixtureBatch();
+    for (int64_t r = 0; r < 4; ++r) wide.push_back(Variant(cfg, r % 2));
+    t.BeginStep(wide);
+    EXPECT_FALSE(t.RunNextMicroBatch());
+    t.AbandonStep();
+    EXPECT_FALSE(t.step_in_progress());
+    for (const at::Tensor& g : t.gradient_accumulators())
+      EXPECT_EQ(g.count_nonzero().item<int64_t>(), 0);
+    t.BeginStep(wide);
+    EXPECT_FALSE(t.RunNextMicroBatch());
+    const double a = t.Step(FixtureBatch()).loss;  // BeginStep drops the unfinished step
+    EXPECT_EQ(a, fresh.Step(FixtureBatch()).loss);
+    EXPECT_EQ(t.steps(), 1);
+    EXPECT_EQ(MaxParamDiff(t, fresh).max_abs, 0.0);
+  }
+}
+
+// A job that trains only the vision encoder and projector (language model frozen, e.g. language
+// learning rate 0) learns from the images of a batch; a batch without any image is refused with
+// INVALID_ARGUMENT saying what to change, before anything changes. (Before, both ended in
+// torch's "element 0 of tensors does not require grad", INTERNAL.)
+TEST(Trainer, FrozenLanguageModelLearnsFromImagesAndRefusesTextOnlyBatches) {
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const VlmConfig& cfg = m->cfg;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.compute_dtype = dtype;
+    o.train_language = false;
+    o.grad_accum_steps = 2;
+    Trainer t(m, o);
+    const auto before = Masters(t);
+    try {
+      t.Step({TextOnly(cfg, 0), TextOnly(cfg, 1)});
+      ADD_FAILURE() << "a text-only batch was taken by a job that trains no language weight";
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("no trained parameter can learn from this batch"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("train the language model"), std::string::npos);
+    }
+    EXPECT_EQ(t.steps(), 0);
+    for (const auto& [name, w] : Masters(t)) EXPECT_TRUE(at::equal(w, before.at(name))) << name;
+    // One micro-batch with an image, one without: the image's gradients train the projector.
+    const TrainStepResult r = t.Step({FixtureBatch()[0], TextOnly(cfg, 1)});
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_GT(r.grad_norm, 0);
+    const auto after = Masters(t);
+    EXPECT_FALSE(at::equal(after.at("MP.proj.weight"), before.at("MP.proj.weight")));
+    EXPECT_EQ(after.count("decoder.blocks.0.mlp.up_proj.weight"), 0u);  // not trained
+    auto working = t.model()->named_parameters();
+    EXPECT_TRUE(at::equal(working["decoder.blocks.0.mlp.up_proj.weight"],
+                          m->named_parameters()["decoder.blocks.0.mlp.up_proj.weight"].to(dtype)));
+  }
 }
 
 }  // namespace

@@ -207,7 +207,10 @@ class TrainingIsolationTest(unittest.TestCase):
         pending = queue.Queue()
 
         def job():
-            yield c.pb.train_pb2.TrainRequest(config=c.train_config(language_learning_rate=1e-4))
+            # One unsaved step: the job's end includes a final autosave, so it takes a while.
+            yield c.pb.train_pb2.TrainRequest(config=c.train_config(
+                language_learning_rate=1e-4, save_every_steps=100, save_directory="durable/idle"))
+            yield c.train_batch([EXAMPLE])
             item = pending.get(timeout=30)  # never sent: the server ends the idle job
             if item is not None:
                 yield item
@@ -220,9 +223,12 @@ class TrainingIsolationTest(unittest.TestCase):
         # server logs and counts the reason as DEADLINE_EXCEEDED.
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.CANCELLED, ctx.exception.details())
         self.assertLess(time.time() - start, 20)
-        self.assertEqual(self.server.metric("vlmgraph_requests_total", rpc="Train", code="DEADLINE_EXCEEDED"), 1)
+        # The slot is free as soon as the cancel is reported: a new job started at once waits for
+        # the old one's final autosave instead of getting RESOURCE_EXHAUSTED.
         steps = list(c.train(c.train_config(language_learning_rate=1e-4), iter([c.train_batch([EXAMPLE])])))
         self.assertEqual(steps[0].step.step, 1)
+        self.assertTrue(os.path.isfile(os.path.join(self.ckpt, "durable", "idle", "model.safetensors")))
+        self.assertEqual(self.server.metric("vlmgraph_requests_total", rpc="Train", code="DEADLINE_EXCEEDED"), 1)
 
     def test_d_oversize_batch_is_refused_before_it_holds_the_gpu_thread(self):
         c = self.client
