@@ -51,9 +51,19 @@ ImageTiles TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
                           " values; shape needs " + std::to_string(numel));
   }
   const float* v = t.values().data();
-  if (!std::all_of(v, v + numel, [](float x) { return x >= 0.0f && x <= 1.0f; })) {
-    throw InvalidArgument(field +
-                          ".tensor.values: pixel values must lie in [0, 1] (NaN is not allowed)");
+  const float* bad = std::find_if(v, v + numel, [](float x) { return !(x >= 0.0f && x <= 1.0f); });
+  if (bad != v + numel) {
+    const std::string at = Index(field + ".tensor.values", static_cast<int>(bad - v));
+    if (!std::isfinite(*bad)) {
+      throw InvalidArgument(at + ": not finite: " +
+                            std::string(std::isnan(*bad) ? "nan"
+                                        : *bad > 0       ? "inf"
+                                                         : "-inf") +
+                            "; pixel values must lie in [0, 1]");
+    }
+    std::ostringstream o;
+    o << at << ": " << *bad << " is outside [0, 1]; pixel values must lie in [0, 1]";
+    throw InvalidArgument(o.str());
   }
   at::Tensor x = at::from_blob(const_cast<float*>(v), shape, at::kFloat).clone();
   if (tiles) {

@@ -120,7 +120,8 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   }
   const double left_seconds = std::max(
       0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
-  grpc_server.Shutdown(left_seconds);  // every handler has returned after this
+  service.SetShutdownDeadline(deadline);  // what is cancelled from here on was cut by it
+  grpc_server.Shutdown(left_seconds);     // every handler has returned after this
   if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
   if (const std::string fault = scheduler.device_fault(); !fault.empty()) {
     LogError("exiting with status 1 after a device fault: " + fault);

@@ -237,6 +237,8 @@ GenerationParams ParseGenerationParams(const json& body, const Limits& limits, b
   RefuseUnsupported(body, chat);
   GenerationParams p;
   if (const std::optional<int64_t> n = OptInt(body, "n", "n"); n && *n != 1) {
+    if (*n < 1)
+      throw BadRequest("n: must be 1 (one choice per request), got " + std::to_string(*n), "n");
     throw BadRequest("n: only one choice per request is supported, got " + std::to_string(*n) +
                          "; send " + std::to_string(*n) + " requests instead",
                      "n");

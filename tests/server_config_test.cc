@@ -279,6 +279,17 @@ TEST(ServerConfig, FlagsOverrideTheFile) {
   std::filesystem::remove(path);
 }
 
+TEST(ServerConfig, AnEmptyFlagValueIsTheEmptyString) {
+  // "" turns the HTTP API off, as documented; an empty value must not fall back to the default.
+  EXPECT_EQ(FromArgs({}).server.http_address, "127.0.0.1:8000");
+  EXPECT_EQ(FromArgs({"--set", "server.http_address="}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--http-address="}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--http-address", ""}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--set", "server.http_address=~"}).server.http_address, "127.0.0.1:8000");
+  // A key that is not a string says so instead of taking its default.
+  EXPECT_THROW(FromArgs({"--set", "batching.max_queue_size="}), ServerConfigError);
+}
+
 TEST(ServerConfig, BadFlagsAreErrors) {
   EXPECT_THROW(FromArgs({"--no-such-flag"}), ServerConfigError);
   EXPECT_THROW(FromArgs({"--model"}), ServerConfigError);  // needs a value

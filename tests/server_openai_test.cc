@@ -253,6 +253,16 @@ TEST(OpenAiProtocol, RequestErrors) {
     EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
     EXPECT_EQ(e.type, "invalid_request_error") << c.body;
   }
+  // n = 0 and negative n: n must be 1, without advice to send that many requests.
+  for (const char* n : {"0", "-2"}) {
+    const ErrorInfo e = ErrorOf([&] {
+      ParseChatCompletionRequest(
+          std::string(R"({"messages": [{"role": "user", "content": "hi"}], "n": )") + n + "}",
+          Ctx());
+    });
+    EXPECT_EQ(e.message, std::string("n: must be 1 (one choice per request), got ") + n);
+    EXPECT_EQ(e.param, "n");
+  }
   // The unknown model carries OpenAI's code.
   EXPECT_EQ(
       ErrorOf([] { ParseChatCompletionRequest(R"({"model": "x", "messages": []})", Ctx()); }).code,
