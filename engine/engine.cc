@@ -13,6 +13,7 @@
 #include "engine/engine_internal.h"
 #include "engine/sampler.h"
 #include "model/fused_ops.h"
+#include "model/image_processor.h"
 #include "model/log.h"
 #include "model/prompt_check.h"
 
@@ -45,10 +46,7 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   if (options_.dtype != at::kFloat && options_.dtype != at::kBFloat16) {
     throw Invalid("dtype must be float32 or bfloat16");
   }
-  if (options_.max_tiles_per_request <= 0) {
-    const int64_t side = std::max<int64_t>(1, cfg.max_img_size / cfg.vit_img_size);
-    options_.max_tiles_per_request = side * side + (side > 1 ? 1 : 0);
-  }
+  if (options_.max_tiles_per_request <= 0) options_.max_tiles_per_request = MaxTilesPerImage(cfg);
   const auto& b = options_.buckets;
   if (b.max_context() > cfg.lm_max_position_embeddings) {
     throw Invalid("buckets.context_lens max (" + std::to_string(b.max_context()) +

@@ -66,11 +66,29 @@ ChatFormat ChatFormat::FromTemplate(const std::string& tmpl) {
   return f;
 }
 
+std::vector<std::string_view> ContentTexts(const std::vector<ChatMessage>& messages) {
+  std::vector<std::string_view> texts;
+  for (const ChatMessage& m : messages) {
+    for (const ChatContentPart& part : m.content) {
+      if (!part.text.empty()) texts.push_back(part.text);
+    }
+  }
+  return texts;
+}
+
 std::string ChatFormat::Render(const std::vector<ChatMessage>& messages,
                                const std::vector<std::string>& image_strings,
                                bool add_generation_prompt) const {
+  return RenderWithRanges(messages, image_strings, add_generation_prompt).text;
+}
+
+RenderedChat ChatFormat::RenderWithRanges(const std::vector<ChatMessage>& messages,
+                                          const std::vector<std::string>& image_strings,
+                                          bool add_generation_prompt) const {
   if (messages.empty()) throw ChatFormatError("messages: the conversation is empty");
-  std::string out;
+  RenderedChat rendered;
+  std::string& out = rendered.text;
+  std::vector<TextRange>& ranges = rendered.content_ranges;
   if (default_system_ && messages[0].role != "system") {
     out += begin_of_turn_ + "system\n" + *default_system_ + end_of_turn_ + "\n";
   }
@@ -88,6 +106,12 @@ std::string ChatFormat::Render(const std::vector<ChatMessage>& messages,
     out += begin_of_turn_ + msg.role + "\n";
     for (const ChatContentPart& part : msg.content) {
       if (part.type == ChatContentPart::Type::kText) {
+        if (part.text.empty()) continue;
+        if (!ranges.empty() && ranges.back().end == out.size()) {
+          ranges.back().end += part.text.size();
+        } else {
+          ranges.push_back({out.size(), out.size() + part.text.size()});
+        }
         out += part.text;
         continue;
       }
@@ -103,7 +127,7 @@ std::string ChatFormat::Render(const std::vector<ChatMessage>& messages,
                           std::to_string(image_strings.size()) + " images");
   }
   if (add_generation_prompt) out += begin_of_turn_ + "assistant\n";
-  return out;
+  return rendered;
 }
 
 std::string ImageString(const VlmConfig& cfg, const ImageGrid& grid) {

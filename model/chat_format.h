@@ -24,6 +24,11 @@
 // each grid cell (row-major) its "<row_r_col_c>" token followed by mp_image_token_length image
 // tokens. The tile order matches ImageTiles (model/image_processor.h): global tile first.
 //
+// Content ranges: RenderWithRanges also returns where each text part of the messages lies in the
+// prompt text, so that the tokenizer can read special-token text there as plain text (Note
+// [Special tokens as plain text] in model/tokenizer.cc); the template's own text and the image
+// strings lie outside them.
+//
 // Errors: ChatFormatError (std::invalid_argument) saying what is wrong or what to change.
 // Thread rules: ChatFormat is an immutable value; every function is safe from any thread.
 #pragma once
@@ -32,9 +37,11 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "model/config.h"
+#include "model/tokenizer.h"
 
 namespace vlmgraph {
 
@@ -58,6 +65,16 @@ struct ChatMessage {
   std::vector<ChatContentPart> content;
 };
 
+// A rendered prompt and the byte ranges of its message text parts (sorted, not overlapping;
+// adjacent parts are one range).
+struct RenderedChat {
+  std::string text;
+  std::vector<TextRange> content_ranges;
+};
+
+// The messages' text parts, in order (views into `messages`).
+std::vector<std::string_view> ContentTexts(const std::vector<ChatMessage>& messages);
+
 class ChatFormat {
  public:
   // Recognises a ChatML Jinja template (the `chat_template` of tokenizer_config.json or
@@ -78,6 +95,10 @@ class ChatFormat {
   std::string Render(const std::vector<ChatMessage>& messages,
                      const std::vector<std::string>& image_strings,
                      bool add_generation_prompt) const;
+  // The same, with the byte ranges of the message text parts.
+  RenderedChat RenderWithRanges(const std::vector<ChatMessage>& messages,
+                                const std::vector<std::string>& image_strings,
+                                bool add_generation_prompt) const;
 
  private:
   std::string name_ = "chatml";

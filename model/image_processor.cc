@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <sstream>
+#include <tuple>
 
 // The decoders: C libraries that report errors by longjmp (Note [Decoding with longjmp]).
 #include <jerror.h>
@@ -455,7 +456,7 @@ std::string DetectImageFormat(const std::string& bytes) {
   return "";
 }
 
-at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
+ImageSize ReadImageSize(const std::string& bytes, const ImageLimits& limits) {
   if (bytes.empty()) throw ImageError("image is empty (0 bytes); send a PNG or JPEG file");
   if (static_cast<int64_t>(bytes.size()) > limits.max_bytes) {
     throw ImageError("image has " + std::to_string(bytes.size()) + " bytes; at most " +
@@ -466,7 +467,14 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
     throw ImageError(
         "unknown image format (not PNG or JPEG by its first bytes); send a PNG or JPEG file");
   }
-  CheckPixels(format, format == "png" ? PngSize(bytes) : JpegSize(bytes), limits);
+  const DeclaredSize size = format == "png" ? PngSize(bytes) : JpegSize(bytes);
+  CheckPixels(format, size, limits);
+  return {static_cast<int64_t>(size.width), static_cast<int64_t>(size.height)};
+}
+
+at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits) {
+  ReadImageSize(bytes, limits);  // every check that needs no decoder, first
+  const std::string format = DetectImageFormat(bytes);
   at::Tensor hwc;  // (H, W, 3) uint8
   if (format == "png") {
     CheckPngChunks(bytes);
@@ -486,6 +494,45 @@ std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const Vlm
   const int64_t target_short = std::max(p, RoundUpTo(static_cast<double>(short_side) * scale, p));
   return wide ? std::make_pair(target_short, target_long)
               : std::make_pair(target_long, target_short);
+}
+
+std::pair<int64_t, int64_t> TileGrid(int64_t height, int64_t width, const VlmConfig& cfg) {
+  const auto [out_h, out_w] = ResizedSize(height, width, cfg);
+  return {out_h / cfg.vit_img_size, out_w / cfg.vit_img_size};
+}
+
+int64_t ImageTileCount(int64_t height, int64_t width, const VlmConfig& cfg) {
+  const auto [rows, cols] = TileGrid(height, width, cfg);
+  return rows * cols + (rows * cols > 1 ? 1 : 0);
+}
+
+int64_t MaxTilesPerImage(const VlmConfig& cfg) {
+  const int64_t side = std::max<int64_t>(1, cfg.max_img_size / cfg.vit_img_size);
+  return side * side + (side > 1 ? 1 : 0);
+}
+
+void CheckTileCount(const std::vector<int64_t>& tiles_per_image, int64_t max_tiles,
+                    const VlmConfig& cfg) {
+  int64_t total = 0;
+  for (int64_t t : tiles_per_image) total += t;
+  if (total <= max_tiles) return;
+  std::string each;
+  for (size_t i = 0; i < tiles_per_image.size(); ++i) {
+    if (i == 8) {
+      each += " + ...";
+      break;
+    }
+    each += (i == 0 ? "" : " + ") + std::to_string(tiles_per_image[i]);
+  }
+  const int64_t p = cfg.vit_img_size;
+  const std::string smaller = ImageTileCount(p, p, cfg) == 1
+                                  ? ", or smaller ones (an image of at most " + std::to_string(p) +
+                                        "x" + std::to_string(p) + " pixels makes 1 tile)"
+                                  : "";
+  throw ImageError("the " + std::to_string(tiles_per_image.size()) + " images make " +
+                   std::to_string(total) + " image tiles (" + each + "); at most " +
+                   std::to_string(max_tiles) + " are allowed per request: send fewer images" +
+                   smaller);
 }
 
 ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg) {
@@ -512,8 +559,7 @@ ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg) {
   }
   const int64_t s = cfg.vit_img_size;
   ImageTiles out;
-  out.grid_rows = out_h / s;
-  out.grid_cols = out_w / s;
+  std::tie(out.grid_rows, out.grid_cols) = TileGrid(image.size(1), image.size(2), cfg);
   // (1, 3, nh*s, nw*s) -> (nh*nw, 3, s, s), row-major over the grid (einops
   // 'b c (nh ph) (nw pw) -> (b nh nw) c ph pw').
   at::Tensor tiles = resized.view({3, out.grid_rows, s, out.grid_cols, s})

@@ -24,7 +24,9 @@
 // an unsupported JPEG (12-bit, lossless) or one of more than 256 scans, too many bytes or pixels,
 // bad tensor shape or values. Width and height are read from the PNG IHDR / JPEG SOF header here,
 // before a decoder sees the data, so any declared size over ImageLimits::max_pixels gets the
-// pixel-limit message. libjpeg's warnings about corrupt data other than its end are ignored, as
+// pixel-limit message; ReadImageSize runs the same checks alone, so that a server can count an
+// image's tiles (ImageTileCount) and refuse a request before it decodes anything. libjpeg's
+// warnings about corrupt data other than its end are ignored, as
 // Pillow ignores them. Thread rules: pure functions, safe from any thread (no shared state).
 #pragma once
 
@@ -33,6 +35,8 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "model/config.h"
 
@@ -58,6 +62,16 @@ struct ImageTiles {
 // The image file format detected from its first bytes; "" when neither PNG nor JPEG.
 std::string DetectImageFormat(const std::string& bytes);
 
+struct ImageSize {
+  int64_t width = 0;
+  int64_t height = 0;
+};
+
+// Width and height as the PNG IHDR or JPEG frame header (SOF) declares them, after the checks that
+// DecodeImage makes before decoding (empty, limits.max_bytes, format, header, limits.max_pixels),
+// with the same ImageError messages. Reads the header only: no decoder runs.
+ImageSize ReadImageSize(const std::string& bytes, const ImageLimits& limits);
+
 // Decodes PNG or JPEG bytes to (3, H, W) uint8 RGB (the conversions above). Throws ImageError.
 at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits);
 
@@ -66,6 +80,20 @@ at::Tensor DecodeImage(const std::string& bytes, const ImageLimits& limits);
 // of vit_img_size); the short side keeps the aspect ratio, rounded up to a multiple of
 // vit_img_size, at least vit_img_size.
 std::pair<int64_t, int64_t> ResizedSize(int64_t height, int64_t width, const VlmConfig& cfg);
+
+// The grid TileImage cuts an image of height x width into: ResizedSize / vit_img_size, as
+// {rows, cols}.
+std::pair<int64_t, int64_t> TileGrid(int64_t height, int64_t width, const VlmConfig& cfg);
+// The tiles TileImage makes of an image of height x width: the grid's cells, plus the global tile
+// when there is more than one.
+int64_t ImageTileCount(int64_t height, int64_t width, const VlmConfig& cfg);
+// The most tiles one image makes: (max_img_size / vit_img_size)^2, plus the global tile when that
+// is more than one. The engine's default max_tiles_per_request (engine/engine.h).
+int64_t MaxTilesPerImage(const VlmConfig& cfg);
+// Throws ImageError when images that make tiles_per_image[i] tiles each make more than max_tiles
+// together, saying how many each makes and what to change.
+void CheckTileCount(const std::vector<int64_t>& tiles_per_image, int64_t max_tiles,
+                    const VlmConfig& cfg);
 
 // Resizes and tiles one RGB image: (3, H, W) uint8, or float32 in [0, 1] (a raw tensor from a
 // client; rounded to uint8 levels like a decoded image after the bicubic resize).

@@ -1,6 +1,7 @@
 #include "model/tokenizer.h"
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -30,6 +31,12 @@ struct TokenizerState {
   std::vector<std::unique_ptr<PreTokenizer>> pre_tokenizers;  // ByteLevel last
   std::vector<int64_t> prefix_ids, suffix_ids;  // the post-processor's template around $A
   int64_t vocab_size = 0;
+  bool normalized_special = false;  // normalized_matcher has special tokens
+  // Note [Tokens from bytes]: the most input bytes one token stands for; 0 = no bound, and why.
+  int64_t max_bytes_per_token = 0;
+  std::string no_token_bound_reason;
+  std::array<bool, 256> byte_makes_tokens{};  // a token, or an unknown token of its own
+  bool every_byte_makes_tokens = true;
 
   // By id: the token string, the bytes the ByteLevel decoder turns it into, and flags.
   enum Flags : uint8_t { kKnown = 1, kSkippable = 2, kAddedSpecial = 4 };
@@ -55,6 +62,27 @@ namespace {
 // Token ids lie below kMaxVocabSize (2^22, 16 times the largest vocabularies in use): the id tables
 // are sized by the largest id, so one huge id in a small file would allocate without bound.
 constexpr int64_t kMaxVocabSize = int64_t{1} << 22;
+
+// Note [Tokens from bytes]
+// A caller refuses a text as too long before tokenizing it (tokenizing 200 MB takes about 20 s and
+// gigabytes): it needs a lower bound on the tokens from the byte length alone. Every token Encode
+// makes stands for at most L bytes of the text it was made from: a BPE token for the bytes its
+// byte-level spelling decodes to (merges only concatenate), an added token for its content (raw or
+// normalized). So a text of n bytes makes at least ceil(n / L) tokens, whatever the options; for
+// texts that are parts of one text (the messages of a chat in its template) their bytes count
+// together. L is the longest decoded token of the vocabulary and the added tokens, computed at
+// load (SmolLM2's is 81 bytes). A byte without a token in the vocabulary (SmolLM2 has none for 21
+// of them, 0x04 and 0xF5 among them) is dropped, as tokenizers drops it without an unk_token: such
+// bytes are not counted (one pass over the text, only for such a vocabulary); with an unk_token
+// each makes a token of its own and counts. A Unicode normalizer may shrink the text before that:
+// every normalization form shrinks UTF-8 by at most kMaxNormalizedShrink (4; over every code point
+// with Python's unicodedata, the worst cases are a 4-byte compatibility letter that NFKC maps to
+// one ASCII letter, U+1D400 -> "A", and U+01D5 written as such a letter plus two combining marks),
+// so L is multiplied by it then. No byte count bounds a token, and the bound is off (0), when an
+// added token takes the whitespace next to it (lstrip / rstrip: any run of it), a Split
+// pre-tokenizer removes text, bytes without a token fuse into one unknown token (fuse_unk), or a
+// vocabulary that drops bytes has a normalizer (which could turn counted bytes into dropped ones).
+constexpr int64_t kMaxNormalizedShrink = 4;
 
 bool IsTokenId(const json& v) {
   return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < kMaxVocabSize;
@@ -115,6 +143,7 @@ class Loader {
     LoadPostProcessor(root.value("post_processor", json()), "post_processor", state.get());
     LoadDecoder(root.value("decoder", json()));
     BuildIdTables(state.get());
+    ComputeTokenBound(state.get());
     return state;
   }
 
@@ -230,9 +259,10 @@ class Loader {
     for (bool special : {true, false}) {
       for (const AddedToken& t : state->added_tokens) {
         if (t.special != special) continue;
-        AddedPattern p{t.content, t.id, t.single_word, t.lstrip, t.rstrip};
+        AddedPattern p{t.content, t.id, t.single_word, t.lstrip, t.rstrip, t.special};
         if (t.normalized) {
           state->normalizer.Normalize(t.content, &p.text);
+          state->normalized_special |= t.special;
           normalized.push_back(std::move(p));
         } else {
           raw.push_back(std::move(p));
@@ -421,17 +451,89 @@ class Loader {
     }
   }
 
+  // Note [Tokens from bytes].
+  static void ComputeTokenBound(TokenizerState* state) {
+    std::string reason;
+    for (const AddedToken& t : state->added_tokens) {
+      if ((t.lstrip || t.rstrip) && reason.empty()) {
+        reason = "the added token \"" + t.content +
+                 "\" takes the whitespace next to it (lstrip / rstrip), however long";
+      }
+    }
+    for (const auto& p : state->pre_tokenizers) {
+      if (p->removes_text() && reason.empty())
+        reason = "a Split pre-tokenizer removes the text it matches (behavior Removed)";
+    }
+    std::string dropped;
+    for (int b = 0; b < 256; ++b) {
+      state->byte_makes_tokens[b] = state->bpe->ByteMakesTokens(static_cast<uint8_t>(b));
+      if (state->byte_makes_tokens[b]) continue;
+      state->every_byte_makes_tokens = false;
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "%s0x%02x", dropped.empty() ? "" : " ", b);
+      dropped += hex;
+    }
+    if (!dropped.empty() && reason.empty()) {
+      if (state->bpe->fuse_unk()) {
+        reason = "the bytes " + dropped +
+                 " have no token, and a run of them, however long, fuses into one unknown token "
+                 "(fuse_unk)";
+      } else if (!state->normalizer.empty()) {
+        reason = "the bytes " + dropped +
+                 " have no token and are dropped, and the normalizer changes which bytes a text "
+                 "holds";
+      }
+    }
+    state->no_token_bound_reason = reason;
+    if (!reason.empty()) return;
+    size_t longest = 1;
+    for (const std::string& d : state->decoded) longest = std::max(longest, d.size());
+    for (const AddedToken& t : state->added_tokens) longest = std::max(longest, t.content.size());
+    state->max_bytes_per_token =
+        static_cast<int64_t>(longest) * (state->normalizer.empty() ? 1 : kMaxNormalizedShrink);
+  }
+
   std::string source_;
 };
 
 // ---- Encoding ---------------------------------------------------------------------------------
 
-// Reused buffers of one thread's Encode calls.
+// Note [Special tokens as plain text]
+// Chat message content is the user's text; the chat template's markers around it are the
+// server's. Tokenized as one string (what transformers' apply_chat_template and vLLM do), a user
+// who types "<|im_end|>\n<|im_start|>system" gets real control tokens and writes a system turn of
+// their own. So the content's bytes are passed as plain ranges: there, special added tokens are not
+// recognised and their text goes through the pre-tokenizer and BPE like any other text (what
+// tokenizers does for the whole text with encode_special_tokens = true, llama.cpp with
+// parse_special = false); outside them the template's markers are special tokens as before. The
+// text is still tokenized as one string: a text without special-token text in its content gets
+// the ids it got before (and that apply_chat_template gives), because pre-tokenization runs across
+// the range boundaries as it always did. Normalized added tokens are matched on the normalized
+// text, so when there are special ones, a piece of raw text between raw added tokens is normalized
+// range by range (chat templates put a newline or a token marker at every boundary, where every
+// normalization form has a boundary, so the result equals normalizing the piece whole).
+
+// Reused buffers of one thread's Encode calls; given back after a call that grew them past
+// kMaxKeptScratchBytes.
 struct EncodeScratch {
   std::vector<AddedSegment> raw_segments, normalized_segments;
-  std::string normalized;
+  std::vector<TextRange> whole, piece_plain, normalized_plain;
+  std::string normalized, normalized_part;
   PreTokenizeScratch pre;
+
+  size_t Bytes() const {
+    size_t n = (raw_segments.capacity() + normalized_segments.capacity()) * sizeof(AddedSegment) +
+               (whole.capacity() + piece_plain.capacity() + normalized_plain.capacity()) *
+                   sizeof(TextRange) +
+               normalized.capacity() + normalized_part.capacity() +
+               pre.spans.capacity() * sizeof(std::vector<MatchSpan>);
+    for (const auto& spans : pre.spans) n += spans.capacity() * sizeof(MatchSpan);
+    for (const std::string& w : pre.owned) n += w.capacity();
+    return n;
+  }
 };
+
+thread_local EncodeScratch tls_scratch;
 
 void PreTokenizeAndEncode(const TokenizerState& s, size_t stage, std::string_view text,
                           PreTokenizeScratch* scratch, std::vector<int64_t>* ids) {
@@ -445,29 +547,73 @@ void PreTokenizeAndEncode(const TokenizerState& s, size_t stage, std::string_vie
   s.pre_tokenizers[stage]->Split(text, stage, scratch, next);
 }
 
-// Text between raw added tokens: normalize, find normalized added tokens, encode the rest.
-void EncodeRawPiece(const TokenizerState& s, std::string_view piece, EncodeScratch* scratch,
+// Text [begin, end) of `text` between raw added tokens: normalize, find normalized added tokens
+// (special ones not inside `plain`, Note [Special tokens as plain text]), encode the rest.
+void EncodeRawPiece(const TokenizerState& s, std::string_view text, size_t begin, size_t end,
+                    const std::vector<TextRange>& plain, EncodeScratch* scratch,
                     std::vector<int64_t>* ids) {
-  std::string_view text = piece;
-  if (!s.normalizer.empty() && s.normalizer.Normalize(piece, &scratch->normalized)) {
-    text = scratch->normalized;
+  const std::string_view piece = text.substr(begin, end - begin);
+  // The plain ranges that meet the piece, relative to it.
+  std::vector<TextRange>& local = scratch->piece_plain;
+  local.clear();
+  if (s.normalized_special) {
+    auto it = std::lower_bound(plain.begin(), plain.end(), begin,
+                               [](const TextRange& r, size_t at) { return r.end <= at; });
+    for (; it != plain.end() && it->begin < end; ++it) {
+      local.push_back({std::max(it->begin, begin) - begin, std::min(it->end, end) - begin});
+    }
+  }
+  std::string_view normalized = piece;
+  const std::vector<TextRange>* normalized_plain = &local;
+  if (!s.normalizer.empty()) {
+    if (local.empty()) {
+      if (s.normalizer.Normalize(piece, &scratch->normalized)) normalized = scratch->normalized;
+    } else {
+      // Range by range, so that the plain ranges are known in the normalized text.
+      std::string& out = scratch->normalized;
+      out.clear();
+      scratch->normalized_plain.clear();
+      auto append = [&](size_t b, size_t e, bool is_plain) {
+        const std::string_view sub = piece.substr(b, e - b);
+        const size_t at = out.size();
+        if (s.normalizer.Normalize(sub, &scratch->normalized_part)) {
+          out += scratch->normalized_part;
+        } else {
+          out += sub;
+        }
+        if (is_plain) scratch->normalized_plain.push_back({at, out.size()});
+      };
+      size_t at = 0;
+      for (const TextRange& r : local) {
+        if (at < r.begin) append(at, r.begin, false);
+        append(r.begin, r.end, true);
+        at = r.end;
+      }
+      if (at < piece.size()) append(at, piece.size(), false);
+      normalized = out;
+      normalized_plain = &scratch->normalized_plain;
+    }
   }
   if (s.normalized_matcher.empty()) {
-    PreTokenizeAndEncode(s, 0, text, &scratch->pre, ids);
+    PreTokenizeAndEncode(s, 0, normalized, &scratch->pre, ids);
     return;
   }
   std::vector<AddedSegment>& segments = scratch->normalized_segments;
-  s.normalized_matcher.Split(text, &segments);
+  s.normalized_matcher.Split(normalized, &segments, *normalized_plain);
   for (const AddedSegment& seg : segments) {
     if (seg.id >= 0) {
       ids->push_back(seg.id);
     } else {
-      PreTokenizeAndEncode(s, 0, text.substr(seg.begin, seg.end - seg.begin), &scratch->pre, ids);
+      PreTokenizeAndEncode(s, 0, normalized.substr(seg.begin, seg.end - seg.begin), &scratch->pre,
+                           ids);
     }
   }
 }
 
 }  // namespace
+
+size_t EncodeScratchBytes() { return tls_scratch.Bytes() + BpeScratchBytes(); }
+
 }  // namespace tokenizer_detail
 
 using tokenizer_detail::TokenizerState;
@@ -488,30 +634,76 @@ Tokenizer Tokenizer::FromJson(const std::string& json_text) {
 }
 
 std::vector<int64_t> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
+  EncodeOptions options;
+  options.add_special_tokens = add_special_tokens;
+  return Encode(text, options);
+}
+
+std::vector<int64_t> Tokenizer::Encode(std::string_view text, const EncodeOptions& options) const {
   const TokenizerState& s = *state_;
   const size_t bad = tokenizer_detail::FirstInvalidUtf8(text);
   if (bad != text.size()) {
     throw TokenizerError("Encode: the text is not valid UTF-8 (byte offset " + std::to_string(bad) +
                          ")");
   }
-  thread_local tokenizer_detail::EncodeScratch scratch;
+  for (size_t i = 0; i < options.plain_ranges.size(); ++i) {
+    const TextRange& r = options.plain_ranges[i];
+    if (r.begin > r.end || r.end > text.size() ||
+        (i > 0 && r.begin < options.plain_ranges[i - 1].end)) {
+      throw TokenizerError("Encode: plain_ranges[" + std::to_string(i) + "] [" +
+                           std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                           ") is not a sorted, non-overlapping range of the " +
+                           std::to_string(text.size()) + "-byte text");
+    }
+  }
+  tokenizer_detail::EncodeScratch& scratch = tokenizer_detail::tls_scratch;
+  const std::vector<TextRange>* plain = &options.plain_ranges;
+  if (!options.parse_special) {
+    scratch.whole.assign(1, TextRange{0, text.size()});
+    plain = &scratch.whole;
+  }
   scratch.pre.SpansFor(s.pre_tokenizers.size());  // sized up front: stages hold references
   scratch.pre.owned.clear();
   std::vector<int64_t> ids;
-  ids.reserve(text.size() / 3 + 4);
-  if (add_special_tokens) ids.insert(ids.end(), s.prefix_ids.begin(), s.prefix_ids.end());
+  // About 4 bytes a token in text; the reservation is capped, the vector grows past it.
+  ids.reserve(std::min<size_t>(text.size() / 3 + 4, size_t{1} << 16));
+  if (options.add_special_tokens) ids.insert(ids.end(), s.prefix_ids.begin(), s.prefix_ids.end());
   std::vector<tokenizer_detail::AddedSegment>& segments = scratch.raw_segments;
-  s.raw_matcher.Split(text, &segments);
+  s.raw_matcher.Split(text, &segments, *plain);
   for (const auto& seg : segments) {
     if (seg.id >= 0) {
       ids.push_back(seg.id);
     } else {
-      EncodeRawPiece(s, text.substr(seg.begin, seg.end - seg.begin), &scratch, &ids);
+      EncodeRawPiece(s, text, seg.begin, seg.end, *plain, &scratch, &ids);
     }
   }
   scratch.pre.owned.clear();
-  if (add_special_tokens) ids.insert(ids.end(), s.suffix_ids.begin(), s.suffix_ids.end());
+  if (scratch.Bytes() > tokenizer_detail::kMaxKeptScratchBytes) scratch = {};
+  if (options.add_special_tokens) ids.insert(ids.end(), s.suffix_ids.begin(), s.suffix_ids.end());
   return ids;
+}
+
+int64_t Tokenizer::MinTokens(const std::vector<std::string_view>& texts) const {
+  const TokenizerState& s = *state_;
+  const auto per_token = static_cast<uint64_t>(s.max_bytes_per_token);
+  if (per_token == 0) return 0;
+  uint64_t bytes = 0;
+  for (std::string_view text : texts) {
+    if (s.every_byte_makes_tokens) {
+      bytes += text.size();
+      continue;
+    }
+    for (char c : text) bytes += s.byte_makes_tokens[static_cast<uint8_t>(c)];
+  }
+  return static_cast<int64_t>((bytes + per_token - 1) / per_token);
+}
+
+bool Tokenizer::every_byte_makes_tokens() const { return state_->every_byte_makes_tokens; }
+
+int64_t Tokenizer::max_bytes_per_token() const { return state_->max_bytes_per_token; }
+
+const std::string& Tokenizer::no_token_bound_reason() const {
+  return state_->no_token_bound_reason;
 }
 
 std::string Tokenizer::Decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {

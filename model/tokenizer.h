@@ -3,6 +3,11 @@
 //
 //   vlmgraph::Tokenizer tok = vlmgraph::Tokenizer::FromFile("tokenizer.json");
 //   std::vector<int64_t> ids = tok.Encode("<|im_start|>user\nhi<|im_end|>");
+//   // Chat content as plain text: "<|im_end|>" typed by a user is not the special token.
+//   EncodeOptions o;
+//   o.plain_ranges = {{17, 19}};                               // the bytes of "hi"
+//   ids = tok.Encode("<|im_start|>user\nhi<|im_end|>", o);
+//   if (tok.MinTokens({prompt}) > max_context) refuse();      // before any tokenizing
 //   std::string text = tok.Decode(ids);                       // == the input
 //   vlmgraph::DecodeStream stream(tok, /*skip_special_tokens=*/true);
 //   for (int64_t id : generated) send(stream.Step(id));       // never a broken UTF-8 sequence
@@ -28,6 +33,23 @@
 // BPE merges applied lowest rank first, leftmost first among equal ranks (tokenizers'
 // models/bpe/word.rs); decoding replaces invalid UTF-8 with U+FFFD as Rust's
 // String::from_utf8_lossy does (one U+FFFD per maximal invalid subpart, Unicode 15 section 3.9).
+//
+// Special tokens (Note [Special tokens as plain text] in tokenizer.cc): by default every added
+// token is recognised in the text, as tokenizers' encode does. EncodeOptions turns the recognition
+// of special added tokens (special = true) off for the whole text (parse_special = false,
+// tokenizers' encode_special_tokens = true, llama.cpp's parse_special = false) or for byte ranges
+// of it (plain_ranges: the content of chat messages); their text is then tokenized like any other.
+// Non-special added tokens are recognised everywhere.
+//
+// Bound (Note [Tokens from bytes] in tokenizer.cc): MinTokens(texts) is a lower bound on the
+// tokens of a text from its byte length alone (the bytes that make tokens: all of them, unless the
+// vocabulary drops some bytes), and the most input bytes one token can stand for (computed at load
+// from the vocabulary and the added tokens), so a caller can refuse a text as too long before the
+// tokenizer does any work on it.
+//
+// Memory: what one Encode call needs grows with its text and is given back after the call when
+// it is over a small threshold (EncodeScratchBytes), so a thread keeps little after a long text;
+// the per-word BPE cache, shared by every thread, holds at most about 8 MiB.
 //
 // Thread rules: a Tokenizer is immutable after loading; every const method may be called from many
 // threads at once (its per-word BPE cache is sharded and locked). Copies share the loaded state and
@@ -63,8 +85,33 @@ struct AddedToken {
   bool normalized;   // matched against the normalized text (else against the raw text)
 };
 
+// Bytes [begin, end) of a text.
+struct TextRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
+
+// How Encode reads its text.
+struct EncodeOptions {
+  // Apply the post-processor's template (e.g. a BOS token), as tokenizers'
+  // encode(add_special_tokens=True).
+  bool add_special_tokens = false;
+  // Recognise special added tokens in the text; false: tokenize their text as plain text
+  // everywhere (tokenizers' encode_special_tokens = true).
+  bool parse_special = true;
+  // Byte ranges where special added tokens are plain text even when parse_special: sorted, not
+  // overlapping, inside the text (else TokenizerError). A special token is recognised only where
+  // its whole text lies outside these ranges.
+  std::vector<TextRange> plain_ranges;
+};
+
 namespace tokenizer_detail {
 struct TokenizerState;
+// Bytes that the calling thread's Encode scratch (buffers reused across calls) holds now. After
+// each Encode it is at most kMaxKeptScratchBytes (match lists, segments, normalized text) plus
+// 64 KiB (BPE symbols, BpeModel::kMaxKeptSymbols).
+size_t EncodeScratchBytes();
+inline constexpr size_t kMaxKeptScratchBytes = size_t{256} << 10;
 }  // namespace tokenizer_detail
 
 class Tokenizer {
@@ -77,6 +124,25 @@ class Tokenizer {
   // Token ids of `text` (valid UTF-8, else TokenizerError). add_special_tokens applies the
   // post-processor's template (e.g. a BOS token), as tokenizers' encode(add_special_tokens=True).
   std::vector<int64_t> Encode(std::string_view text, bool add_special_tokens = false) const;
+  // The same with options (special tokens as plain text, in all or part of the text).
+  std::vector<int64_t> Encode(std::string_view text, const EncodeOptions& options) const;
+
+  // A lower bound on the tokens that Encode makes, whatever the options, of the text that `texts`
+  // form together (the pieces of one text, e.g. the messages of a chat, or one text):
+  // ceil(token bytes / max_bytes_per_token()), or 0 when this tokenizer has no bound. Token bytes:
+  // every byte, except, for a vocabulary without a token for some bytes (which Encode drops, as
+  // tokenizers does), those bytes; counting them is one pass over the text, else none is needed.
+  int64_t MinTokens(const std::vector<std::string_view>& texts) const;
+  // The most input bytes one token can stand for (the longest token, in bytes, of the vocabulary
+  // and the added tokens; times 4 with a Unicode normalizer, which shrinks text by at most 4).
+  // 0 when no byte count bounds a token: see no_token_bound_reason().
+  int64_t max_bytes_per_token() const;
+  // Why max_bytes_per_token() is 0 ("" when it is not): an added token that takes the whitespace
+  // next to it (lstrip / rstrip), a Split pre-tokenizer that removes text, bytes without a token
+  // that fuse into one unknown token, or bytes without a token that a normalizer might produce.
+  const std::string& no_token_bound_reason() const;
+  // True when every byte makes tokens (MinTokens reads no text).
+  bool every_byte_makes_tokens() const;
   // Text of `ids`: added tokens decode to their content (special ones are dropped when
   // skip_special_tokens; a normalized one decodes to its normalized content, as tokenizers 0.23
   // does), the others through the ByteLevel decoder; invalid UTF-8 becomes U+FFFD.

@@ -39,11 +39,13 @@ AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedPattern> patterns) {
   }
 }
 
-int32_t AddedTokenMatcher::LongestAt(std::string_view text, size_t pos, size_t* length) const {
+int32_t AddedTokenMatcher::LongestAt(std::string_view text, size_t pos, size_t special_end,
+                                     size_t* length) const {
   int32_t node = root_[static_cast<uint8_t>(text[pos])];
   int32_t best = -1;
   for (size_t i = pos + 1; node != 0; ++i) {
-    if (nodes_[node].pattern >= 0) best = nodes_[node].pattern, *length = i - pos;
+    const int32_t p = nodes_[node].pattern;
+    if (p >= 0 && (!patterns_[p].special || i <= special_end)) best = p, *length = i - pos;
     if (i == text.size()) break;
     const auto byte = static_cast<uint8_t>(text[i]);
     int32_t next = 0;
@@ -83,10 +85,12 @@ size_t LeadingWhiteSpaceLength(std::string_view text) {
 
 }  // namespace
 
-void AddedTokenMatcher::Split(std::string_view text, std::vector<AddedSegment>* segments) const {
+void AddedTokenMatcher::Split(std::string_view text, std::vector<AddedSegment>* segments,
+                              const std::vector<TextRange>& plain) const {
   segments->clear();
   size_t taken = 0;  // end of the last match (tokenizers' start_offset)
   const size_t n = text.size();
+  size_t next_plain = 0;  // the first plain range that ends after pos
   if (!patterns_.empty()) {
     for (size_t pos = 0; pos < n;) {
       if (root_[static_cast<uint8_t>(text[pos])] == 0) {
@@ -94,7 +98,21 @@ void AddedTokenMatcher::Split(std::string_view text, std::vector<AddedSegment>* 
         continue;
       }
       size_t length = 0;
-      const int32_t index = LongestAt(text, pos, &length);
+      int32_t index = LongestAt(text, pos, std::string_view::npos, &length);
+      if (index >= 0 && patterns_[index].special) {
+        while (next_plain < plain.size() && plain[next_plain].end <= pos) ++next_plain;
+        const TextRange* r = next_plain < plain.size() ? &plain[next_plain] : nullptr;
+        if (r != nullptr && r->begin <= pos) {
+          // Inside plain text: the match is skipped as tokenizers' encode_special_tokens skips it;
+          // special text after the plain range is searched again.
+          pos = std::min(pos + length, r->end);
+          continue;
+        }
+        if (r != nullptr && r->begin < pos + length) {
+          // The match would run into plain text: the longest one that ends before it, if any.
+          index = LongestAt(text, pos, r->begin, &length);
+        }
+      }
       if (index < 0) {
         ++pos;
         continue;

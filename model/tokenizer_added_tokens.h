@@ -1,15 +1,20 @@
 // model/tokenizer_added_tokens.h: finding a tokenizer.json's added tokens in text before it is
 // pre-tokenized (model/tokenizer.h).
 //
-//   AddedTokenMatcher matcher({{"<|im_end|>", 2, false, false, false}});
+//   AddedTokenMatcher matcher({{"<|im_end|>", 2, false, false, false, /*special=*/true}});
 //   std::vector<AddedSegment> segments;
 //   matcher.Split("hi<|im_end|>", &segments);   // {0, 2, -1}, {2, 12, 2}
+//   matcher.Split("hi<|im_end|>", &segments, {{2, 12}});   // {0, 12, -1}: plain text there
 //
 // Algorithm (tokenizers' tokenizer/added_vocabulary.rs, find_matches): non-overlapping matches,
 // leftmost first and longest among those starting at one position (Aho-Corasick LeftmostLongest),
 // scanning on from the end of each match. A single_word token is dropped when a word character
 // (Rust regex \w) touches either end; lstrip / rstrip widen the match over the whitespace
-// (White_Space) on that side, but never over text a previous match took.
+// (White_Space) on that side, but never over text a previous match took. Plain ranges: a special
+// pattern that matches inside one is skipped as tokenizers skips every special token with
+// encode_special_tokens (the scan goes on after it, or at the end of the plain range when the
+// match runs past it); a special match that starts before a plain range and would run into it
+// gives way to the longest match at that position that ends before the range.
 //
 // Thread rules: immutable after construction; Split may run on many threads at once.
 // Errors: none.
@@ -22,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "model/tokenizer.h"
+
 namespace vlmgraph::tokenizer_detail {
 
 struct AddedPattern {
@@ -30,6 +37,7 @@ struct AddedPattern {
   bool single_word;
   bool lstrip;
   bool rstrip;
+  bool special;  // not matched inside plain ranges
 };
 
 // Bytes [begin, end) of the text: an added token (id >= 0) or text between tokens (id = -1).
@@ -47,16 +55,19 @@ class AddedTokenMatcher {
   explicit AddedTokenMatcher(std::vector<AddedPattern> patterns);
   bool empty() const { return patterns_.empty(); }
   // Replaces *segments with the segments of `text`, in order, covering it. Empty text segments
-  // are left out.
-  void Split(std::string_view text, std::vector<AddedSegment>* segments) const;
+  // are left out. `plain`: byte ranges of `text` (sorted, not overlapping) where special patterns
+  // are not matched.
+  void Split(std::string_view text, std::vector<AddedSegment>* segments,
+             const std::vector<TextRange>& plain = {}) const;
 
  private:
   struct Node {
     std::vector<std::pair<uint8_t, int32_t>> children;  // byte -> node
     int32_t pattern = -1;
   };
-  // The longest pattern starting at text[pos]: its index and length, or -1.
-  int32_t LongestAt(std::string_view text, size_t pos, size_t* length) const;
+  // The longest pattern starting at text[pos] (a special one only when it ends at or before
+  // `special_end`): its index and length, or -1.
+  int32_t LongestAt(std::string_view text, size_t pos, size_t special_end, size_t* length) const;
 
   std::vector<AddedPattern> patterns_;
   std::vector<Node> nodes_;          // nodes_[0] is the root

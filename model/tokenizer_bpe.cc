@@ -45,18 +45,26 @@ void MergeTable::Insert(int32_t left, int32_t right, Merge merge) {
 // ---- WordCache --------------------------------------------------------------------------------
 
 namespace {
-constexpr size_t kShardCapacity = 4096;  // entries per shard (32 shards)
-
 // ids then word bytes, in one allocation that the map's key points into.
 struct CacheEntry {
   std::unique_ptr<char[]> data;
   uint32_t n_ids;
 };
+
+size_t EntryBytes(size_t word_bytes, size_t n_ids) {
+  return n_ids * sizeof(int32_t) + word_bytes + WordCache::kEntryOverheadBytes;
+}
+
+// The symbols of the word being encoded on this thread.
+thread_local std::vector<int32_t> tls_symbols;
 }  // namespace
+
+size_t BpeScratchBytes() { return tls_symbols.capacity() * sizeof(int32_t); }
 
 struct WordCache::Shard {
   std::mutex mu;
   std::unordered_map<std::string_view, CacheEntry> map;  // guarded by mu
+  size_t bytes = 0;                                      // guarded by mu
 };
 
 WordCache::WordCache() {
@@ -89,9 +97,22 @@ void WordCache::Insert(std::string_view word, const int32_t* ids, size_t n) cons
   const std::string_view key_view(key, word.size());
   const size_t hash = std::hash<std::string_view>()(word);
   Shard& shard = *shards_[(hash >> 7) % kShards];
+  const size_t bytes = EntryBytes(word.size(), n);
   std::lock_guard<std::mutex> lock(shard.mu);
-  if (shard.map.size() >= kShardCapacity) shard.map.clear();
-  shard.map.emplace(key_view, std::move(entry));
+  if (shard.bytes + bytes > kShardCapacityBytes) {
+    std::unordered_map<std::string_view, CacheEntry>().swap(shard.map);  // the buckets too
+    shard.bytes = 0;
+  }
+  if (shard.map.emplace(key_view, std::move(entry)).second) shard.bytes += bytes;
+}
+
+size_t WordCache::bytes() const {
+  size_t total = 0;
+  for (const auto& shard : shards_) {
+    std::lock_guard<std::mutex> lock(shard->mu);
+    total += shard->bytes;
+  }
+  return total;
 }
 
 // ---- BpeModel ---------------------------------------------------------------------------------
@@ -235,7 +256,13 @@ void BpeModel::MergeLong(std::vector<int32_t>* symbols) const {
 
 void BpeModel::Encode(std::string_view word, std::vector<int64_t>* ids) const {
   if (word.empty()) return;
-  thread_local std::vector<int32_t> symbols;
+  std::vector<int32_t>& symbols = tls_symbols;
+  struct Trim {  // a long word's buffer is not kept
+    std::vector<int32_t>& v;
+    ~Trim() {
+      if (v.capacity() > kMaxKeptSymbols) std::vector<int32_t>().swap(v);
+    }
+  } trim{symbols};
   if (word.size() == 1) {  // one byte: its token (merges need two)
     InitialSymbols(word, &symbols);
     for (int32_t id : symbols) ids->push_back(id);

@@ -12,6 +12,10 @@
 // vocab is dropped, or becomes unk_token when one is set (consecutive ones fused with fuse_unk).
 // Words shorter than 256 bytes are cached, as tokenizers does.
 //
+// Memory: the word cache holds at most kShards x kShardCapacityBytes (8 MiB), whatever the text
+// (a full shard is emptied); the per-thread symbol buffer is given back after a word that grew it
+// past BpeModel::kMaxKeptSymbols.
+//
 // Thread rules: immutable after construction except the word cache, which is split into shards
 // that each have a mutex; Encode may run on many threads at once.
 // Errors: the constructor throws TokenizerError for a merge whose parts or result are not in the
@@ -67,20 +71,30 @@ class MergeTable {
   size_t size_ = 0;
 };
 
-// Word (bytes) -> ids, in shards with their own mutex; a full shard is emptied.
+// Word (bytes) -> ids, in shards with their own mutex; a shard that would hold more than
+// kShardCapacityBytes is emptied first.
 class WordCache {
  public:
+  static constexpr size_t kShards = 32;
+  static constexpr size_t kShardCapacityBytes = size_t{256} << 10;
+  // What one entry costs besides its ids and bytes (hash node, key, allocation headers).
+  static constexpr size_t kEntryOverheadBytes = 64;
+
   WordCache();
   ~WordCache();
   // Appends the cached ids of `word` to *out; false when absent.
   bool Find(std::string_view word, std::vector<int64_t>* out) const;
   void Insert(std::string_view word, const int32_t* ids, size_t n) const;
+  // Bytes the entries hold now, overhead included (at most kShards x kShardCapacityBytes).
+  size_t bytes() const;
 
  private:
   struct Shard;
-  static constexpr size_t kShards = 32;
   std::array<std::unique_ptr<Shard>, kShards> shards_;
 };
+
+// Bytes the calling thread's BPE symbol buffer holds now.
+size_t BpeScratchBytes();
 
 class BpeModel {
  public:
@@ -92,6 +106,16 @@ class BpeModel {
 
   // Appends the ids of `word` (raw bytes, not byte-level characters) to *ids.
   void Encode(std::string_view word, std::vector<int64_t>* ids) const;
+
+  // Whether byte `b` makes a token when it is alone: its own, or the unknown token (without
+  // fuse_unk). A byte that does not is dropped (no unk_token) or fused with its neighbours.
+  bool ByteMakesTokens(uint8_t b) const {
+    return byte_ids_[b] >= 0 || (unk_id_ >= 0 && !options_.fuse_unk);
+  }
+  bool fuse_unk() const { return unk_id_ >= 0 && options_.fuse_unk; }
+  const WordCache& cache() const { return cache_; }
+
+  static constexpr size_t kMaxKeptSymbols = 16384;  // 64 KiB
 
  private:
   static constexpr size_t kMaxCachedBytes = 256;  // tokenizers' MAX_LENGTH

@@ -43,9 +43,17 @@ struct Regex::Impl {
     }
     return m;
   }
-  void Give(std::unique_ptr<icu::RegexMatcher> m) {
+  // Back into the pool, unless the pool is full or `m` searched a long text (then it is freed
+  // with whatever its search made it allocate).
+  void Give(std::unique_ptr<icu::RegexMatcher> m, size_t text_bytes) {
+    if (text_bytes > kMaxPooledMatcherTextBytes) return;
+    UErrorCode status = U_ZERO_ERROR;
+    UText empty = UTEXT_INITIALIZER;
+    utext_openUTF8(&empty, "", 0, &status);
+    m->reset(&empty);  // no reference to the caller's text stays behind
+    utext_close(&empty);
     std::lock_guard<std::mutex> lock(mu);
-    free.push_back(std::move(m));
+    if (free.size() < kMaxPooledMatchers) free.push_back(std::move(m));
   }
 };
 
@@ -83,12 +91,17 @@ void Regex::FindAll(std::string_view text, std::vector<MatchSpan>* spans) const 
     prev = end;
     matched_before = true;
   }
+  impl_->Give(std::move(m), text.size());
   utext_close(&utext);
-  impl_->Give(std::move(m));
   if (U_FAILURE(status)) {
     throw TokenizerError(std::string("ICU regex search failed: ") + u_errorName(status));
   }
   if (prev != text.size()) spans->push_back({prev, text.size(), false});
+}
+
+size_t Regex::pooled_matchers() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->free.size();
 }
 
 // ---- Split behaviours -------------------------------------------------------------------------
@@ -246,6 +259,7 @@ class SplitPreTokenizer : public PreTokenizer {
     }
     EmitSplits(text, spans, behavior_, invert_, sink);
   }
+  bool removes_text() const override { return behavior_ == SplitBehavior::kRemoved; }
 
  private:
   std::string literal_;

@@ -14,7 +14,9 @@
 // space that ByteLevel's add_prefix_space puts in front.
 //
 // Thread rules: pre-tokenizers are immutable; Split may run on many threads at once, each with its
-// own PreTokenizeScratch (ICU matchers are taken from a locked pool per call).
+// own PreTokenizeScratch (ICU matchers are taken from a locked pool per call). Memory: the pool
+// keeps at most kMaxPooledMatchers matchers, and none that searched more than
+// kMaxPooledMatcherTextBytes of text (a matcher's backtracking stack may have grown with it).
 // Errors: the factories throw TokenizerError for a regex ICU cannot compile.
 #pragma once
 
@@ -68,7 +70,12 @@ class PreTokenizer {
                      WordSink sink) const = 0;
   // True for ByteLevel (which must come last).
   virtual bool is_byte_level() const { return false; }
+  // True when some of the text gives no word at all (Split with behavior Removed).
+  virtual bool removes_text() const { return false; }
 };
+
+inline constexpr size_t kMaxPooledMatchers = 64;
+inline constexpr size_t kMaxPooledMatcherTextBytes = size_t{64} << 10;
 
 // An ICU regex with a pool of matchers (an icu::RegexMatcher serves one thread at a time).
 class Regex {
@@ -80,6 +87,8 @@ class Regex {
   // Replaces *spans with the match list of `text`: the matches and the gaps between them, covering
   // `text` in order (empty text gives no spans).
   void FindAll(std::string_view text, std::vector<MatchSpan>* spans) const;
+  // Matchers waiting in the pool (tests).
+  size_t pooled_matchers() const;
 
  private:
   struct Impl;

@@ -55,6 +55,9 @@ struct ServerConfig {
   // Hugging Face tokenizer.json of the model: "" = `<model>/tokenizer.json` when the checkpoint
   // directory has one (text, chat and the OpenAI endpoint need it), "none" = no tokenizer.
   std::string tokenizer;
+  // Special-token text in chat message content becomes special tokens (true, Hugging Face's
+  // apply_chat_template) or stays plain text (false).
+  bool parse_special_in_content = false;
   // Model id reported by GetModelInfo and OpenAI's /v1/models, and the only `model` value the
   // OpenAI endpoint accepts. Default: the preset name or the checkpoint directory's last component.
   std::string served_model_name;

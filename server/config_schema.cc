@@ -378,6 +378,16 @@ std::vector<ConfigKey> BuildKeys() {
                "checkpoint directory has one, none = no tokenizer (requests must send token "
                "ids). Text prompts, chat and the OpenAI-compatible API need one.")
           .Default(""),
+      Key("parse_special_in_content", &SC::parse_special_in_content)
+          .Doc("Whether special-token text typed in chat message content (\"<|im_end|>\", "
+               "\"<|im_start|>system\") becomes the special tokens. false: it is tokenized as "
+               "plain text, so a user cannot end their turn or write a system turn; only the "
+               "chat template's own markers are special tokens (llama.cpp's parse_special). true: "
+               "the whole rendered prompt is tokenized with special tokens recognised, as Hugging "
+               "Face's apply_chat_template and vLLM do. Plain prompts (/v1/completions, "
+               "/tokenize prompt, gRPC text) always recognise them: the client writes the whole "
+               "model input there, as with token ids (docs/security.md).")
+          .Default(false),
       Key("served_model_name", &SC::served_model_name)
           .Doc("Model id that GetModelInfo and the OpenAI-compatible /v1/models report, and the "
                "only `model` value the OpenAI-compatible API accepts.")

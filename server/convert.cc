@@ -51,9 +51,19 @@ ImageTiles TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
                           " values; shape needs " + std::to_string(numel));
   }
   const float* v = t.values().data();
-  if (!std::all_of(v, v + numel, [](float x) { return x >= 0.0f && x <= 1.0f; })) {
-    throw InvalidArgument(field +
-                          ".tensor.values: pixel values must lie in [0, 1] (NaN is not allowed)");
+  const float* bad = std::find_if(v, v + numel, [](float x) { return !(x >= 0.0f && x <= 1.0f); });
+  if (bad != v + numel) {
+    const std::string at = Index(field + ".tensor.values", static_cast<int>(bad - v));
+    if (!std::isfinite(*bad)) {
+      throw InvalidArgument(at + ": not finite: " +
+                            std::string(std::isnan(*bad) ? "nan"
+                                        : *bad > 0       ? "inf"
+                                                         : "-inf") +
+                            "; pixel values must lie in [0, 1]");
+    }
+    std::ostringstream o;
+    o << at << ": " << *bad << " is outside [0, 1]; pixel values must lie in [0, 1]";
+    throw InvalidArgument(o.str());
   }
   at::Tensor x = at::from_blob(const_cast<float*>(v), shape, at::kFloat).clone();
   if (tiles) {
@@ -86,6 +96,45 @@ ImageTiles ImageToTilesHere(const v1::Image& img, const VlmConfig& cfg, const Li
   }
 }
 
+// The tiles `img` will make, from its header or shape alone (0 for an image that its conversion
+// will refuse for another reason). Throws what ReadImageSize throws, prefixed with `field`.
+int64_t DeclaredTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
+                      const std::string& field) {
+  if (img.has_encoded()) {
+    try {
+      const ImageSize size = ReadImageSize(
+          img.encoded(), ImageLimits{limits.max_image_bytes, limits.max_image_pixels});
+      return ImageTileCount(size.height, size.width, cfg);
+    } catch (const ImageError& e) {
+      throw InvalidArgument(field + ": " + e.what());
+    }
+  }
+  if (!img.has_tensor()) return 0;
+  const auto& shape = img.tensor().shape();
+  if (shape.size() == 3 && shape[0] == 3 && shape[1] >= 1 && shape[2] >= 1)
+    return ImageTileCount(shape[1], shape[2], cfg);         // an RGB image
+  if (shape.size() == 4 && shape[0] >= 1) return shape[0];  // ready tiles
+  return 0;
+}
+
+// Note [Tiles before decoding]: the images of one request may make at most the engine's
+// max_tiles_per_request tiles (MaxTilesPerImage, the engine's default, which the server does not
+// change). Each image's tiles follow from its header (PNG IHDR, JPEG SOF) or tensor shape, so a
+// request over the limit is refused before any image is decoded (eight 6324x6324 RGBA16 PNGs of
+// 311 KB each take 12 s to decode, and make 136 tiles).
+void CheckDeclaredTiles(const std::vector<const v1::Image*>& images,
+                        const std::vector<std::string>& fields, const VlmConfig& cfg,
+                        const Limits& limits, const std::string& field) {
+  std::vector<int64_t> tiles;
+  for (size_t i = 0; i < images.size(); ++i)
+    tiles.push_back(DeclaredTiles(*images[i], cfg, limits, fields[i]));
+  try {
+    CheckTileCount(tiles, MaxTilesPerImage(cfg), cfg);
+  } catch (const ImageError& e) {
+    throw InvalidArgument(field + ": " + e.what());
+  }
+}
+
 }  // namespace
 
 ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
@@ -106,6 +155,13 @@ std::vector<ImageTiles> DecodeImages(const google::protobuf::RepeatedPtrField<v1
                                      const VlmConfig& cfg, const Limits& limits,
                                      const std::string& field) {
   CheckImageCount(images.size(), limits, field);
+  std::vector<const v1::Image*> all;
+  std::vector<std::string> fields;
+  for (int i = 0; i < images.size(); ++i) {
+    all.push_back(&images[i]);
+    fields.push_back(Index(field, i));
+  }
+  CheckDeclaredTiles(all, fields, cfg, limits, field);  // Note [Tiles before decoding]
   std::vector<ImageTiles> out;
   for (int i = 0; i < images.size(); ++i)
     out.push_back(ImageToTiles(images[i], cfg, limits, Index(field, i)));
@@ -129,11 +185,17 @@ std::vector<ChatMessage> ToChatMessages(
     const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages, const VlmConfig& cfg,
     const Limits& limits, std::vector<ImageTiles>* images) {
   std::vector<ChatMessage> out;
-  int64_t image_parts = 0;
-  for (const v1::ChatMessage& m : messages) {
-    for (const v1::ContentPart& part : m.content()) image_parts += part.has_image();
+  std::vector<const v1::Image*> all;
+  std::vector<std::string> fields;
+  for (int i = 0; i < messages.size(); ++i) {
+    for (int j = 0; j < messages[i].content_size(); ++j) {
+      if (!messages[i].content(j).has_image()) continue;
+      all.push_back(&messages[i].content(j).image());
+      fields.push_back(Index(Index("messages", i) + ".content", j) + ".image");
+    }
   }
-  CheckImageCount(image_parts, limits, "messages");
+  CheckImageCount(static_cast<int64_t>(all.size()), limits, "messages");
+  CheckDeclaredTiles(all, fields, cfg, limits, "messages");  // Note [Tiles before decoding]
   for (int i = 0; i < messages.size(); ++i) {
     const v1::ChatMessage& m = messages[i];
     ChatMessage msg;
@@ -187,7 +249,10 @@ Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const
                           ": this model has no tokenizer, so prompts must be input_ids (serve a "
                           "checkpoint with a tokenizer.json, or set the config key tokenizer)");
   }
+  // Limits before work: the text's length before any tokenizing or image decoding (Note [Tokens
+  // from bytes] in model/tokenizer.cc), the images' tiles before any decoding.
   if (!text.empty()) {
+    text_model->CheckTextLength({text}, "text");
     std::vector<ImageTiles> tiles = DecodeImages(images, cfg, limits, "images");
     for (size_t i = 0; i < tiles.size(); ++i) {
       if (tiles[i].grid_rows == 0) {
@@ -201,6 +266,13 @@ Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const
   if (!images.empty()) {
     throw InvalidArgument("images: a chat prompt carries its images in its messages' content");
   }
+  std::vector<std::string_view> texts;
+  for (const v1::ChatMessage& m : messages) {
+    for (const v1::ContentPart& part : m.content()) {
+      if (part.has_text()) texts.push_back(part.text());
+    }
+  }
+  text_model->CheckTextLength(texts, "messages");
   std::vector<ImageTiles> tiles;
   const std::vector<ChatMessage> chat = ToChatMessages(messages, cfg, limits, &tiles);
   return text_model->BuildChat(chat, tiles, add_generation_prompt);

@@ -40,7 +40,9 @@ inline constexpr size_t kMaxStopStringBytes = 256;
 // (unknown) unless N is 1. `field` prefixes error messages ("images[0]").
 ImageTiles ImageToTiles(const v1::Image& image, const VlmConfig& cfg, const Limits& limits,
                         const std::string& field);
-// Every image of a request, in order, after checking limits.max_images_per_request.
+// Every image of a request, in order, after checking limits.max_images_per_request and, from the
+// headers and tensor shapes before anything is decoded, the images' pixels and their tiles
+// against the engine's max_tiles_per_request (MaxTilesPerImage; Note [Tiles before decoding]).
 std::vector<ImageTiles> DecodeImages(const google::protobuf::RepeatedPtrField<v1::Image>& images,
                                      const VlmConfig& cfg, const Limits& limits,
                                      const std::string& field);
@@ -51,7 +53,8 @@ at::Tensor ImagesToTiles(const google::protobuf::RepeatedPtrField<v1::Image>& im
                          const VlmConfig& cfg, const Limits& limits, const std::string& field);
 // Throws INVALID_ARGUMENT when `images` exceeds limits.max_images_per_request.
 void CheckImageCount(int64_t images, const Limits& limits, const std::string& field);
-// Chat messages -> the chat format's messages; their images are decoded into `images` in order.
+// Chat messages -> the chat format's messages; their images are decoded into `images` in order,
+// after the checks DecodeImages makes first.
 std::vector<ChatMessage> ToChatMessages(
     const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages, const VlmConfig& cfg,
     const Limits& limits, std::vector<ImageTiles>* images);
@@ -59,7 +62,9 @@ std::vector<ChatMessage> ToChatMessages(
 void CheckStopStrings(const std::vector<std::string>& stop, const std::string& field);
 
 // The prompt of a request: exactly one of input_ids (with `images`), text (with `images`) and
-// messages. Text and messages need `text_model` (FAILED_PRECONDITION without one).
+// messages. Text and messages need `text_model` (FAILED_PRECONDITION without one); their length is
+// checked before any image is decoded or any text tokenized (TextModel::CheckTextLength:
+// PromptTooLong, INVALID_ARGUMENT).
 Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const std::string& text,
                 const google::protobuf::RepeatedPtrField<v1::ChatMessage>& messages,
                 const google::protobuf::RepeatedPtrField<v1::Image>& images,

@@ -161,7 +161,10 @@ ConfigSource ReadServerConfig(const CommandLine& cl) {
     if (!root.IsMap()) throw ServerConfigError(cl.config_path, "must be a YAML mapping of keys");
   }
   for (const auto& [path, value] : cl.overrides) {
-    SetPath(root, path, LoadYaml(value, "--set " + path));
+    // An empty value is the empty string (`--set server.http_address=` turns HTTP off), not YAML's
+    // null, which would mean "the default"; `~` still means that.
+    SetPath(root, path,
+            value.empty() ? YAML::Node(std::string()) : LoadYaml(value, "--set " + path));
   }
   source.raw = ParseConfig(root);
   return source;
@@ -183,7 +186,9 @@ std::string FlagsHelp() {
     o << "  " << left << f.help << " [" << f.key_path << "]\n";
   }
   o << "  --set KEY=VALUE              set any config key (YAML value), e.g. --set "
-       "buckets.batch_sizes=[1,2]\n"
+       "buckets.batch_sizes=[1,2];\n"
+    << "                               an empty VALUE is \"\" (--set server.http_address= turns "
+       "HTTP off), ~ the default\n"
     << "  --print-config               print the effective config as YAML and exit\n"
     << "  --print-config-documented    print the config file with every key documented and exit\n"
     << "                               (values of --config and flags, else the defaults)\n"

@@ -19,8 +19,9 @@ namespace vlmgraph::server {
 
 struct CommandLine {
   std::string config_path;  // --config; empty = built-in defaults
-  std::vector<std::pair<std::string, std::string>> overrides;  // (key path, YAML value), in order
-  bool print_config = false;                                   // --print-config: print and exit
+  // (key path, YAML value), in order; an empty value is the empty string, not null
+  std::vector<std::pair<std::string, std::string>> overrides;
+  bool print_config = false;             // --print-config: print and exit
   bool print_config_documented = false;  // --print-config-documented: print with docs and exit
   bool help = false;
   std::vector<std::string> positional;                     // arguments that are not flags

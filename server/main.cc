@@ -67,9 +67,17 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   // Tokenizer and chat format first: a bad one fails in a second, not after the graph captures.
   const std::unique_ptr<TextModel> text = TextModel::Load(config, BuildModelConfig(config));
   if (text) {
-    LogInfo("text: tokenizer " + text->tokenizer_path() + " (" +
-            std::to_string(text->tokenizer().vocab_size()) + " tokens), chat format " +
-            text->chat_format().name());
+    const Tokenizer& tok = text->tokenizer();
+    LogInfo("text: tokenizer " + text->tokenizer_path() + " (" + std::to_string(tok.vocab_size()) +
+            " tokens), chat format " + text->chat_format().name() + "; " +
+            (tok.max_bytes_per_token() > 0
+                 ? "a token stands for at most " + std::to_string(tok.max_bytes_per_token()) +
+                       " bytes, so a text of more than " +
+                       std::to_string(tok.max_bytes_per_token() * text->options().max_context) +
+                       " bytes" + (tok.every_byte_makes_tokens() ? "" : " that have tokens") +
+                       " is refused before tokenizing"
+                 : "no bound on tokens from bytes (" + tok.no_token_bound_reason() +
+                       "): text is tokenized whole before its length is checked"));
   } else {
     LogInfo("text: no tokenizer; requests must send token ids");
   }
@@ -128,7 +136,8 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   }
   const double left_seconds = std::max(
       0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
-  grpc_server.Shutdown(left_seconds);  // every handler has returned after this
+  service.SetShutdownDeadline(deadline);  // what is cancelled from here on was cut by it
+  grpc_server.Shutdown(left_seconds);     // every handler has returned after this
   if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
   if (const std::string fault = scheduler.device_fault(); !fault.empty()) {
     LogError("exiting with status 1 after a device fault: " + fault);

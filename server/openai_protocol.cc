@@ -237,6 +237,8 @@ GenerationParams ParseGenerationParams(const json& body, const Limits& limits, b
   RefuseUnsupported(body, chat);
   GenerationParams p;
   if (const std::optional<int64_t> n = OptInt(body, "n", "n"); n && *n != 1) {
+    if (*n < 1)
+      throw BadRequest("n: must be 1 (one choice per request), got " + std::to_string(*n), "n");
     throw BadRequest("n: only one choice per request is supported, got " + std::to_string(*n) +
                          "; send " + std::to_string(*n) + " requests instead",
                      "n");
@@ -388,9 +390,31 @@ uint64_t RandomSeed() {
   return rng();
 }
 
+// The images' sizes from their headers, then their tiles: a request whose images make more tiles
+// than the engine takes (MaxTilesPerImage, its max_tiles_per_request) is refused before any image
+// is decoded.
+void CheckImageHeaders(const std::vector<EncodedImage>& images, const VlmConfig& cfg,
+                       const ImageLimits& image_limits) {
+  std::vector<int64_t> tiles;
+  for (const EncodedImage& image : images) {
+    try {
+      const ImageSize size = ReadImageSize(image.bytes, image_limits);
+      tiles.push_back(ImageTileCount(size.height, size.width, cfg));
+    } catch (const ImageError& e) {
+      throw BadRequest(image.param + ": " + e.what(), image.param);
+    }
+  }
+  try {
+    CheckTileCount(tiles, MaxTilesPerImage(cfg), cfg);
+  } catch (const ImageError& e) {
+    throw BadRequest(std::string("messages: ") + e.what(), "messages");
+  }
+}
+
 std::vector<ImageTiles> PreprocessImages(const std::vector<EncodedImage>& images,
                                          const VlmConfig& cfg, const Limits& limits) {
   const ImageLimits image_limits{limits.max_image_bytes, limits.max_image_pixels};
+  CheckImageHeaders(images, cfg, image_limits);
   std::vector<ImageTiles> out;
   for (const EncodedImage& image : images) {
     try {
@@ -406,6 +430,28 @@ std::vector<ImageTiles> PreprocessImages(const std::vector<EncodedImage>& images
 
 ApiError ContextLengthExceeded(const std::string& message, const std::string& param) {
   return BadRequest(message, param, "context_length_exceeded");
+}
+
+// PromptTooLong (known from the text's bytes, before tokenizing) in OpenAI's and vLLM's wording.
+ApiError ContextLengthExceeded(const PromptTooLong& e) {
+  return ContextLengthExceeded(
+      "This model's maximum context length is " + std::to_string(e.max_context()) +
+          " tokens. However, your " + e.field() + " resulted in at least " +
+          std::to_string(e.min_tokens()) + " tokens (" + std::to_string(e.text_bytes()) +
+          " bytes of text; no token stands for more than " +
+          std::to_string(e.max_bytes_per_token()) + " bytes). Please reduce the length of the " +
+          e.field() + ".",
+      e.field());
+}
+
+// Runs `build` (which tokenizes), answering PromptTooLong with context_length_exceeded.
+template <typename Build>
+auto Tokenizing(Build&& build) -> decltype(build()) {
+  try {
+    return build();
+  } catch (const PromptTooLong& e) {
+    throw ContextLengthExceeded(e);
+  }
 }
 
 // OpenAI's and vLLM's wording; `what` is "messages" or "prompt".
@@ -615,11 +661,16 @@ std::string DecodeImageUrl(const std::string& url, const Limits& limits, const s
 // --- engine requests
 // ------------------------------------------------------------------------------
 
+// Limits before work: the text's length (no tokenizing), then the images' headers (no decoding),
+// then the work. Note [Tokens from bytes] in model/tokenizer.cc.
 PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
                                          const TextModel& text, const VlmConfig& cfg,
                                          const Limits& limits, int64_t max_context) {
-  const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
-  Prompt prompt = text.BuildChat(request.chat.messages, images, /*add_generation_prompt=*/true);
+  Prompt prompt = Tokenizing([&] {
+    text.CheckTextLength(ContentTexts(request.chat.messages), "messages");
+    const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
+    return text.BuildChat(request.chat.messages, images, /*add_generation_prompt=*/true);
+  });
   return Finish(request.params, std::move(prompt.input_ids), std::move(prompt.tiles), text, limits,
                 max_context, "messages");
 }
@@ -627,21 +678,32 @@ PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
 PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
                                      const Limits& limits, int64_t max_context) {
   std::vector<int64_t> ids = request.prompt_ids;
-  if (request.prompt_text) ids = text.BuildText(*request.prompt_text, {}).input_ids;
+  if (request.prompt_text) {
+    ids = Tokenizing([&] { return text.BuildText(*request.prompt_text, {}).input_ids; });
+  }
   return Finish(request.params, std::move(ids), at::Tensor(), text, limits, max_context, "prompt");
 }
 
+// vLLM's /tokenize has no limit; this one refuses, with the same context_length_exceeded, a text
+// that cannot fit the longest context (a prompt that no endpoint would take), so that its work is
+// bounded like every other endpoint's. A prompt is tokenized like /v1/completions' (special
+// tokens recognised), messages like /v1/chat/completions' (content special-token text is plain
+// text unless parse_special_in_content).
 std::vector<int64_t> TokenizeIds(const TokenizeRequest& request, const TextModel& text,
                                  const VlmConfig& cfg, const Limits& limits) {
-  if (request.prompt) {
-    try {
-      return text.tokenizer().Encode(*request.prompt, request.add_special_tokens);
-    } catch (const TokenizerError& e) {
-      throw BadRequest(std::string("prompt: ") + e.what(), "prompt");
+  return Tokenizing([&] {
+    if (request.prompt) {
+      text.CheckTextLength({*request.prompt}, "prompt");
+      try {
+        return text.tokenizer().Encode(*request.prompt, request.add_special_tokens);
+      } catch (const TokenizerError& e) {
+        throw BadRequest(std::string("prompt: ") + e.what(), "prompt");
+      }
     }
-  }
-  const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
-  return text.BuildChat(request.chat.messages, images, request.add_generation_prompt).input_ids;
+    text.CheckTextLength(ContentTexts(request.chat.messages), "messages");
+    const std::vector<ImageTiles> images = PreprocessImages(request.chat.images, cfg, limits);
+    return text.BuildChat(request.chat.messages, images, request.add_generation_prompt).input_ids;
+  });
 }
 
 std::string DetokenizeText(const DetokenizeRequest& request, const TextModel& text) {

@@ -203,16 +203,22 @@ struct PreparedGeneration {
   bool include_usage = false;
 };
 
-// Decodes and tiles the images (limits.max_image_pixels, ...), renders the chat, tokenizes it and
-// sets the sampling. `max_context`: the engine's longest context (Engine::max_context()). Throws
-// ApiError 400 context_length_exceeded when the prompt (plus an explicit max_tokens) does not fit,
-// 400 for a bad image or max_tokens above limits.max_new_tokens, and TextModel's errors.
+// Checks the limits before the work: the messages' text length (TextModel::CheckTextLength: a text
+// sure to make more tokens than the longest context is refused untokenized), then the images'
+// headers (bytes, format, limits.max_image_pixels, and their tiles against the engine's
+// max_tiles_per_request: refused undecoded). Then decodes and tiles the images, renders the chat,
+// tokenizes it and sets the sampling. `max_context`: the engine's longest context
+// (Engine::max_context()). Throws ApiError 400 context_length_exceeded when the prompt (plus an
+// explicit max_tokens) does not fit or surely would not, 400 for a bad image, too many tiles or
+// max_tokens above limits.max_new_tokens, and TextModel's errors.
 PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
                                          const TextModel& text, const VlmConfig& cfg,
                                          const Limits& limits, int64_t max_context);
 PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
                                      const Limits& limits, int64_t max_context);
-// The token ids /tokenize returns (image tokens included).
+// The token ids /tokenize returns (image tokens included): a prompt as /v1/completions tokenizes
+// it, messages as /v1/chat/completions does, after the same checks; a text that cannot fit the
+// longest context is refused with 400 context_length_exceeded (vLLM's /tokenize has no limit).
 std::vector<int64_t> TokenizeIds(const TokenizeRequest& request, const TextModel& text,
                                  const VlmConfig& cfg, const Limits& limits);
 // The text /detokenize returns (special tokens kept, so it round-trips /tokenize). Throws a 400

@@ -39,6 +39,11 @@ VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* 
       text_(text),
       keys_(keys) {}
 
+void VlmGraphService::SetShutdownDeadline(Clock::time_point deadline) {
+  shutdown_deadline_ns_.store(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count());
+}
+
 void VlmGraphService::Authorize(grpc::ServerContext* context, Scope scope, const char* rpc) const {
   if (keys_ == nullptr || !keys_->enabled()) return;
   const auto& metadata = context->client_metadata();
@@ -65,14 +70,26 @@ grpc::Status VlmGraphService::RpcGuard(const char* rpc, Scope scope, grpc::Serve
     status = StatusFromException(std::current_exception());
   }
   // A call the server itself cancelled keeps its reason (UNAVAILABLE at shutdown,
-  // DEADLINE_EXCEEDED for an idle Train stream).
+  // DEADLINE_EXCEEDED for an idle Train stream); one cancelled after the drain ended was cut by
+  // the shutdown deadline (gRPC cancels what still runs then), not by its client.
   if (!status.ok() && context->IsCancelled() &&
       status.error_code() != grpc::StatusCode::UNAVAILABLE &&
       status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
     const bool expired = context->deadline() <= std::chrono::system_clock::now();
-    status =
-        grpc::Status(expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
-                     expired ? "deadline exceeded" : "cancelled by the client");
+    const bool shut_down =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+            .count() >= shutdown_deadline_ns_.load();
+    if (shut_down) {
+      status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "cut by the shutdown deadline: the server is shutting down and "
+                            "shutdown_timeout_seconds (" +
+                                LogFormat("%g", config_.shutdown_timeout_seconds) +
+                                " s) passed; retry on a running server");
+    } else {
+      status =
+          grpc::Status(expired ? grpc::StatusCode::DEADLINE_EXCEEDED : grpc::StatusCode::CANCELLED,
+                       expired ? "deadline exceeded" : "cancelled by the client");
+    }
   }
   const double seconds = SecondsSince(accepted);
   if (metrics_) metrics_->ObserveRequest(rpc, status.error_code(), seconds);

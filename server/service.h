@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <limits>
 
 #include "engine/engine.h"
 #include "server/auth.h"
@@ -55,6 +56,11 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   // Generate, Forward and Train calls running now (main waits for 0 while draining).
   int64_t in_flight() const { return in_flight_.load(); }
 
+  // Note [Graceful shutdown]: main says when the drain ends. A call cancelled from then on was cut
+  // by the shutdown deadline, not by its client: it is recorded and logged as UNAVAILABLE "cut by
+  // the shutdown deadline". Any thread.
+  void SetShutdownDeadline(Clock::time_point deadline);
+
  private:
   // Checks the caller's API key for `scope`, runs `body`; converts any exception to a status
   // (StatusFromException), reports CANCELLED when the client cancelled, records the request
@@ -78,6 +84,8 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   const ApiKeys* keys_;
   TrainSlot train_slot_;  // one Train job at a time (server/train_rpc.cc)
   std::atomic<int64_t> in_flight_{0};
+  // SetShutdownDeadline's time point, nanoseconds since the clock's epoch; max = none.
+  std::atomic<int64_t> shutdown_deadline_ns_{std::numeric_limits<int64_t>::max()};
 };
 
 }  // namespace vlmgraph::server

@@ -66,6 +66,21 @@ std::string TokenizerPath(const ServerConfig& config) {
 
 }  // namespace
 
+PromptTooLong::PromptTooLong(const std::string& field, size_t text_bytes, int64_t min_tokens,
+                             int64_t max_context, int64_t max_bytes_per_token)
+    : ServerError(grpc::StatusCode::INVALID_ARGUMENT,
+                  field + ": " + std::to_string(text_bytes) + " bytes of text make at least " +
+                      std::to_string(min_tokens) + " tokens (no token of this tokenizer stands " +
+                      "for more than " + std::to_string(max_bytes_per_token) +
+                      " bytes), more than the longest context holds (" +
+                      std::to_string(max_context) +
+                      " tokens); shorten the text or raise buckets.context_lens"),
+      field_(field),
+      text_bytes_(text_bytes),
+      min_tokens_(min_tokens),
+      max_context_(max_context),
+      max_bytes_per_token_(max_bytes_per_token) {}
+
 std::unique_ptr<TextModel> TextModel::Load(const ServerConfig& config, const VlmConfig& model) {
   const std::string path = TokenizerPath(config);
   if (path.empty()) return nullptr;
@@ -129,38 +144,59 @@ std::unique_ptr<TextModel> TextModel::Load(const ServerConfig& config, const Vlm
         add(id.get<int64_t>());
     }
   }
+  Options options;
+  if (!config.buckets.context_lens.empty()) options.max_context = config.buckets.max_context();
+  options.parse_special_in_content = config.parse_special_in_content;
   return std::make_unique<TextModel>(std::move(tokenizer), std::move(chat), model, std::move(stop),
-                                     path);
+                                     path, options);
 }
 
 TextModel::TextModel(Tokenizer tokenizer, ChatFormat chat, const VlmConfig& model,
-                     std::vector<int64_t> stop_token_ids, std::string tokenizer_path)
+                     std::vector<int64_t> stop_token_ids, std::string tokenizer_path,
+                     Options options)
     : tokenizer_(std::move(tokenizer)),
       chat_(std::move(chat)),
       model_(model),
       stop_token_ids_(std::move(stop_token_ids)),
-      tokenizer_path_(std::move(tokenizer_path)) {}
+      tokenizer_path_(std::move(tokenizer_path)),
+      options_(options) {}
+
+void TextModel::CheckTextLength(const std::vector<std::string_view>& texts,
+                                const std::string& field) const {
+  if (options_.max_context <= 0) return;
+  const int64_t min_tokens = tokenizer_.MinTokens(texts);
+  if (min_tokens > options_.max_context) {
+    size_t text_bytes = 0;
+    for (std::string_view t : texts) text_bytes += t.size();
+    throw PromptTooLong(field, text_bytes, min_tokens, options_.max_context,
+                        tokenizer_.max_bytes_per_token());
+  }
+}
 
 Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
                             const std::vector<ImageTiles>& images,
                             bool add_generation_prompt) const {
+  CheckTextLength(ContentTexts(messages), "messages");
   std::vector<std::string> image_strings;
   const bool numbered = images.size() > 1;
   for (size_t i = 0; i < images.size(); ++i) {
     image_strings.push_back(ImageString(model_, {images[i].grid_rows, images[i].grid_cols},
                                         static_cast<int64_t>(i), numbered));
   }
-  std::string text;
+  RenderedChat chat;
   try {
-    text = chat_.Render(messages, image_strings, add_generation_prompt);
+    chat = chat_.RenderWithRanges(messages, image_strings, add_generation_prompt);
   } catch (const ChatFormatError& e) {
     throw InvalidArgument(e.what());
   }
   Prompt p;
   try {
     // The template already holds the special tokens (transformers' apply_chat_template tokenizes
-    // with add_special_tokens=False).
-    p.input_ids = tokenizer_.Encode(text, /*add_special_tokens=*/false);
+    // with add_special_tokens=False); the content's special-token text is plain text unless
+    // configured otherwise (Note [Special tokens as plain text] in model/tokenizer.cc).
+    EncodeOptions options;
+    if (!options_.parse_special_in_content) options.plain_ranges = std::move(chat.content_ranges);
+    p.input_ids = tokenizer_.Encode(chat.text, options);
   } catch (const TokenizerError& e) {
     throw InvalidArgument(std::string("messages: ") + e.what());
   }
@@ -169,6 +205,7 @@ Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
 }
 
 Prompt TextModel::BuildText(const std::string& text, const std::vector<ImageTiles>& images) const {
+  CheckTextLength({text}, "prompt");
   std::string full;
   const bool numbered = images.size() > 1;
   for (size_t i = 0; i < images.size(); ++i) {

@@ -75,9 +75,9 @@ std::string Text(const std::vector<int64_t>& v) {
 // compiling when a field is added to ServerConfig or one of its parts: then extend this list and
 // NonDefaultConfig below, and give the field a key in server/config_schema.cc.
 std::vector<std::string> FieldValues(const ServerConfig& c) {
-  const auto& [model, seed, dtype, device, stop_ids, tokenizer, served_model_name, buckets, capture,
-               batching, endpoints, http, auth, tls, limits, train, shutdown_timeout_seconds, log_level] =
-      c;
+  const auto& [model, seed, dtype, device, stop_ids, tokenizer, parse_special_in_content,
+               served_model_name, buckets, capture, batching, endpoints, http, auth, tls, limits,
+               train, shutdown_timeout_seconds, log_level] = c;
   const auto& [batch_sizes, seq_lens, context_lens, tile_counts, train_batch_sizes, train_seq_lens,
                oversize] = buckets;
   const auto& [enabled, lazy, pdl] = capture;
@@ -97,6 +97,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(device),
           Text(stop_ids),
           Text(tokenizer),
+          Text(parse_special_in_content),
           Text(served_model_name),
           Text(batch_sizes),
           Text(seq_lens),
@@ -151,6 +152,7 @@ ServerConfig NonDefaultConfig() {
   c.device = "cuda:1";
   c.model_stop_token_ids = {0, 2};
   c.tokenizer = "none";
+  c.parse_special_in_content = true;
   c.served_model_name = "my-vlm";
   c.buckets.batch_sizes = {1, 3};
   c.buckets.seq_lens = {16, 48};
@@ -297,6 +299,17 @@ TEST(ServerConfig, FlagsOverrideTheFile) {
   std::filesystem::remove(path);
 }
 
+TEST(ServerConfig, AnEmptyFlagValueIsTheEmptyString) {
+  // "" turns the HTTP API off, as documented; an empty value must not fall back to the default.
+  EXPECT_EQ(FromArgs({}).server.http_address, "127.0.0.1:8000");
+  EXPECT_EQ(FromArgs({"--set", "server.http_address="}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--http-address="}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--http-address", ""}).server.http_address, "");
+  EXPECT_EQ(FromArgs({"--set", "server.http_address=~"}).server.http_address, "127.0.0.1:8000");
+  // A key that is not a string says so instead of taking its default.
+  EXPECT_THROW(FromArgs({"--set", "batching.max_queue_size="}), ServerConfigError);
+}
+
 TEST(ServerConfig, BadFlagsAreErrors) {
   EXPECT_THROW(FromArgs({"--no-such-flag"}), ServerConfigError);
   EXPECT_THROW(FromArgs({"--model"}), ServerConfigError);  // needs a value
@@ -347,8 +360,9 @@ TEST(ServerConfig, UnknownKeysListTheKeysOfTheirLevel) {
             "tls.cert: unknown key (line 1); known keys here: cert_file, key_file, client_ca_file");
   EXPECT_EQ(ErrorMessage("modle: x\n"),
             "modle: unknown key (line 1); known keys here: model, seed, dtype, device, "
-            "model_stop_token_ids, tokenizer, served_model_name, buckets, capture, batching, "
-            "server, auth, tls, limits, train, shutdown_timeout_seconds, log_level");
+            "model_stop_token_ids, tokenizer, parse_special_in_content, served_model_name, "
+            "buckets, capture, batching, server, auth, tls, limits, train, "
+            "shutdown_timeout_seconds, log_level");
   EXPECT_EQ(ErrorMessage("buckets: 3\n"), "buckets: must be a mapping of keys (line 1)");
 }
 

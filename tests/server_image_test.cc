@@ -17,6 +17,7 @@
 #include "server/convert.h"
 #include "server/image_workers.h"
 #include "server/status.h"
+#include "tests/image_fixtures.h"
 
 #define STB_IMAGE_WRITE_STATIC
 #define STB_IMAGE_WRITE_IMPLEMENTATION
@@ -179,27 +180,7 @@ TEST(ServerImage, RefusesBadImagesWithPreciseMessages) {
   EXPECT_THROW(TileImage(at::zeros({4, 10, 10}, at::kByte), Tiny()), ImageError);
 }
 
-// PNG's CRC-32 (ISO 3309, as zlib's crc32), so hand-built chunks are valid ones.
-uint32_t Crc32(const std::string& bytes) {
-  uint32_t c = 0xffffffffu;
-  for (unsigned char b : bytes) {
-    c ^= b;
-    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1u)));
-  }
-  return c ^ 0xffffffffu;
-}
-
-std::string Be32(uint32_t v) {
-  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
-          static_cast<char>(v)};
-}
-
-// A PNG of the signature and one IHDR chunk declaring `width` x `height` (8-bit RGB): what a
-// client that lies about the size sends; no pixel data follows.
-std::string PngHeader(uint32_t width, uint32_t height) {
-  const std::string ihdr = "IHDR" + Be32(width) + Be32(height) + std::string("\x08\x02\0\0\0", 5);
-  return std::string("\x89PNG\r\n\x1a\n", 8) + Be32(13) + ihdr + Be32(Crc32(ihdr));
-}
+using testing::PngHeader;
 
 // A JPEG of SOI, then a baseline frame header (SOF0) declaring `width` x `height`.
 std::string JpegHeader(uint16_t width, uint16_t height) {
@@ -411,6 +392,66 @@ int64_t ThreadsOfThisProcess() {
   int64_t n = 0;
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
   return n;
+}
+
+TEST(ServerImage, SizeAndTileCountComeFromTheHeaderAlone) {
+  // The image: 6324 x 6324 RGBA16 (under the default 40,000,000-pixel limit), here with
+  // garbage data: the size is read, while decoding it fails.
+  const std::string png = testing::PngWithGarbageData(6324, 6324);
+  const ImageLimits limits{1 << 20, 40000000};
+  const ImageSize size = ReadImageSize(png, limits);
+  EXPECT_EQ(size.width, 6324);
+  EXPECT_EQ(size.height, 6324);
+  EXPECT_NE(ErrorOf(png, limits).find("corrupt png image"), std::string::npos);
+  const ImageSize jpeg = ReadImageSize(JpegHeader(300, 200), limits);
+  EXPECT_EQ(std::make_pair(jpeg.width, jpeg.height), std::make_pair(int64_t{300}, int64_t{200}));
+  // The header checks are DecodeImage's own, with its messages.
+  auto header_error = [&](const std::string& bytes) -> std::string {
+    try {
+      ReadImageSize(bytes, limits);
+    } catch (const ImageError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  for (const std::string& bad : {std::string(), std::string("GIF89a...."), PngHeader(20000, 20000)})
+    EXPECT_EQ(header_error(bad), ErrorOf(bad, limits));
+
+  // The tile count is the tiler's: ImageTileCount equals what TileImage makes, at every size.
+  const VlmConfig cfg = Tiny();  // 64-pixel tiles, at most 256 pixels a side
+  EXPECT_EQ(ImageTileCount(6324, 6324, cfg), 17);
+  EXPECT_EQ(MaxTilesPerImage(cfg), 17);
+  for (const auto& [h, w] : {HW(1, 1), HW(64, 64), HW(65, 64), HW(30, 45), HW(200, 90), HW(90, 200),
+                             HW(256, 256), HW(300, 1000), HW(6324, 6324)}) {
+    const ImageTiles t = TileImage(at::zeros({3, h, w}, at::kByte), cfg);
+    EXPECT_EQ(ImageTileCount(h, w, cfg), t.tiles.size(0)) << h << "x" << w;
+    EXPECT_EQ(TileGrid(h, w, cfg), std::make_pair(t.grid_rows, t.grid_cols)) << h << "x" << w;
+  }
+}
+
+TEST(ServerImage, TooManyTilesSayHowManyEachImageMakes) {
+  const VlmConfig cfg = Tiny();
+  EXPECT_NO_THROW(CheckTileCount({17}, 17, cfg));
+  EXPECT_NO_THROW(CheckTileCount({}, 17, cfg));
+  auto message = [](const std::vector<int64_t>& tiles, const VlmConfig& c) -> std::string {
+    try {
+      CheckTileCount(tiles, 17, c);
+    } catch (const ImageError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  // The tiny model resizes every image to its longest side (resize_to_max_side_len): only fewer
+  // images help.
+  ASSERT_TRUE(cfg.resize_to_max_side_len);
+  EXPECT_EQ(message({17, 17, 1}, cfg),
+            "the 3 images make 35 image tiles (17 + 17 + 1); at most 17 are allowed per request: "
+            "send fewer images");
+  VlmConfig keeps_small = cfg;
+  keeps_small.resize_to_max_side_len = false;
+  EXPECT_EQ(message({17, 1}, keeps_small),
+            "the 2 images make 18 image tiles (17 + 1); at most 17 are allowed per request: send "
+            "fewer images, or smaller ones (an image of at most 64x64 pixels makes 1 tile)");
 }
 
 TEST(ImageWorkers, RunsWorkOnAPoolThreadAndReturnsItsValueOrError) {

@@ -21,6 +21,7 @@
 #include "server/openai_protocol.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
+#include "tests/image_fixtures.h"
 
 namespace vlmgraph::server::openai {
 namespace {
@@ -252,6 +253,16 @@ TEST(OpenAiProtocol, RequestErrors) {
     EXPECT_EQ(e.param, c.param) << c.body;
     EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
     EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+  }
+  // n = 0 and negative n: n must be 1, without advice to send that many requests.
+  for (const char* n : {"0", "-2"}) {
+    const ErrorInfo e = ErrorOf([&] {
+      ParseChatCompletionRequest(
+          std::string(R"({"messages": [{"role": "user", "content": "hi"}], "n": )") + n + "}",
+          Ctx());
+    });
+    EXPECT_EQ(e.message, std::string("n: must be 1 (one choice per request), got ") + n);
+    EXPECT_EQ(e.param, "n");
   }
   // The unknown model carries OpenAI's code.
   EXPECT_EQ(
@@ -524,6 +535,89 @@ TEST(OpenAiProtocol, PrepareChatWithImage) {
       ErrorOf([&] { PrepareChatCompletion(bad, Text(), Tiny(), TestLimits(), 512); });
   EXPECT_EQ(e.http_status, 400);
   EXPECT_EQ(e.param, "messages[0].content[0].image_url.url");
+}
+
+// The tiny text model with a longest context of 32 tokens.
+const TextModel& BoundedText() {
+  static const TextModel text(TinyTokenizer(), ChatFormat::FromTemplate(Tiny().lm_chat_template),
+                              Tiny(), /*stop_token_ids=*/{257}, "test tokenizer",
+                              TextModelOptions{/*max_context=*/32});
+  return text;
+}
+
+// Text whose length alone exceeds the context: 1 MiB, not valid UTF-8 at its end, so that any
+// tokenizing would fail with an encoding error instead of the length refusal.
+std::string LongBadText() { return std::string(1 << 20, 'a') + "\xff"; }
+
+TEST(OpenAiProtocol, TextLongerThanTheContextIsRefusedBeforeAnyWork) {
+  ASSERT_GT(TinyTokenizer().max_bytes_per_token(), 0);
+  ChatCompletionRequest chat;
+  chat.chat.messages = {{"user", {ChatContentPart::Image(), ChatContentPart::Text(LongBadText())}}};
+  chat.chat.images = {{"not an image", "messages[0].content[0].image_url.url"}};  // never decoded
+  ErrorInfo e =
+      ErrorOf([&] { PrepareChatCompletion(chat, BoundedText(), Tiny(), TestLimits(), 32); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "messages");
+  const int64_t min_tokens = TinyTokenizer().MinTokens({LongBadText()});
+  EXPECT_NE(e.message.find("maximum context length is 32 tokens. However, your messages resulted "
+                           "in at least " +
+                           std::to_string(min_tokens) + " tokens"),
+            std::string::npos)
+      << e.message;
+
+  CompletionRequest completion;
+  completion.prompt_text = LongBadText();
+  e = ErrorOf([&] { PrepareCompletion(completion, BoundedText(), TestLimits(), 32); });
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "prompt");
+
+  // /tokenize has no context limit in vLLM; here a text that cannot fit is refused the same way.
+  TokenizeRequest tokenize;
+  tokenize.prompt = LongBadText();
+  e = ErrorOf([&] { TokenizeIds(tokenize, BoundedText(), Tiny(), TestLimits()); });
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "prompt");
+  tokenize.prompt.reset();
+  tokenize.chat = chat.chat;
+  e = ErrorOf([&] { TokenizeIds(tokenize, BoundedText(), Tiny(), TestLimits()); });
+  EXPECT_EQ(e.code, "context_length_exceeded");
+  EXPECT_EQ(e.param, "messages");
+
+  // A short text goes on to the work (and to its own errors).
+  tokenize.chat.images.clear();
+  tokenize.chat.messages = {{"user", {ChatContentPart::Text("hi")}}};
+  EXPECT_EQ(TokenizeIds(tokenize, BoundedText(), Tiny(), TestLimits()),
+            BoundedText().BuildChat(tokenize.chat.messages, {}, true).input_ids);
+}
+
+TEST(OpenAiProtocol, ImagesOverTheTileLimitAreRefusedFromTheirHeaders) {
+  // Two 6324 x 6324 PNGs (17 tiles each on the tiny model, whose limit is 17 a request) whose
+  // pixel data is garbage: refused for their tiles, so no decoder ran.
+  const std::string png = testing::PngWithGarbageData(6324, 6324);
+  ChatCompletionRequest r;
+  r.chat.messages = {
+      {"user", {ChatContentPart::Image(), ChatContentPart::Image(), ChatContentPart::Text("?")}}};
+  r.chat.images = {{png, "messages[0].content[0].image_url.url"},
+                   {png, "messages[0].content[1].image_url.url"}};
+  ErrorInfo e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512); });
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.type, "invalid_request_error");
+  EXPECT_EQ(e.param, "messages");
+  EXPECT_NE(e.message.find("messages: the 2 images make 34 image tiles (17 + 17); at most 17 are "
+                           "allowed per request"),
+            std::string::npos)
+      << e.message;
+  TokenizeRequest tokenize;
+  tokenize.chat = r.chat;
+  EXPECT_EQ(ErrorOf([&] { TokenizeIds(tokenize, Text(), Tiny(), TestLimits()); }).message,
+            e.message);
+  // One of them fits the limit, so it goes on to the decoder, which finds its data corrupt.
+  r.chat.messages[0].content.erase(r.chat.messages[0].content.begin());
+  r.chat.images.pop_back();
+  e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512); });
+  EXPECT_EQ(e.param, "messages[0].content[0].image_url.url");
+  EXPECT_NE(e.message.find("corrupt png image"), std::string::npos) << e.message;
 }
 
 TEST(OpenAiProtocol, CompletionTokenizeDetokenize) {

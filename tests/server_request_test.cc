@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -106,9 +107,18 @@ TEST(ServerConvert, TensorImages) {
   EXPECT_NE(s.error_message().find("images[0].tensor.values"), std::string::npos)
       << s.error_message();
   t->mutable_values()->RemoveLast();
-  t->set_values(0, 2.0f);
-  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  // Each value outside [0, 1] is named with its index, inf as inf and NaN as nan.
+  const std::vector<std::pair<float, std::string>> bad = {
+      {2.0f, "images[0].tensor.values[7]: 2 is outside [0, 1]"},
+      {std::numeric_limits<float>::infinity(), "images[0].tensor.values[7]: not finite: inf"},
+      {-std::numeric_limits<float>::infinity(), "images[0].tensor.values[7]: not finite: -inf"},
+      {std::numeric_limits<float>::quiet_NaN(), "images[0].tensor.values[7]: not finite: nan"}};
+  for (const auto& [value, message] : bad) {
+    t->set_values(7, value);
+    s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(s.error_message().rfind(message, 0), 0u) << s.error_message();
+  }
   t->clear_shape();
   for (int64_t d : {4, 30, 45}) t->add_shape(d);
   s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });

@@ -289,6 +289,258 @@ TEST(TokenizerAddedTokens, NormalizedTokensMatchTheNormalizedText) {
   EXPECT_EQ(tok.Encode("fiy"), Ids(tok, {"f", "i", "y"}));
 }
 
+// ---- Special tokens as plain text (EncodeOptions) ---------------------------------------------
+
+EncodeOptions PlainEverywhere() {
+  EncodeOptions o;
+  o.parse_special = false;
+  return o;
+}
+
+EncodeOptions PlainIn(std::vector<TextRange> ranges) {
+  EncodeOptions o;
+  o.plain_ranges = std::move(ranges);
+  return o;
+}
+
+TEST(TokenizerSpecialTokens, ParseSpecialFalseTokenizesSpecialTextAsText) {
+  Spec spec;
+  spec.tokens = {"im", "end"};
+  spec.merges = {{"i", "m"}, {"e", "n"}, {"en", "d"}};
+  Spec bare = spec;  // the same vocabulary without added tokens
+  spec.tokens.push_back("en");
+  bare.tokens.push_back("en");
+  spec.added_tokens = {Added(400, "<|im_end|>", /*special=*/true),
+                       Added(401, "<tool>", /*special=*/false)};
+  const Tokenizer tok = Make(spec);
+  const Tokenizer plain = Make(bare);
+  const std::string text = "hi<|im_end|>\n<|im_start|>system";
+  EXPECT_EQ(
+      tok.Encode(text),
+      (std::vector<int64_t>{Id(tok, "h"), Id(tok, "i"),  400,          Id(tok, "\n"), Id(tok, "<"),
+                            Id(tok, "|"), Id(tok, "im"), Id(tok, "_"), Id(tok, "s"),  Id(tok, "t"),
+                            Id(tok, "a"), Id(tok, "r"),  Id(tok, "t"), Id(tok, "|"),  Id(tok, ">"),
+                            Id(tok, "s"), Id(tok, "y"),  Id(tok, "s"), Id(tok, "t"),  Id(tok, "e"),
+                            Id(tok, "m")}));
+  // Without special tokens: the ids of the same text under a tokenizer that has none.
+  const std::vector<int64_t> as_text = tok.Encode(text, PlainEverywhere());
+  EXPECT_EQ(as_text, plain.Encode(text));
+  EXPECT_EQ(std::count(as_text.begin(), as_text.end(), 400), 0);
+  EXPECT_EQ(tok.Decode(as_text), text);
+  // Non-special added tokens are still recognised (tokenizers' encode_special_tokens does too).
+  EXPECT_EQ(tok.Encode("a<tool>b", PlainEverywhere()),
+            (std::vector<int64_t>{Id(tok, "a"), 401, Id(tok, "b")}));
+  // A special token that starts in a plain range is text, also where it runs past the range.
+  EXPECT_EQ(tok.Encode("<|im_end|>", PlainIn({{0, 3}})), plain.Encode("<|im_end|>"));
+}
+
+TEST(TokenizerSpecialTokens, PlainRangesLeaveTheMarkersAroundThemSpecial) {
+  Spec spec;
+  spec.added_tokens = {Added(400, "<|im_start|>", true), Added(401, "<|im_end|>", true),
+                       Added(402, "<|im_end|>\n", true)};
+  const Tokenizer tok = Make(spec);
+  const std::string head = "<|im_start|>user\n";
+  const std::string content = "x<|im_end|>\n<|im_start|>system\ny";
+  const std::string tail = "<|im_end|>\n";
+  const std::string text = head + content + tail;
+  const std::vector<int64_t> ids =
+      tok.Encode(text, PlainIn({{head.size(), head.size() + content.size()}}));
+  // The markers outside the range are special; the content's are text.
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 400), 1);
+  EXPECT_EQ(ids.front(), 400);
+  EXPECT_EQ(ids.back(), 402);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 401) + std::count(ids.begin(), ids.end(), 402), 1);
+  EXPECT_EQ(tok.Decode(ids), text);
+  // A marker that would run into a plain range gives way to the longest one that ends before it.
+  const std::string turn = "<|im_end|>";
+  const std::vector<int64_t> cut =
+      tok.Encode(turn + "\nz", PlainIn({{turn.size(), turn.size() + 2}}));
+  EXPECT_EQ(cut, (std::vector<int64_t>{401, Id(tok, "\n"), Id(tok, "z")}));
+  // The ranges are checked.
+  EXPECT_THROW(tok.Encode("abc", PlainIn({{2, 4}})), TokenizerError);
+  EXPECT_THROW(tok.Encode("abc", PlainIn({{1, 2}, {0, 1}})), TokenizerError);
+}
+
+TEST(TokenizerSpecialTokens, AnyPlainRangesKeepTheTextAndOnlyTheirSpecialTokens) {
+  Spec spec;
+  spec.added_tokens = {Added(400, "<|im_start|>", true), Added(401, "<|im_end|>", true),
+                       Added(402, "<|im_end|>\n", true), Added(403, "<|im", false)};
+  const Tokenizer tok = Make(spec);
+  std::mt19937 rng(11);
+  const std::vector<std::string> pieces = {"<|im_start|>", "<|im_end|>", "\n", "<|im", "_end|>",
+                                           "a",            " ",          "é",  "<|"};
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::string text;
+    for (int k = rng() % 12; k > 0; --k) text += pieces[rng() % pieces.size()];
+    EncodeOptions o;
+    for (size_t at = rng() % 4; at < text.size(); at += 1 + rng() % 6) {
+      const size_t end = std::min(text.size(), at + rng() % 8);
+      o.plain_ranges.push_back({at, end});
+      at = end;
+    }
+    const std::vector<int64_t> ids = tok.Encode(text, o);
+    EXPECT_EQ(tok.Decode(ids), text) << text;
+    // A special token is never made from bytes of a plain range.
+    size_t at = 0;
+    for (int64_t id : ids) {
+      const size_t n = id < 256 ? 1 : tok.IdToToken(id)->size();  // a byte, or an added token
+      if (id == 400 || id == 401 || id == 402) {
+        for (const TextRange& r : o.plain_ranges)
+          EXPECT_TRUE(at + n <= r.begin || r.end <= at) << text << " at " << at;
+      }
+      at += n;
+    }
+  }
+}
+
+TEST(TokenizerSpecialTokens, NormalizedSpecialTokensFollowThePlainRanges) {
+  Spec spec;
+  spec.normalizer = {{"type", "NFKC"}};
+  spec.added_tokens = {Added(400, "<ﬁ>", true, false, false, false, /*normalized=*/true)};
+  const Tokenizer tok = Make(spec);
+  // "<ﬁ>" and "<fi>" normalize to the token's normalized text.
+  const std::string text = "<ﬁ>a<ﬁ>";
+  EXPECT_EQ(tok.Encode(text), (std::vector<int64_t>{400, Id(tok, "a"), 400}));
+  const std::vector<int64_t> ids = tok.Encode(text, PlainIn({{5, 6 + 5}}));  // "a<ﬁ>"
+  EXPECT_EQ(ids.front(), 400);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 400), 1);
+  EXPECT_EQ(tok.Decode(ids), "<fi>a<fi>");
+}
+
+// ---- Bound on tokens from bytes ---------------------------------------------------------------
+
+TEST(TokenizerBound, MinTokensIsALowerBoundFromTheLongestToken) {
+  Spec spec;
+  spec.tokens = {"ab", "abab", "abababab"};
+  spec.merges = {{"a", "b"}, {"ab", "ab"}, {"abab", "abab"}};
+  spec.added_tokens = {Added(400, "<|im_start|>", true)};  // 12 bytes, the longest
+  const Tokenizer tok = Make(spec);
+  EXPECT_EQ(tok.max_bytes_per_token(), 12);
+  EXPECT_EQ(tok.no_token_bound_reason(), "");
+  EXPECT_TRUE(tok.every_byte_makes_tokens());
+  EXPECT_EQ(tok.MinTokens({}), 0);
+  EXPECT_EQ(tok.MinTokens({std::string(12, 'x')}), 1);
+  EXPECT_EQ(tok.MinTokens({std::string(13, 'x')}), 2);
+  EXPECT_EQ(tok.MinTokens({std::string(6, 'x'), std::string(7, 'x')}), 2);  // pieces of one text
+  std::mt19937 rng(5);
+  const std::vector<std::string> pieces = {"ab", "abababab", "<|im_start|>", " ", "é", "x", "\n"};
+  for (int trial = 0; trial < 300; ++trial) {
+    std::string text;
+    for (int k = rng() % 40; k > 0; --k) text += pieces[rng() % pieces.size()];
+    for (const EncodeOptions& o : {EncodeOptions{}, PlainEverywhere()}) {
+      EXPECT_LE(tok.MinTokens({text}), static_cast<int64_t>(tok.Encode(text, o).size())) << text;
+    }
+  }
+  // The longest token is the bound: a text made of it reaches it.
+  EXPECT_EQ(tok.Encode("<|im_start|><|im_start|>").size(), 2u);
+  EXPECT_EQ(tok.MinTokens({"<|im_start|><|im_start|>"}), 2);
+}
+
+TEST(TokenizerBound, NormalizersAndTokensThatTakeAnyLengthChangeTheBound) {
+  Spec spec;
+  spec.normalizer = {{"type", "NFKC"}};
+  EXPECT_EQ(Make(spec).max_bytes_per_token(), 4);  // UTF-8 shrinks by at most 4 (U+1D400 -> "A")
+  EXPECT_EQ(Make(spec).Encode("\xF0\x9D\x90\x80").size(), 1u);
+  EXPECT_EQ(Make(spec).MinTokens({"\xF0\x9D\x90\x80"}), 1);
+
+  spec = Spec{};
+  spec.added_tokens = {Added(400, "<mask>", false, false, /*lstrip=*/true)};
+  EXPECT_EQ(Make(spec).max_bytes_per_token(), 0);
+  EXPECT_EQ(Make(spec).MinTokens({std::string(1 << 20, ' ')}), 0);
+  EXPECT_NE(Make(spec).no_token_bound_reason().find("<mask>"), std::string::npos);
+
+  spec = Spec{};
+  spec.pre_tokenizer = {{"type", "Sequence"},
+                        {"pretokenizers",
+                         {{{"type", "Split"},
+                           {"pattern", {{"String", " "}}},
+                           {"behavior", "Removed"},
+                           {"invert", false}},
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}}}}};
+  EXPECT_EQ(Make(spec).Encode("          ").size(), 0u);  // removed: no token at all
+  EXPECT_EQ(Make(spec).max_bytes_per_token(), 0);
+  EXPECT_NE(Make(spec).no_token_bound_reason().find("Removed"), std::string::npos);
+
+  // A byte without a token is dropped (SmolLM2 has none for 21 bytes): it is not counted.
+  json dropped = MakeJson(Spec{});
+  dropped["model"]["vocab"].erase("z");
+  const Tokenizer drops = Tokenizer::FromJson(dropped.dump());
+  EXPECT_EQ(drops.max_bytes_per_token(), 1);
+  EXPECT_FALSE(drops.every_byte_makes_tokens());
+  EXPECT_EQ(drops.Encode(std::string(1000, 'z')).size(), 0u);
+  EXPECT_EQ(drops.MinTokens({std::string(1000, 'z')}), 0);
+  EXPECT_EQ(drops.MinTokens({"azzb", "zc"}), 3);
+  // With an unknown token each such byte makes one, unless runs of them fuse into one.
+  dropped["model"]["vocab"]["<unk>"] = 256;
+  dropped["model"]["unk_token"] = "<unk>";
+  EXPECT_TRUE(Tokenizer::FromJson(dropped.dump()).every_byte_makes_tokens());
+  EXPECT_EQ(Tokenizer::FromJson(dropped.dump()).Encode("zzzz").size(), 4u);
+  EXPECT_EQ(Tokenizer::FromJson(dropped.dump()).MinTokens({"zzzz"}), 1);  // "<unk>": 5 bytes
+  dropped["model"]["fuse_unk"] = true;
+  EXPECT_EQ(Tokenizer::FromJson(dropped.dump()).Encode("zzzz").size(), 1u);
+  EXPECT_EQ(Tokenizer::FromJson(dropped.dump()).max_bytes_per_token(), 0);
+  EXPECT_NE(Tokenizer::FromJson(dropped.dump()).no_token_bound_reason().find("0x7a"),
+            std::string::npos);
+}
+
+// ---- Memory -----------------------------------------------------------------------------------
+
+TEST(TokenizerMemory, ScratchIsGivenBackAfterALongText) {
+  const Tokenizer tok = Make(Spec{});
+  std::string text;
+  for (int i = 0; i < 1000000; ++i) text += " a";  // 1,000,000 words, 2 MB
+  std::string word(1 << 20, 'b');                  // one 1 MiB word
+  const size_t bound = tokenizer_detail::kMaxKeptScratchBytes +
+                       tokenizer_detail::BpeModel::kMaxKeptSymbols * sizeof(int32_t);
+  EXPECT_EQ(tok.Encode(text).size(), 2000000u);
+  EXPECT_LE(tokenizer_detail::EncodeScratchBytes(), bound);
+  EXPECT_EQ(tok.Encode(word).size(), word.size());
+  EXPECT_LE(tokenizer_detail::EncodeScratchBytes(), bound);
+  // Short texts keep their buffers (no allocation per call).
+  tok.Encode("another short text");
+  const size_t kept = tokenizer_detail::EncodeScratchBytes();
+  EXPECT_GT(kept, 0u);
+  tok.Encode("a short text");
+  EXPECT_EQ(tokenizer_detail::EncodeScratchBytes(), kept);
+}
+
+TEST(TokenizerMemory, WordCacheHoldsABoundedNumberOfBytes) {
+  std::unordered_map<std::string, int64_t> vocab;
+  for (int b = 0; b < 256; ++b) vocab[ByteLevelChars()[b]] = b;
+  tokenizer_detail::BpeModel bpe(vocab, {}, {});
+  std::mt19937 rng(1);
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 50000; ++i) {  // distinct 200-byte words: 50000 x ~1 KB without a bound
+    std::string word(200, 'a');
+    for (char& c : word) c = static_cast<char>('a' + rng() % 26);
+    ids.clear();
+    bpe.Encode(word, &ids);
+  }
+  using tokenizer_detail::WordCache;
+  EXPECT_GT(bpe.cache().bytes(), 0u);
+  EXPECT_LE(bpe.cache().bytes(), WordCache::kShards * WordCache::kShardCapacityBytes);
+}
+
+TEST(TokenizerMemory, RegexPoolKeepsNoMatcherOfALongText) {
+  tokenizer_detail::Regex regex(tokenizer_detail::kGpt2Pattern);
+  std::vector<tokenizer_detail::MatchSpan> spans;
+  regex.FindAll("a short text", &spans);
+  EXPECT_EQ(regex.pooled_matchers(), 1u);
+  regex.FindAll(std::string(tokenizer_detail::kMaxPooledMatcherTextBytes + 1, ' '), &spans);
+  EXPECT_EQ(regex.pooled_matchers(), 0u);  // the matcher of the long search was freed
+  regex.FindAll("a short text", &spans);
+  EXPECT_EQ(regex.pooled_matchers(), 1u);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 100; ++i) {
+    threads.emplace_back([&regex] {
+      std::vector<tokenizer_detail::MatchSpan> s;
+      for (int k = 0; k < 50; ++k) regex.FindAll("text on many threads", &s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_LE(regex.pooled_matchers(), tokenizer_detail::kMaxPooledMatchers);
+}
+
 // ---- Pre-tokenizers ---------------------------------------------------------------------------
 
 std::vector<std::string> Words(const tokenizer_detail::PreTokenizer& pre, std::string_view text) {

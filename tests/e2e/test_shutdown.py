@@ -77,6 +77,24 @@ class ShutdownTest(unittest.TestCase):
         finally:
             server.cleanup()
 
+    def test_generation_cut_at_the_deadline_is_logged_as_cut_by_it(self):
+        server = Server({"shutdown_timeout_seconds": 0, "log_level": "debug"}, name="cut").start()
+        try:
+            client = server.client()
+            call = client.generate_stream(client.generate_request([1, 2, 3], max_new_tokens=500, sample=True))
+            it = iter(call)
+            next(it)  # running now
+            server.proc.send_signal(15)
+            with self.assertRaises(grpc.RpcError):  # cut: the summary never comes
+                list(it)
+            self.assertEqual(server.proc.wait(timeout=30), 0)
+            client.close()
+            log = server.log()
+            self.assertRegex(log, r"Generate from \S+ -> UNAVAILABLE: cut by the shutdown deadline")
+            self.assertNotIn("cancelled by the client", log)
+        finally:
+            server.cleanup()
+
     def test_draining_server_says_not_serving_and_lets_a_train_job_finish(self):
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         import urllib.error
