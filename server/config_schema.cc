@@ -658,6 +658,9 @@ const std::vector<ConfigSection>& ConfigSections() {
       {"capture", ""},
       {"batching", ""},
       {"server", ""},
+      {"http",
+       "The HTTP front of the OpenAI-compatible API (server/http_server.h): deadlines for slow "
+       "clients, connection limits, threads. docs/security.md, \"Hostile HTTP clients\"."},
       {"auth", ""},
       {"tls", ""},
       {"limits", ""},

@@ -361,7 +361,7 @@ TEST(ServerConfig, UnknownKeysListTheKeysOfTheirLevel) {
   EXPECT_EQ(ErrorMessage("modle: x\n"),
             "modle: unknown key (line 1); known keys here: model, seed, dtype, device, "
             "model_stop_token_ids, tokenizer, parse_special_in_content, served_model_name, "
-            "buckets, capture, batching, server, auth, tls, limits, train, "
+            "buckets, capture, batching, server, http, auth, tls, limits, train, "
             "shutdown_timeout_seconds, log_level");
   EXPECT_EQ(ErrorMessage("buckets: 3\n"), "buckets: must be a mapping of keys (line 1)");
 }
