@@ -227,9 +227,9 @@ TEST(Buckets, PrefillUsesTheBatchSizesUpToMaxPrefillBatch) {
   EXPECT_EQ(b.max_prefill(), 4);
   EXPECT_EQ(b.max_batch(), 16);  // decode slots
   EXPECT_EQ(b.PickPrefill(3, 9)->Label(), "b4xs16");
-  EXPECT_FALSE(b.PickPrefill(5, 9).has_value());      // only decode goes past 4
+  EXPECT_FALSE(b.PickPrefill(5, 9).has_value());  // only decode goes past 4
   EXPECT_EQ(b.PickDecode(9, 20)->Label(), "b16xc32");
-  EXPECT_EQ(b.All(Region::kPrefill).size(), 6u);      // 3 batches x 2 seqs
+  EXPECT_EQ(b.All(Region::kPrefill).size(), 6u);  // 3 batches x 2 seqs
   EXPECT_EQ(b.All(Region::kPrefill).front().Label(), "b4xs16");
   EXPECT_EQ(b.All(Region::kDecode).size(), 5u);
   b.max_prefill_batch = 0;
@@ -275,7 +275,7 @@ TEST(Engine, PrefillGroupsStayWithinMaxPrefillBatchWhileDecodeTakesEverySlot) {
       prefill_runs += runs;
     }
   }
-  EXPECT_EQ(prefill_runs, 4);                    // 2 + 2 + 2 + 1
+  EXPECT_EQ(prefill_runs, 4);                          // 2 + 2 + 2 + 1
   EXPECT_GT(c.eager_runs.count("decode/b8xc32"), 0u);  // 7 sequences in one decode step
 }
 

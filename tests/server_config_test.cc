@@ -268,9 +268,8 @@ TEST(ServerConfig, DerivedBatchSizesNeedCudaAndTheirBoundsAreChecked) {
   EXPECT_EQ(ErrorPath("buckets: {max_decode_batch: 0}\n"), "buckets.max_decode_batch");
   EXPECT_EQ(ErrorPath("buckets: {batch_sizes: [4, 8], max_prefill_batch: 2}\n"),
             "buckets.max_prefill_batch");
-  EXPECT_EQ(FromYaml("buckets: {batch_sizes: [1, 8], max_prefill_batch: 2}\n")
-                .buckets.max_prefill_batch,
-            2);
+  const ServerConfig capped = FromYaml("buckets: {batch_sizes: [1, 8], max_prefill_batch: 2}\n");
+  EXPECT_EQ(capped.buckets.max_prefill_batch, 2);
 }
 
 TEST(ServerConfig, KeysOverrideDefaults) {
