@@ -50,16 +50,17 @@ int64_t KvCacheBytesPerSlot(const VlmConfig& cfg, int64_t context, int64_t dtype
 // An upper estimate of the CUDA graph pool that capturing every bucket of `buckets` takes, with
 // `decode_batch_sizes` as the decode batch list (batch_sizes may still be empty). The shared
 // pool was measured to grow with every captured prefill bucket by about that bucket's
-// activations (nanovlm-460m, bfloat16, docs/deployment.md "Choosing buckets": 31 KiB per prefill
-// token, 27 MiB per vision tile, about 0.7 MiB per decode row), so the estimate sums over the
-// buckets:
+// activations (nanovlm-460m, bfloat16, the per-bucket pool growth of vlmgraph-diagnose in
+// docs/benchmarks.md: 31 KiB per prefill token, 27 MiB per vision tile, about 0.7 MiB per decode
+// row), so the estimate sums over the buckets:
 //   dtype_bytes x (prefill tokens x (8 x lm_hidden_dim + 4 x lm_inter_dim)
 //                  + vision patches x (8 x vit_hidden_dim + 4 x vit_inter_dim))
 //   + decode rows x 16 x lm_vocab_size     (four float32 logits rows per decode row)
 // where prefill tokens = sum of b x s over the prefill buckets, vision patches = sum of tiles x
 // patches per tile over tile_counts, and decode rows = sum of b over the decode buckets, once per
 // context bucket. For nanovlm-460m in bfloat16 that is 35 KiB per prefill token, 36 MiB per tile
-// and 0.75 MiB per decode row.
+// and 0.75 MiB per decode row; for deploy/config.yaml's buckets 10.6 GiB, where an H100 capture
+// took 7.2 GiB (docs/benchmarks.md, "Many users per GPU").
 int64_t EstimateGraphPoolBytes(const VlmConfig& cfg, const BucketSpec& buckets,
                                const std::vector<int64_t>& decode_batch_sizes, int64_t dtype_bytes);
 
