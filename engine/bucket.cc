@@ -1,6 +1,7 @@
 #include "engine/bucket.h"
 
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <tuple>
 
@@ -41,8 +42,8 @@ bool BucketKey::operator==(const BucketKey& o) const {
 }
 
 namespace {
-void Normalise(std::vector<int64_t>* list, const char* name) {
-  if (list->empty())
+void Normalise(std::vector<int64_t>* list, const char* name, bool may_be_empty = false) {
+  if (list->empty() && !may_be_empty)
     throw std::invalid_argument(std::string("buckets.") + name + " must not be empty");
   for (int64_t v : *list) {
     if (v < 1) {
@@ -56,7 +57,7 @@ void Normalise(std::vector<int64_t>* list, const char* name) {
 }  // namespace
 
 void BucketSpec::Validate() {
-  Normalise(&batch_sizes, "batch_sizes");
+  Normalise(&batch_sizes, "batch_sizes", /*may_be_empty=*/true);
   Normalise(&seq_lens, "seq_lens");
   Normalise(&context_lens, "context_lens");
   Normalise(&tile_counts, "tile_counts");
@@ -68,6 +69,37 @@ void BucketSpec::Validate() {
         ") exceeds buckets.context_lens max (" + std::to_string(max_context()) +
         "): a prompt must fit the KV cache; raise context_lens or lower seq_lens");
   }
+  if (!(gpu_memory_utilization > 0 && gpu_memory_utilization <= 1)) {
+    throw std::invalid_argument("buckets.gpu_memory_utilization must lie in (0, 1], got " +
+                                std::to_string(gpu_memory_utilization));
+  }
+  if (max_decode_batch < 1) {
+    throw std::invalid_argument("buckets.max_decode_batch must be >= 1, got " +
+                                std::to_string(max_decode_batch));
+  }
+  if (max_prefill_batch < 1) {
+    throw std::invalid_argument("buckets.max_prefill_batch must be >= 1, got " +
+                                std::to_string(max_prefill_batch));
+  }
+  if (!batch_sizes.empty() && batch_sizes.front() > max_prefill_batch) {
+    throw std::invalid_argument("buckets.max_prefill_batch (" + std::to_string(max_prefill_batch) +
+                                ") is below every buckets.batch_sizes entry (smallest " +
+                                std::to_string(batch_sizes.front()) +
+                                "): no prefill bucket; raise max_prefill_batch");
+  }
+}
+
+std::vector<int64_t> BucketSpec::prefill_batch_sizes() const {
+  std::vector<int64_t> out;
+  for (int64_t b : batch_sizes) {
+    if (b <= max_prefill_batch) out.push_back(b);
+  }
+  return out;
+}
+
+int64_t BucketSpec::max_prefill() const {
+  auto it = std::upper_bound(batch_sizes.begin(), batch_sizes.end(), max_prefill_batch);
+  return it == batch_sizes.begin() ? 0 : *std::prev(it);
 }
 
 std::optional<int64_t> BucketSpec::Smallest(const std::vector<int64_t>& list, int64_t n) {
@@ -79,7 +111,7 @@ std::optional<int64_t> BucketSpec::Smallest(const std::vector<int64_t>& list, in
 std::optional<BucketKey> BucketSpec::PickPrefill(int64_t batch, int64_t seq) const {
   auto b = Smallest(batch_sizes, batch);
   auto s = Smallest(seq_lens, seq);
-  if (!b || !s) return std::nullopt;
+  if (!b || !s || *b > max_prefill_batch) return std::nullopt;
   return BucketKey{Region::kPrefill, *b, *s, 0};
 }
 
@@ -110,7 +142,7 @@ std::vector<BucketKey> BucketSpec::All(Region region) const {
       for (int64_t t : tile_counts) out.push_back({region, 0, 0, t});
       break;
     case Region::kPrefill:
-      for (int64_t b : batch_sizes)
+      for (int64_t b : prefill_batch_sizes())
         for (int64_t s : seq_lens) out.push_back({region, b, s, 0});
       break;
     case Region::kDecode:

@@ -45,6 +45,14 @@ class DeviceEvent {
 // Allocated and reserved bytes of the CUDA caching allocator on `device` (zeros on CPU).
 MemoryStats DeviceMemory(const at::Device& device);
 
+// Free and total bytes of `device` as the driver reports them (cudaMemGetInfo): free excludes
+// what any process holds, this one's caching allocator included. Zeros on CPU.
+struct DeviceCapacity {
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+DeviceCapacity DeviceMemoryCapacity(const at::Device& device);
+
 // Restarts the peak counters of DeviceMemory (no-op on CPU).
 void ResetPeakDeviceMemory(const at::Device& device);
 

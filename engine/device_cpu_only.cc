@@ -21,6 +21,7 @@ void DeviceEvent::Record() {}
 void DeviceEvent::Synchronize() {}
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
+DeviceCapacity DeviceMemoryCapacity(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 void ReleaseCachedMemory(const at::Device&) {
 #if defined(__GLIBC__)

@@ -9,6 +9,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "engine/bucket_sizing.h"
 #include "engine/device.h"
 #include "engine/engine_internal.h"
 #include "engine/sampler.h"
@@ -61,6 +62,7 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   for (auto& p : model_->parameters()) p.set_requires_grad(false);
   // Stacked q/k/v and gate/up weights: the fused CUDA decoder path (no-op for CPU inference).
   model_->decoder->FuseWeights();
+  if (b.batch_sizes.empty()) DeriveBatchSizes();
 
   const bool cuda = options_.device.is_cuda();
   if (cuda && options_.cuda_graphs) {
@@ -76,12 +78,13 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   auto act = at::TensorOptions().dtype(options_.dtype).device(options_.device);
   buffers_ = std::make_unique<Buffers>();
   Buffers& buf = *buffers_;
-  buf.ids = at::zeros({b.max_batch() * b.max_seq()}, i64);
+  // Prefill staging holds the largest prefill bucket; decode inputs and KV rows every slot.
+  buf.ids = at::zeros({b.max_prefill() * b.max_seq()}, i64);
   buf.scratch_row = b.max_batch();
-  buf.slots = at::full({b.max_batch()}, buf.scratch_row, i64);
-  buf.last = at::zeros({b.max_batch()}, i64);
+  buf.slots = at::full({b.max_prefill()}, buf.scratch_row, i64);
+  buf.last = at::zeros({b.max_prefill()}, i64);
   buf.tiles = at::zeros({b.max_tiles(), 3, cfg.vit_img_size, cfg.vit_img_size}, act);
-  buf.image_rows = at::zeros({b.max_batch() * b.max_seq(), cfg.lm_hidden_dim}, act);
+  buf.image_rows = at::zeros({b.max_prefill() * b.max_seq(), cfg.lm_hidden_dim}, act);
   buf.dec_in = at::zeros({DecodeInputBytes(b.max_batch())}, i64.dtype(at::kByte));
   const DecodeInputs dec = DecodeInputViews(buf.dec_in, b.max_batch());
   buf.dec_tokens = dec.tokens;
@@ -95,6 +98,36 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   overlap_decode_ = options_.overlap_decode_steps.value_or(cuda);
   buf.cache = KVCache::Allocate(cfg, b.max_batch() + 1, b.max_context(), act);
   slots_.resize(static_cast<size_t>(b.max_batch()));
+}
+
+void Engine::DeriveBatchSizes() {
+  BucketSpec& b = options_.buckets;
+  if (!options_.device.is_cuda()) {
+    throw Invalid(
+        "buckets.batch_sizes is empty: it is derived from device memory on CUDA devices only; "
+        "give the list on " +
+        options_.device.str());
+  }
+  // What the weights (and the CUDA context, and other processes) hold, without the blocks the
+  // caching allocator keeps from loading.
+  ReleaseCachedMemory(options_.device);
+  const DeviceCapacity capacity = DeviceMemoryCapacity(options_.device);
+  const int64_t dtype_bytes = options_.dtype == at::kBFloat16 ? 2 : 4;
+  DecodeSizing sizing;
+  try {
+    sizing = SizeDecodeBatches(model_->cfg, b, dtype_bytes,
+                               DeviceBudget{capacity.total_bytes, capacity.free_bytes});
+  } catch (const std::invalid_argument& e) {
+    throw EngineError(EngineError::Code::kResourceExhausted, e.what());
+  }
+  b.batch_sizes = sizing.batch_sizes;
+  try {
+    b.Validate();
+  } catch (const std::invalid_argument& e) {
+    throw Invalid(e.what());
+  }
+  derived_graph_pool_estimate_bytes_ = sizing.graph_pool_bytes;
+  LogInfo(sizing.Summary(b.gpu_memory_utilization, b.max_decode_batch));
 }
 
 Engine::~Engine() {
@@ -248,7 +281,11 @@ void Engine::Warmup() {
     LogInfo(
         LogFormat("capture summary: %zu graphs in %.2f s, graph pool %.1f MiB, KV cache %.1f MiB",
                   keys.size(), SecondsSince(t0), graph_pool_bytes_.load() / 1048576.0,
-                  buffers_->cache.bytes() / 1048576.0));
+                  buffers_->cache.bytes() / 1048576.0) +
+        (derived_graph_pool_estimate_bytes_ > 0
+             ? LogFormat(" (graph pool estimated %.1f MiB when batch_sizes was derived)",
+                         derived_graph_pool_estimate_bytes_ / 1048576.0)
+             : std::string()));
   }
 }
 
@@ -493,9 +530,9 @@ std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
       ids.push_back(seq->id);
       slots_[slot] = std::move(seq);
     }
-    // Group consecutive requests into prefill batches of at most max_batch rows whose prompts fit
-    // the largest seq bucket. A longer prompt goes alone: no bucket fits it, so Prefill runs it at
-    // its exact length, eagerly.
+    // Group consecutive requests into prefill batches of at most max_prefill() rows whose prompts
+    // fit the largest seq bucket. A longer prompt goes alone: no bucket fits it, so Prefill runs it
+    // at its exact length, eagerly.
     const auto& b = options_.buckets;
     auto fits = [&](size_t k) {
       return static_cast<int64_t>(requests[k].input_ids.size()) <= b.max_seq();
@@ -512,7 +549,7 @@ std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
         group_slots.push_back(seqs[i]->slot);
         ++i;
       } while (!alone && i < requests.size() &&
-               static_cast<int64_t>(group.size()) < b.max_batch() && fits(i));
+               static_cast<int64_t>(group.size()) < b.max_prefill() && fits(i));
       const DispatchResult r = Prefill(group, group_slots, [&] {
         const at::Tensor slots = at::tensor(group_slots, at::kLong).to(options_.device);
         return PrefillExact(ToExactPrompts(group), slots, /*write_cache=*/true);

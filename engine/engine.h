@@ -1,6 +1,7 @@
 // engine/engine.h: bucketed, graph-replayed inference for a nanoVLM model.
 //
-// The engine owns the model on its device, a static KV cache with one row per decode slot, static
+// The engine owns the model on its device, a static KV cache with one row per decode slot (as many
+// as the device's memory holds when buckets.batch_sizes is empty: engine/bucket_sizing.h), static
 // input/output buffers, and a StepRunner that either replays a CUDA graph captured per bucket
 // (CUDA builds, CUDA device) or runs the same code eagerly (CPU, or capture switched off). It
 // knows nothing about gRPC.
@@ -170,6 +171,10 @@ class Engine {
   struct Buffers;
   struct QueuedStep;
 
+  // Fills the empty buckets.batch_sizes from the device's free memory, the weights already on it
+  // (engine/bucket_sizing.h, Note [Decode slots from device memory]), and logs the arithmetic.
+  // Throws EngineError: kInvalidArgument on a CPU device, kResourceExhausted when no slot fits.
+  void DeriveBatchSizes();
   // The region function of a bucket, over the static buffers.
   RegionFn MakeRegionFn(const BucketKey& key);
   // Runs a vision or prefill region through the dispatcher (engine/dispatch.h: the smallest
@@ -242,7 +247,8 @@ class Engine {
   SequenceId next_id_ = 0;
   bool warmed_up_ = false;
   EngineObserver* observer_ = nullptr;
-  std::atomic<int64_t> graph_pool_bytes_{0};  // refreshed on the GPU thread after captures
+  std::atomic<int64_t> graph_pool_bytes_{0};       // refreshed on the GPU thread after captures
+  int64_t derived_graph_pool_estimate_bytes_ = 0;  // DeriveBatchSizes' estimate; 0 = not derived
   mutable std::mutex counters_mu_;
   EngineCounters counters_;
 };

@@ -200,6 +200,17 @@ void ValidateConfig(const ServerConfig& c) {
     throw ServerConfigError("device", "must be 'cpu', 'cuda' or 'cuda:N', got '" + c.device + "'");
   }
   const auto& b = c.buckets;
+  if (b.batch_sizes.empty() && c.device == "cpu") {
+    throw ServerConfigError(
+        "buckets.batch_sizes",
+        "must not be empty on CPU ([] = derived from device memory, CUDA only)");
+  }
+  if (!b.batch_sizes.empty() &&
+      *std::min_element(b.batch_sizes.begin(), b.batch_sizes.end()) > b.max_prefill_batch) {
+    throw ServerConfigError("buckets.max_prefill_batch",
+                            "is below every buckets.batch_sizes entry, so no prefill bucket is "
+                            "left; raise it to at least the smallest entry");
+  }
   const int64_t max_seq = *std::max_element(b.seq_lens.begin(), b.seq_lens.end());
   const int64_t max_ctx = *std::max_element(b.context_lens.begin(), b.context_lens.end());
   if (max_seq > max_ctx) {

@@ -151,8 +151,8 @@ ServerConfig FillDefaults(const RawConfig& raw);
 
 // Step 3: the ranges of the table, then consistency: `model` names a preset or a directory with a
 // config.json, device syntax, addresses, seq_lens vs context_lens, default_max_new_tokens vs
-// max_new_tokens, the tokenizer file. Does not check that a CUDA device exists (main does, when
-// building the engine).
+// max_new_tokens, batch_sizes [] on CUDA only and max_prefill_batch vs batch_sizes, the tokenizer
+// file. Does not check that a CUDA device exists (main does, when building the engine).
 void ValidateConfig(const ServerConfig& config);
 
 // Parses a YAML document (file contents); errors name `source_name` and the line.

@@ -187,7 +187,8 @@ class KeyBuilder {
         throw ServerConfigError(name_, "must be >= 0, got " + std::to_string(v) + YamlLine(n));
       return static_cast<uint64_t>(v);
     } else if constexpr (std::is_same_v<T, double>) {
-      return ScalarAs<double>(n, name_, "a number of seconds");
+      const bool seconds = name_.size() > 8 && name_.compare(name_.size() - 8, 8, "_seconds") == 0;
+      return ScalarAs<double>(n, name_, seconds ? "a number of seconds" : "a number");
     } else {  // a string, or an enum by name
       const std::string s = ScalarAs<std::string>(n, name_, "a string");
       if constexpr (std::is_same_v<T, std::string>) {
@@ -234,6 +235,8 @@ class KeyBuilder {
       throw std::logic_error("config key " + name_ + ": a value without a name");
     } else if constexpr (std::is_same_v<T, std::string>) {
       out << (secret_ && !v.empty() ? std::string("<set>") : v);
+    } else if constexpr (std::is_same_v<T, double>) {
+      out << YAML::DoublePrecision(15) << v;  // 0.9, not 0.90000000000000002
     } else {
       out << v;
     }
@@ -304,6 +307,15 @@ const BucketSpec& CpuBuckets() {
     return b;
   }();
   return spec;
+}
+
+// buckets.batch_sizes: the CPU list, or [] on CUDA, where the engine derives the list from the
+// device's memory once the weights are loaded (engine/bucket_sizing.h).
+Derivation<IntList> BatchSizesDefault() {
+  return {"[1, 2, 4, 8] on CPU; [] on CUDA: derived at start from the device's memory",
+          [](const ServerConfig& c) {
+            return c.device == "cpu" ? CpuBuckets().batch_sizes : IntList{};
+          }};
 }
 
 Derivation<IntList> BucketDefault(IntList BucketSpec::*list) {
@@ -396,11 +408,38 @@ std::vector<ConfigKey> BuildKeys() {
           .NonEmpty(),
 
       Key("buckets.batch_sizes", &SC::buckets, &BucketSpec::batch_sizes)
-          .Doc("Sequences per prefill and decode step. The largest entry is the number of "
-               "KV-cache slots: how many sequences decode together (continuous batching).")
-          .Derived(BucketDefault(&BucketSpec::batch_sizes))
-          .AtLeast(1)
-          .NonEmpty(),
+          .Doc("Sequences per decode step, and per prefill step up to max_prefill_batch. The "
+               "largest entry is the number of KV-cache slots: how many sequences decode "
+               "together (continuous batching). [] (on CUDA only) = derived at start, once the "
+               "weights are on the device: the KV cache gets gpu_memory_utilization x the "
+               "device's memory less what is in use, the graph pool estimate and the buffers, "
+               "each slot costing 2 x layers x KV heads x head dim x max(context_lens) x dtype "
+               "bytes; the list is the powers of two up to the slots that fit, at most "
+               "max_decode_batch (the start-up log shows the arithmetic).")
+          .Derived(BatchSizesDefault())
+          .AtLeast(1),
+      Key("buckets.gpu_memory_utilization", &SC::buckets, &BucketSpec::gpu_memory_utilization)
+          .Doc("With batch_sizes [] (derived): the fraction of the device's memory that the "
+               "weights, the KV cache and the CUDA graph pool may take together (vLLM's "
+               "gpu_memory_utilization). Lower it when other processes share the GPU.")
+          .Default(0.9)
+          .Range(0.01, 1),
+      Key("buckets.max_decode_batch", &SC::buckets, &BucketSpec::max_decode_batch)
+          .Doc("With batch_sizes [] (derived): the most KV-cache slots, i.e. sequences decoding "
+               "together, whatever memory is left (vLLM's max_num_seqs). Each decode batch bucket "
+               "is one more graph per context_lens entry to capture.")
+          .Default(256)
+          .Range(1, 65536),
+      Key("buckets.max_prefill_batch", &SC::buckets, &BucketSpec::max_prefill_batch)
+          .Doc("Prefill batch buckets are the batch_sizes entries up to this; larger batches "
+               "decode only. A prefill bucket's activations, and so the graph pool, grow with "
+               "batch x seq, while padding a decode row costs little.")
+          .Derived({"max(batch_sizes), or 32 when batch_sizes is [] (derived)",
+                    [](const SC& c) {
+                      const IntList& b = c.buckets.batch_sizes;
+                      return b.empty() ? int64_t{32} : *std::max_element(b.begin(), b.end());
+                    }})
+          .Range(1, 65536),
       Key("buckets.seq_lens", &SC::buckets, &BucketSpec::seq_lens)
           .Doc("Prompt tokens per prefill row (image tokens included: 64 per tile for "
                "nanovlm-460m). The largest entry must not exceed the largest context_lens "
@@ -654,7 +693,8 @@ const std::vector<ConfigSection>& ConfigSections() {
        "unpadded run. More buckets = less padding but longer start-up and more graph memory. "
        "Lists are sorted and de-duplicated. The defaults depend on the device: small buckets on "
        "CPU, where every region runs eagerly and padding is pure waste; on CUDA the engine's "
-       "(sized for nanovlm-460m)."},
+       "(sized for nanovlm-460m), with the decode batch buckets derived from the device's memory "
+       "(docs/deployment.md, \"Choosing buckets\")."},
       {"capture", ""},
       {"batching", ""},
       {"server", ""},

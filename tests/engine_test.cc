@@ -17,9 +17,11 @@
 #include <malloc.h>
 #endif
 
+#include "engine/bucket_sizing.h"
 #include "engine/device.h"
 #include "engine/step_runner.h"
 #include "model/checkpoint.h"
+#include "model/kv_cache.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {
@@ -212,6 +214,185 @@ TEST(Buckets, ValidateNamesTheBadList) {
   c.seq_lens = {2048};
   c.context_lens = {1024};
   EXPECT_THROW(c.Validate(), std::invalid_argument);
+}
+
+TEST(Buckets, PrefillUsesTheBatchSizesUpToMaxPrefillBatch) {
+  BucketSpec b;
+  b.batch_sizes = {1, 2, 4, 8, 16};
+  b.seq_lens = {8, 16};
+  b.context_lens = {32};
+  b.max_prefill_batch = 5;  // between entries: prefill batches 1, 2, 4
+  b.Validate();
+  EXPECT_EQ(b.prefill_batch_sizes(), (std::vector<int64_t>{1, 2, 4}));
+  EXPECT_EQ(b.max_prefill(), 4);
+  EXPECT_EQ(b.max_batch(), 16);  // decode slots
+  EXPECT_EQ(b.PickPrefill(3, 9)->Label(), "b4xs16");
+  EXPECT_FALSE(b.PickPrefill(5, 9).has_value());  // only decode goes past 4
+  EXPECT_EQ(b.PickDecode(9, 20)->Label(), "b16xc32");
+  EXPECT_EQ(b.All(Region::kPrefill).size(), 6u);  // 3 batches x 2 seqs
+  EXPECT_EQ(b.All(Region::kPrefill).front().Label(), "b4xs16");
+  EXPECT_EQ(b.All(Region::kDecode).size(), 5u);
+  b.max_prefill_batch = 0;
+  EXPECT_THROW(b.Validate(), std::invalid_argument);
+  BucketSpec c;
+  c.batch_sizes = {4, 8};
+  c.max_prefill_batch = 2;  // below every entry: no prefill bucket at all
+  try {
+    c.Validate();
+    FAIL() << "validated";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("buckets.max_prefill_batch"), std::string::npos);
+  }
+  BucketSpec derived;
+  derived.batch_sizes = {};  // left to the engine: Validate keeps it empty
+  EXPECT_NO_THROW(derived.Validate());
+  EXPECT_TRUE(derived.batch_sizes.empty());
+  derived.gpu_memory_utilization = 1.5;
+  EXPECT_THROW(derived.Validate(), std::invalid_argument);
+}
+
+// Admit groups prompts into prefill batches of at most max_prefill() rows, while all of them
+// decode together in one batch bucket.
+TEST(Engine, PrefillGroupsStayWithinMaxPrefillBatchWhileDecodeTakesEverySlot) {
+  BucketSpec b = SmallBuckets();
+  b.batch_sizes = {1, 2, 4, 8};
+  b.max_prefill_batch = 2;
+  auto engine = MakeEngine(at::kCPU, false, b);
+  std::vector<GenerateRequest> reqs(7);
+  std::mt19937 rng(5);
+  for (auto& r : reqs) {
+    r.input_ids = RandomPrompt(rng, 6, 1000);
+    r.sampling.max_new_tokens = 3;
+  }
+  const auto out = engine->Generate(reqs);
+  for (const auto& tokens : out) EXPECT_EQ(tokens.size(), 3u);
+  const EngineCounters c = engine->Counters();
+  EXPECT_EQ(c.eager_fallbacks, 0);
+  int64_t prefill_runs = 0;
+  for (const auto& [key, runs] : c.eager_runs) {
+    if (key.rfind("prefill/", 0) == 0) {
+      EXPECT_TRUE(key == "prefill/b1xs8" || key == "prefill/b2xs8") << key;
+      prefill_runs += runs;
+    }
+  }
+  EXPECT_EQ(prefill_runs, 4);                          // 2 + 2 + 2 + 1
+  EXPECT_GT(c.eager_runs.count("decode/b8xc32"), 0u);  // 7 sequences in one decode step
+}
+
+TEST(Engine, EmptyBatchSizesAreDerivedOnCudaOnly) {
+  BucketSpec b = SmallBuckets();
+  b.batch_sizes = {};
+  try {
+    MakeEngine(at::kCPU, false, b);
+    FAIL() << "built";
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("buckets.batch_sizes"), std::string::npos);
+  }
+}
+
+// nanovlm-460m with deploy/config.yaml's buckets.
+BucketSpec DeployBuckets() {
+  BucketSpec b;
+  b.batch_sizes = {};
+  b.seq_lens = {128, 256, 512, 1024, 2048};
+  b.context_lens = {1024, 2048, 4096};
+  b.tile_counts = {1, 2, 4, 8, 17};
+  b.Validate();
+  return b;
+}
+
+// SmolLM2-135M's language model shape (the nanoVLM-222M decoder) with the default vision side.
+VlmConfig SmolLm2Shape() {
+  VlmConfig c = VlmConfig::Preset("nanovlm-460m");
+  c.lm_hidden_dim = 576;
+  c.lm_inter_dim = 1536;
+  c.lm_n_heads = 9;
+  c.lm_n_kv_heads = 3;
+  c.lm_n_blocks = 30;
+  return c;
+}
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+TEST(BucketSizing, KvCacheBytesPerSlotIsTwoLayersKvHeadsHeadDimContextDtype) {
+  const VlmConfig m460 = VlmConfig::Preset("nanovlm-460m");
+  EXPECT_EQ(KvCacheBytesPerSlot(m460, 4096, 2), int64_t{160} << 20);  // 2 x 32 x 5 x 64 x 4096 x 2
+  EXPECT_EQ(KvCacheBytesPerSlot(m460, 1024, 4), int64_t{80} << 20);
+  EXPECT_EQ(KvCacheBytesPerSlot(SmolLm2Shape(), 4096, 2), int64_t{90} << 20);
+  // The formula is the KV cache's real size: a cache of N rows is N slots' worth.
+  const VlmConfig tiny = VlmConfig::Preset("nanovlm-tiny");
+  const KVCache cache = KVCache::Allocate(tiny, 3, 48, at::TensorOptions().dtype(at::kBFloat16));
+  EXPECT_EQ(cache.bytes(), 3 * KvCacheBytesPerSlot(tiny, 48, 2));
+}
+
+TEST(BucketSizing, DecodeBucketsArePowersOfTwoThenTheSlots) {
+  EXPECT_EQ(DecodeBatchBuckets(256), (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256}));
+  EXPECT_EQ(DecodeBatchBuckets(100), (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 96}));
+  EXPECT_EQ(DecodeBatchBuckets(12), (std::vector<int64_t>{1, 2, 4, 8}));
+  EXPECT_EQ(DecodeBatchBuckets(6), (std::vector<int64_t>{1, 2, 4, 6}));
+  EXPECT_EQ(DecodeBatchBuckets(1), (std::vector<int64_t>{1}));
+  EXPECT_THROW(DecodeBatchBuckets(0), std::invalid_argument);
+}
+
+TEST(BucketSizing, An80GiBCardServes256SlotsOf460mAndASmallerCardFewer) {
+  const VlmConfig m460 = VlmConfig::Preset("nanovlm-460m");
+  const BucketSpec b = DeployBuckets();
+  // 80 GiB, 2 GiB in use after loading: 0.9 x 80 - 2 - 10.6 (pool) - 0.14 (buffers) = 59.3 GiB
+  // for the KV cache = 378 slots of 160 MiB, capped at 256.
+  DecodeSizing s = SizeDecodeBatches(m460, b, 2, {80 * kGiB, 78 * kGiB});
+  EXPECT_EQ(s.slots_that_fit, 378);
+  EXPECT_EQ(s.slots, 256);
+  EXPECT_EQ(s.batch_sizes, DecodeBatchBuckets(256));
+  EXPECT_EQ(s.kv_bytes_per_slot, int64_t{160} << 20);
+  // 24 GiB, 1.5 GiB in use: 9.36 GiB for the KV cache = 59 rows = 58 slots + the spare row.
+  s = SizeDecodeBatches(m460, b, 2, {24 * kGiB, 24 * kGiB - 3 * kGiB / 2});
+  EXPECT_EQ(s.slots_that_fit, 58);
+  EXPECT_EQ(s.batch_sizes, (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 56}));
+  // The SmolLM2-135M shape: 90 MiB per slot, a smaller pool: 144 slots fit in 24 GiB.
+  s = SizeDecodeBatches(SmolLm2Shape(), b, 2, {24 * kGiB, 24 * kGiB - 3 * kGiB / 2});
+  EXPECT_EQ(s.slots_that_fit, 144);
+  EXPECT_EQ(s.batch_sizes, (std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 144}));
+  // A higher cap lets a big card take more.
+  BucketSpec wide = b;
+  wide.max_decode_batch = 1024;
+  s = SizeDecodeBatches(SmolLm2Shape(), wide, 2, {80 * kGiB, 78 * kGiB});
+  EXPECT_GT(s.slots, 256);
+  EXPECT_EQ(s.slots, s.slots_that_fit / 8 * 8);
+}
+
+TEST(BucketSizing, WeightsKvCachePoolAndBuffersStayWithinTheUtilisation) {
+  const VlmConfig m460 = VlmConfig::Preset("nanovlm-460m");
+  for (double utilisation : {0.5, 0.9, 1.0}) {
+    for (int64_t total : {12 * kGiB, 24 * kGiB, 40 * kGiB, 80 * kGiB, 141 * kGiB}) {
+      BucketSpec b = DeployBuckets();
+      b.gpu_memory_utilization = utilisation;
+      const int64_t in_use = kGiB + total / 100;
+      DecodeSizing s;
+      try {
+        s = SizeDecodeBatches(m460, b, 2, {total, total - in_use});
+      } catch (const std::invalid_argument&) {
+        continue;  // nothing fits (12 GiB at 0.5): the next test checks the message
+      }
+      const int64_t used = in_use + s.graph_pool_bytes + s.buffer_bytes +
+                           (s.slots + 1) * KvCacheBytesPerSlot(m460, 4096, 2);
+      EXPECT_LE(used, utilisation * total) << utilisation << " of " << total;
+      EXPECT_LE(s.slots, b.max_decode_batch);
+      EXPECT_EQ(s.slots, s.batch_sizes.back());
+    }
+  }
+}
+
+TEST(BucketSizing, NoSlotThatFitsIsAnErrorNamingTheKeys) {
+  BucketSpec b = DeployBuckets();
+  try {
+    SizeDecodeBatches(VlmConfig::Preset("nanovlm-460m"), b, 2, {16 * kGiB, 4 * kGiB});
+    FAIL() << "sized";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("buckets.gpu_memory_utilization"), std::string::npos) << what;
+    EXPECT_NE(what.find("context_lens"), std::string::npos) << what;
+  }
 }
 
 TEST(Engine, OverlappedDecodeStepsEqualPlainSteps) {
@@ -651,6 +832,33 @@ TEST(EngineGraphs, ManyShapesCauseNoNewCapturesAfterWarmup_CUDA) {
   const MemoryStats m = engine->Memory();
   EXPECT_GT(m.graph_pool_bytes, 0);
   EXPECT_GE(m.reserved_bytes, m.allocated_bytes);
+}
+
+// With batch_sizes left empty the engine sizes the KV cache from the device's free memory after
+// loading the weights: its slots are what the cap allows, and the cache, the pool and the weights
+// stay within the utilisation.
+TEST(EngineGraphs, EmptyBatchSizesAreDerivedFromDeviceMemory_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  BucketSpec b = SmallBuckets();
+  b.batch_sizes = {};
+  b.max_decode_batch = 24;
+  b.max_prefill_batch = 4;
+  auto engine = MakeEngine(at::kCUDA, true, b, at::kBFloat16);
+  EXPECT_EQ(engine->options().buckets.batch_sizes, (std::vector<int64_t>{1, 2, 4, 8, 16, 24}));
+  EXPECT_EQ(engine->FreeSlots(), 24);
+  engine->Warmup();
+  const EngineCounters c = engine->Counters();
+  EXPECT_EQ(c.captures.count("decode/b24xc64"), 1u);
+  EXPECT_EQ(c.captures.count("prefill/b8xs32"), 0u);  // above max_prefill_batch
+  const MemoryStats m = engine->Memory();
+  EXPECT_EQ(m.kv_cache_bytes, 25 * KvCacheBytesPerSlot(engine->model_config(), 64, 2));
+  const DeviceCapacity cap = DeviceMemoryCapacity(at::Device(at::kCUDA, 0));
+  EXPECT_GT(cap.total_bytes, 0);
+  EXPECT_LE(cap.total_bytes - cap.free_bytes, 0.9 * cap.total_bytes);
+  std::vector<GenerateRequest> reqs(30, FixtureRequests(1)[0]);
+  for (auto& r : reqs) r.sampling.max_new_tokens = 4;
+  for (const auto& tokens : engine->Generate(reqs)) EXPECT_EQ(tokens.size(), 4u);
+  EXPECT_EQ(engine->Counters().TotalCaptures(), c.TotalCaptures());
 }
 
 // A Train job captures graphs of its own and destroys them at its end. What they leave behind

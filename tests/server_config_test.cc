@@ -78,8 +78,8 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [model, seed, dtype, device, stop_ids, tokenizer, parse_special_in_content,
                served_model_name, buckets, capture, batching, endpoints, http, auth, tls, limits,
                train, shutdown_timeout_seconds, log_level] = c;
-  const auto& [batch_sizes, seq_lens, context_lens, tile_counts, train_batch_sizes, train_seq_lens,
-               oversize] = buckets;
+  const auto& [batch_sizes, gpu_memory_utilization, max_decode_batch, max_prefill_batch, seq_lens,
+               context_lens, tile_counts, train_batch_sizes, train_seq_lens, oversize] = buckets;
   const auto& [enabled, lazy, pdl] = capture;
   const auto& [max_queue_delay_us, max_queue_size] = batching;
   const auto& [grpc_address, metrics_address, http_address, api_key] = endpoints;
@@ -100,6 +100,9 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(parse_special_in_content),
           Text(served_model_name),
           Text(batch_sizes),
+          Text(gpu_memory_utilization),
+          Text(max_decode_batch),
+          Text(max_prefill_batch),
           Text(seq_lens),
           Text(context_lens),
           Text(tile_counts),
@@ -155,6 +158,9 @@ ServerConfig NonDefaultConfig() {
   c.parse_special_in_content = true;
   c.served_model_name = "my-vlm";
   c.buckets.batch_sizes = {1, 3};
+  c.buckets.gpu_memory_utilization = 0.5;
+  c.buckets.max_decode_batch = 100;
+  c.buckets.max_prefill_batch = 2;
   c.buckets.seq_lens = {16, 48};
   c.buckets.context_lens = {64, 96};
   c.buckets.tile_counts = {1, 5};
@@ -218,8 +224,54 @@ TEST(ServerConfig, EmptyFileIsTheCpuQuickStart) {
 
 TEST(ServerConfig, CudaDefaultsAreTheEngines) {
   const ServerConfig c = FromYaml("device: cuda\n");
-  EXPECT_EQ(c.buckets.batch_sizes, BucketSpec{}.batch_sizes);
+  EXPECT_TRUE(c.buckets.batch_sizes.empty());  // derived from device memory by the engine
+  EXPECT_EQ(c.buckets.gpu_memory_utilization, 0.9);
+  EXPECT_EQ(c.buckets.max_decode_batch, 256);
+  EXPECT_EQ(c.buckets.max_prefill_batch, 32);
   EXPECT_EQ(c.buckets.context_lens, BucketSpec{}.context_lens);
+  // The engine gets the bounds of the derivation (ToEngineOptions needs a CUDA device for cuda).
+  const EngineOptions o =
+      ToEngineOptions(FromYaml("buckets: {gpu_memory_utilization: 0.5, max_decode_batch: 64}\n"));
+  EXPECT_EQ(o.buckets.gpu_memory_utilization, 0.5);
+  EXPECT_EQ(o.buckets.max_decode_batch, 64);
+  EXPECT_EQ(o.buckets.max_prefill_batch, 8);
+}
+
+// --print-config prints ConfigToYaml of the loaded config: on CUDA the derived default of
+// batch_sizes ([] = from device memory) with the keys that bound it; on CPU the small list.
+TEST(ServerConfig, DerivedBatchSizesAppearInPrintConfig) {
+  const std::string cuda = ConfigToYaml(FromArgs({"--device", "cuda"}));
+  EXPECT_NE(cuda.find("  batch_sizes: []\n  gpu_memory_utilization: 0.9\n  max_decode_batch: "
+                      "256\n  max_prefill_batch: 32\n"),
+            std::string::npos)
+      << cuda;
+  const std::string cpu = ConfigToYaml(FromArgs({}));
+  EXPECT_NE(cpu.find("  batch_sizes: [1, 2, 4, 8]\n"), std::string::npos) << cpu;
+  EXPECT_NE(cpu.find("  max_prefill_batch: 8\n"), std::string::npos) << cpu;
+  // A list given keeps today's meaning: every entry is a prefill bucket too.
+  const std::string given = ConfigToYaml(
+      FromArgs({"--device", "cuda", "--set", "buckets.batch_sizes=[1,2,4,8,16,32,64]"}));
+  EXPECT_NE(given.find("  batch_sizes: [1, 2, 4, 8, 16, 32, 64]\n"), std::string::npos);
+  EXPECT_NE(given.find("  max_prefill_batch: 64\n"), std::string::npos);
+  // What is printed loads back to the same config (the derivation stays live).
+  EXPECT_EQ(ConfigToYaml(FromYaml(cuda)), cuda);
+}
+
+TEST(ServerConfig, DerivedBatchSizesNeedCudaAndTheirBoundsAreChecked) {
+  EXPECT_EQ(ErrorMessage("buckets: {batch_sizes: []}\n"),
+            "buckets.batch_sizes: must not be empty on CPU ([] = derived from device memory, "
+            "CUDA only)");
+  EXPECT_EQ(ErrorPath("device: cuda\nbuckets: {batch_sizes: []}\n"), "");
+  EXPECT_EQ(ErrorMessage("buckets: {gpu_memory_utilization: 1.5}\n"),
+            "buckets.gpu_memory_utilization: must lie in [0.01, 1], got 1.5");
+  EXPECT_NE(ErrorMessage("buckets: {gpu_memory_utilization: most}\n")
+                .find("buckets.gpu_memory_utilization: must be a number, got 'most'"),
+            std::string::npos);
+  EXPECT_EQ(ErrorPath("buckets: {max_decode_batch: 0}\n"), "buckets.max_decode_batch");
+  EXPECT_EQ(ErrorPath("buckets: {batch_sizes: [4, 8], max_prefill_batch: 2}\n"),
+            "buckets.max_prefill_batch");
+  const ServerConfig capped = FromYaml("buckets: {batch_sizes: [1, 8], max_prefill_batch: 2}\n");
+  EXPECT_EQ(capped.buckets.max_prefill_batch, 2);
 }
 
 TEST(ServerConfig, KeysOverrideDefaults) {
@@ -453,7 +505,7 @@ TEST(ServerConfig, DocumentedYamlWritesSetValuesDefaultsAndLiveDerivations) {
             std::string::npos);
   // Loaded back, the derivations follow the values: CUDA buckets, 2 images' bytes + 4 MiB.
   const ServerConfig c = FromYaml(doc);
-  EXPECT_EQ(c.buckets.batch_sizes, BucketSpec{}.batch_sizes);
+  EXPECT_TRUE(c.buckets.batch_sizes.empty());
   EXPECT_EQ(c.limits.max_request_bytes, 2 * c.limits.max_image_bytes + (4 << 20));
   EXPECT_EQ(ConfigToYaml(c), ConfigToYaml(FromYaml("device: cuda\nlimits: "
                                                    "{max_images_per_request: 2}\n")));

@@ -3,6 +3,7 @@
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -69,6 +70,17 @@ MemoryStats DeviceMemory(const at::Device& device) {
   m.peak_allocated_bytes = stats.allocated_bytes[kAll].peak;
   m.peak_reserved_bytes = stats.reserved_bytes[kAll].peak;
   return m;
+}
+
+DeviceCapacity DeviceMemoryCapacity(const at::Device& device) {
+  DeviceCapacity c;
+  if (!device.is_cuda()) return c;
+  c10::cuda::CUDAGuard guard(device);
+  size_t free_bytes = 0, total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  c.free_bytes = static_cast<int64_t>(free_bytes);
+  c.total_bytes = static_cast<int64_t>(total_bytes);
+  return c;
 }
 
 void ResetPeakDeviceMemory(const at::Device& device) {
