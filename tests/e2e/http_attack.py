@@ -230,8 +230,8 @@ def big_body(url, key, pid, megabytes=200, with_key=False, path="/v1/chat/comple
             "bytes_sent_before_answer": sent, "rss_growth_mib": round(max(peak, rss1) - rss0, 1)}
 
 
-async def _sse_stream(host, port, body, key, hold_until, counts):
-    reader, writer = await asyncio.open_connection(host, port)
+async def _sse_stream(host, port, source, body, key, hold_until, counts):
+    reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
     writer.write(request_bytes("POST", "/v1/chat/completions", body, key))
     await writer.drain()
     try:
@@ -264,8 +264,8 @@ def sse_streams(url, key, model, pid, streams=2000, seconds=20, max_tokens=64):
     hold_until = time.monotonic() + seconds
 
     async def run():
-        await asyncio.gather(*[_sse_stream(host, port, body, key, hold_until, counts)
-                               for _ in range(streams)], return_exceptions=True)
+        await asyncio.gather(*[_sse_stream(host, port, SOURCES[i % len(SOURCES)], body, key, hold_until,
+                                           counts) for i in range(streams)], return_exceptions=True)
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=lambda: loop.run_until_complete(run()), daemon=True)
