@@ -103,6 +103,12 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
   if (!config.server.http_address.empty())
     http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get(), &keys);
+  if (http) {
+    metrics.SetScrapeHook([&http, &metrics] {
+      const HttpServerStats s = http->stats();
+      metrics.ObserveHttpFront(s.open_connections, s.refused_connections, s.timed_out_requests);
+    });
+  }
   const std::string metrics_address =
       Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
   LogInfo(std::string("serving: graphs ") + (engine.graphs_enabled() ? "on" : "off") +
@@ -139,6 +145,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   service.SetShutdownDeadline(deadline);  // what is cancelled from here on was cut by it
   grpc_server.Shutdown(left_seconds);     // every handler has returned after this
   if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
+  metrics.SetScrapeHook(nullptr);  // the front's counters go with it
   if (const std::string fault = scheduler.device_fault(); !fault.empty()) {
     LogError("exiting with status 1 after a device fault: " + fault);
     std::fflush(nullptr);

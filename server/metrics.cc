@@ -122,6 +122,23 @@ Metrics::Metrics(const std::string& metrics_address)
                         .Name("vlmgraph_http_requests_total")
                         .Help("Finished requests of the OpenAI-compatible HTTP API by status")
                         .Register(r);
+  http_open_connections_ = &BuildGauge()
+                                .Name("vlmgraph_http_open_connections")
+                                .Help("Open connections of the HTTP front (OpenAI-compatible API)")
+                                .Register(r)
+                                .Add({});
+  http_refused_connections_ = &BuildCounter()
+                                   .Name("vlmgraph_http_refused_connections_total")
+                                   .Help("HTTP connections refused (503) over http.max_connections "
+                                         "or http.max_connections_per_client")
+                                   .Register(r)
+                                   .Add({});
+  http_timed_out_requests_ = &BuildCounter()
+                                  .Name("vlmgraph_http_timed_out_requests_total")
+                                  .Help("HTTP connections cut by a deadline: idle, request head, "
+                                        "request body or write (http.*_timeout_seconds)")
+                                  .Register(r)
+                                  .Add({});
   generated_tokens_ = &BuildCounter()
                            .Name("vlmgraph_generated_tokens_total")
                            .Help("Tokens streamed to clients")
@@ -236,6 +253,10 @@ void Metrics::InitBuckets(const BucketSpec& buckets) {
 int Metrics::port() const { return http_ ? http_->port() : 0; }
 
 std::string Metrics::Render() const {
+  {
+    std::lock_guard<std::mutex> lock(scrape_hook_mu_);  // held while the hook runs: see Set
+    if (scrape_hook_) scrape_hook_();
+  }
 #if defined(__GLIBC__)
   // Read at scrape time. mallinfo2 (glibc >= 2.33) sums every malloc arena: uordblks = bytes in
   // allocated chunks, hblkhd = bytes in mmap'd chunks, fordblks = free bytes held in the arenas.
@@ -292,6 +313,28 @@ void Metrics::ObserveRequest(const std::string& rpc, grpc::StatusCode code, doub
 void Metrics::ObserveHttpRequest(const std::string& endpoint, int status, double seconds) {
   http_requests_->Add({{"endpoint", endpoint}, {"status", std::to_string(status)}}).Increment();
   http_request_duration_->Add({{"endpoint", endpoint}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::SetScrapeHook(std::function<void()> hook) {
+  std::lock_guard<std::mutex> lock(scrape_hook_mu_);
+  scrape_hook_ = std::move(hook);
+}
+
+void Metrics::ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
+                                int64_t timed_out_requests_total) {
+  std::lock_guard<std::mutex> lock(http_front_mu_);
+  http_open_connections_->Set(static_cast<double>(open_connections));
+  // Counters only go up: add what is new since the last scrape.
+  if (refused_connections_total > http_refused_seen_) {
+    http_refused_connections_->Increment(
+        static_cast<double>(refused_connections_total - http_refused_seen_));
+    http_refused_seen_ = refused_connections_total;
+  }
+  if (timed_out_requests_total > http_timed_out_seen_) {
+    http_timed_out_requests_->Increment(
+        static_cast<double>(timed_out_requests_total - http_timed_out_seen_));
+    http_timed_out_seen_ = timed_out_requests_total;
+  }
 }
 
 void Metrics::InitHttpEndpoints(const std::vector<std::string>& endpoints) {

@@ -19,7 +19,9 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -49,6 +51,14 @@ class Metrics : public EngineObserver {
   int port() const;
   // The current exposition (Prometheus text format), as /metrics serves it.
   std::string Render() const;
+  // Called at the start of every Render (a scrape), to read values kept elsewhere (the HTTP
+  // front's counters: main sets it, and clears it with nullptr before what it reads goes away).
+  // Any thread.
+  void SetScrapeHook(std::function<void()> hook);
+  // The HTTP front's state (server/http_server.h HttpServerStats): open connections now, and the
+  // totals of connections refused over the limits and of requests cut by a deadline.
+  void ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
+                        int64_t timed_out_requests_total);
 
   // Creates the zero-valued series of every configured bucket (captures, replays, eager runs per
   // region and bucket; eager fallbacks per region), so dashboards see each family before its
@@ -115,6 +125,13 @@ class Metrics : public EngineObserver {
   prometheus::Counter* generated_tokens_;
   prometheus::Gauge* queue_depth_;
   prometheus::Gauge* active_sequences_;
+  mutable std::mutex scrape_hook_mu_;
+  std::function<void()> scrape_hook_;  // scrape_hook_mu_
+  prometheus::Gauge* http_open_connections_;
+  prometheus::Counter* http_refused_connections_;
+  prometheus::Counter* http_timed_out_requests_;
+  std::mutex http_front_mu_;
+  int64_t http_refused_seen_ = 0, http_timed_out_seen_ = 0;  // http_front_mu_
   prometheus::Gauge* heap_in_use_;  // set in Render (a scrape)
   prometheus::Gauge* heap_free_;
   prometheus::Gauge* gpu_allocated_;

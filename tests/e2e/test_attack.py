@@ -41,6 +41,7 @@ class AttackTest(unittest.TestCase):
         self.assertLess(r["health_max_ms"], 500, r)  # CI machines are slow; the docs' figure is < 100 ms
         self.assertTrue(all(c is not None for c in r["chat_during_s"]), r)
         self.assertGreater(r["got_408"] + r["closed_by_server"], 0, r)  # the deadline cut them
+        self.assertGreater(self.server.metric("vlmgraph_http_timed_out_requests_total"), 0)
         self.assertLess(r["server_threads_peak"], self.threads0 + 4, r)
 
     def test_slow_bodies_do_not_starve_others(self):
