@@ -26,10 +26,34 @@ double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-double NonNegative(bool has, double value, double fallback, const char* field) {
+// Note [Hyperparameter ranges]: every number of a TrainConfig is checked against a documented
+// range (proto/vlmgraph/v1/train.proto) before the job starts, INVALID_ARGUMENT naming the field,
+// the range and the value. The ranges hold every setting that trains a model and refuse those
+// that can only destroy it: an AdamW update moves each weight by about the learning rate, so a
+// rate above 1 (or a decay factor 1 - lr * weight_decay below 0) overshoots any weight a model
+// has.
+constexpr double kMaxLearningRate = 1.0;
+constexpr double kMaxWeightDecay = 1.0;
+constexpr double kMinEps = 1e-12, kMaxEps = 1.0;
+constexpr double kMaxGradNorm = 1e6;
+constexpr int64_t kMaxConsecutiveSkippedSteps = 1000;
+
+std::string NumberText(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  return text;
+}
+
+// The field's value (or `fallback` when unset) when it lies in [min, max] (max excluded when
+// `open_max`); INVALID_ARGUMENT "config.<field>: must lie in [min, max], got v" otherwise.
+double InRange(bool has, double value, double fallback, double min, double max, const char* field,
+               bool open_max = false) {
   const double v = has ? value : fallback;
-  if (!(v >= 0) || !std::isfinite(v))
-    throw InvalidArgument(std::string("config.") + field + ": must be >= 0");
+  if (!(v >= min && (open_max ? v < max : v <= max))) {
+    throw InvalidArgument(std::string("config.") + field + ": must lie in [" + NumberText(min) +
+                          ", " + NumberText(max) + (open_max ? ")" : "]") + ", got " +
+                          NumberText(v));
+  }
   return v;
 }
 
@@ -68,13 +92,13 @@ TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
   }
   TrainJobOptions job;
   vlmgraph::TrainOptions& o = job.trainer;
-  o.lr_language = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
-                              o.lr_language, "language_learning_rate");
+  o.lr_language = InRange(c.has_language_learning_rate(), c.language_learning_rate(), o.lr_language,
+                          0, kMaxLearningRate, "language_learning_rate");
   o.lr = o.lr_language;
-  o.lr_vision = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision,
-                            "vision_learning_rate");
-  o.lr_projector = NonNegative(c.has_projector_learning_rate(), c.projector_learning_rate(),
-                               o.lr_projector, "projector_learning_rate");
+  o.lr_vision = InRange(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision, 0,
+                        kMaxLearningRate, "vision_learning_rate");
+  o.lr_projector = InRange(c.has_projector_learning_rate(), c.projector_learning_rate(),
+                           o.lr_projector, 0, kMaxLearningRate, "projector_learning_rate");
   if (c.trainable_parts_size() > 0) {
     o.train_language = o.train_vision = o.train_projector = false;
     for (int i = 0; i < c.trainable_parts_size(); ++i) {
@@ -82,16 +106,13 @@ TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
                 &o.train_language) = true;
     }
   }
-  o.weight_decay =
-      NonNegative(c.has_weight_decay(), c.weight_decay(), o.weight_decay, "weight_decay");
-  o.beta1 = c.has_beta1() ? c.beta1() : o.beta1;
-  o.beta2 = c.has_beta2() ? c.beta2() : o.beta2;
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) throw InvalidArgument("config.beta1: must lie in [0, 1)");
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) throw InvalidArgument("config.beta2: must lie in [0, 1)");
-  o.eps = c.has_eps() ? c.eps() : o.eps;
-  if (!(o.eps > 0) || !std::isfinite(o.eps)) throw InvalidArgument("config.eps: must be > 0");
-  o.max_grad_norm =
-      NonNegative(c.has_max_grad_norm(), c.max_grad_norm(), o.max_grad_norm, "max_grad_norm");
+  o.weight_decay = InRange(c.has_weight_decay(), c.weight_decay(), o.weight_decay, 0,
+                           kMaxWeightDecay, "weight_decay");
+  o.beta1 = InRange(c.has_beta1(), c.beta1(), o.beta1, 0, 1, "beta1", /*open_max=*/true);
+  o.beta2 = InRange(c.has_beta2(), c.beta2(), o.beta2, 0, 1, "beta2", /*open_max=*/true);
+  o.eps = InRange(c.has_eps(), c.eps(), o.eps, kMinEps, kMaxEps, "eps");
+  o.max_grad_norm = InRange(c.has_max_grad_norm(), c.max_grad_norm(), o.max_grad_norm, 0,
+                            kMaxGradNorm, "max_grad_norm");
   if (c.has_max_tiles_per_example()) {
     if (c.max_tiles_per_example() < 1) {
       throw InvalidArgument("config.max_tiles_per_example: must be >= 1, got " +
@@ -119,8 +140,10 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
   JobPolicy p;
   p.publish_on_end = c.publish_on_end();
   if (c.has_max_consecutive_skipped_steps()) {
-    if (c.max_consecutive_skipped_steps() < 1) {
-      throw InvalidArgument("config.max_consecutive_skipped_steps: must be >= 1, got " +
+    if (c.max_consecutive_skipped_steps() < 1 ||
+        c.max_consecutive_skipped_steps() > kMaxConsecutiveSkippedSteps) {
+      throw InvalidArgument("config.max_consecutive_skipped_steps: must lie in [1, " +
+                            std::to_string(kMaxConsecutiveSkippedSteps) + "], got " +
                             std::to_string(c.max_consecutive_skipped_steps()));
     }
     p.max_consecutive_skipped_steps = c.max_consecutive_skipped_steps();
