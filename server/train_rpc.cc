@@ -18,6 +18,7 @@
 #include "server/graphed_trainer.h"
 #include "server/service.h"
 #include "server/status.h"
+#include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -31,7 +32,7 @@ double SecondsSince(Clock::time_point t0) {
 // the range and the value. The ranges hold every setting that trains a model and refuse those
 // that can only destroy it: an AdamW update moves each weight by about the learning rate, so a
 // rate above 1 (or a decay factor 1 - lr * weight_decay below 0) overshoots any weight a model
-// has.
+// has. The publish gate (server/publish_gate.h) still checks what a job publishes.
 constexpr double kMaxLearningRate = 1.0;
 constexpr double kMaxWeightDecay = 1.0;
 constexpr double kMinEps = 1e-12, kMaxEps = 1.0;
@@ -294,6 +295,9 @@ void VlmGraphService::RunTrain(
     throw InvalidArgument("the first message must be TrainRequest{config}");
   TrainJobOptions options = ToTrainJobOptions(message.config());
   const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
+  // Training and saving need the train scope (RpcGuard); changing what every client is served
+  // needs the publish scope too.
+  if (policy.publish_on_end) Authorize(context, Scope::kPublish, "Train with publish_on_end");
   if (!message.config().resume_from().empty()) {
     options.resume_from = ResolveCheckpointDir(
         config_.train.checkpoint_dir, message.config().resume_from(), "config.resume_from");
@@ -346,6 +350,33 @@ void VlmGraphService::RunTrain(
           steps = job->steps();
         },
         received, admission);
+    return steps;
+  };
+  // Publishes run on the GPU thread, through the publish gate (server/weights_publisher.h).
+  auto publish = [&](Clock::time_point received, v1::WeightsPublished* out) {
+    if (publisher_ == nullptr) {
+      throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this server cannot publish weights (no publisher is set up)");
+    }
+    PublishReport report;
+    int64_t steps = 0;
+    scheduler_->RunOnGpuThread(
+        "Train",
+        [&](Engine& engine) {
+          report = publisher_->Publish(engine, job->weights());
+          steps = job->steps();
+        },
+        received, Scheduler::Admission::kInFlight);
+    out->set_step(steps);
+    out->set_seconds(SecondsSince(received));
+    if (report.gated) {
+      v1::PublishGateResult* g = out->mutable_gate();
+      g->set_served_loss(report.served.loss);
+      g->set_published_loss(report.candidate.loss);
+      g->set_prompts(report.candidate.prompts);
+      g->set_loss_tokens(report.candidate.loss_tokens);
+    }
+    out->set_max_abs_weight(report.max_abs_weight);
     return steps;
   };
   int64_t saved_at_step = job->steps();  // a resumed job starts saved
@@ -438,18 +469,8 @@ void VlmGraphService::RunTrain(
         break;
       }
       case v1::TrainRequest::kPublish: {
-        int64_t steps = 0;
-        scheduler_->RunOnGpuThread(
-            "Train",
-            [&](Engine&) {
-              job->Publish();
-              steps = job->steps();
-            },
-            received, Scheduler::Admission::kInFlight);
-        metrics_->AddTrainPublish();
-        v1::WeightsPublished* p = response.mutable_published();
-        p->set_step(steps);
-        p->set_seconds(SecondsSince(received));
+        Authorize(context, Scope::kPublish, "Train publish");
+        const int64_t steps = publish(received, response.mutable_published());
         LogInfo("Train job published its weights after " + std::to_string(steps) + " steps");
         break;
       }
@@ -485,9 +506,8 @@ void VlmGraphService::RunTrain(
   if (context->IsCancelled())
     throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
   if (policy.publish_on_end) {
-    scheduler_->RunOnGpuThread(
-        "Train", [&](Engine&) { job->Publish(); }, Clock::now(), Scheduler::Admission::kInFlight);
-    metrics_->AddTrainPublish();
+    v1::WeightsPublished published;
+    publish(Clock::now(), &published);
     LogInfo("Train job published its weights as it ended");
   }
   LogInfo("Train job ended after " + std::to_string(job ? job->steps() : 0) + " steps");
