@@ -29,11 +29,14 @@ unsigned ParseScopes(const std::string& text, const std::string& where) {
       scopes |= static_cast<unsigned>(Scope::kInference);
     } else if (s == "train") {
       scopes |= static_cast<unsigned>(Scope::kTrain);
+    } else if (s == "publish") {
+      scopes |= static_cast<unsigned>(Scope::kPublish);
     } else if (s == "all") {
-      scopes |= static_cast<unsigned>(Scope::kInference) | static_cast<unsigned>(Scope::kTrain);
+      scopes |= kAllScopes;
     } else {
-      throw ServerConfigError(where, "unknown scope '" + s +
-                                         "'; use inference, train, all or a comma list of them");
+      throw ServerConfigError(
+          where,
+          "unknown scope '" + s + "'; use inference, train, publish, all or a comma list of them");
     }
   }
   if (scopes == 0) throw ServerConfigError(where, "no scope given");
@@ -47,7 +50,17 @@ std::string HostOf(const std::string& address) {
 
 }  // namespace
 
-const char* ScopeName(Scope scope) { return scope == Scope::kTrain ? "train" : "inference"; }
+const char* ScopeName(Scope scope) {
+  switch (scope) {
+    case Scope::kTrain:
+      return "train";
+    case Scope::kPublish:
+      return "publish";
+    case Scope::kInference:
+      break;
+  }
+  return "inference";
+}
 
 void ApiKeys::Add(const std::string& key, unsigned scopes, const std::string& source) {
   if (key.size() < kMinKeyBytes || key.size() > kMaxKeyBytes) {
@@ -98,9 +111,7 @@ ApiKeys ApiKeys::Load(const ServerConfig& config) {
       throw ServerConfigError("auth.api_keys_file", "'" + file + "' holds no key");
   }
   if (!config.server.api_key.empty()) {
-    keys.Add(config.server.api_key,
-             static_cast<unsigned>(Scope::kInference) | static_cast<unsigned>(Scope::kTrain),
-             "server.api_key");
+    keys.Add(config.server.api_key, kAllScopes, "server.api_key");
   }
   return keys;
 }

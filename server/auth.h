@@ -1,8 +1,8 @@
 // server/auth.h: API keys with scopes, TLS settings and the exposure rule, for gRPC and HTTP.
 //
-//   ApiKeys keys = ApiKeys::Load(config);          // server.api_key + auth.api_keys_file
-//   CheckExposure(config, keys);                   // at start-up: refuse an open public listener
-//   keys.Authorize(bearer_header, Scope::kTrain);  // per call: ServerError if refused
+//   ApiKeys keys = ApiKeys::Load(config);                 // server.api_key + auth.api_keys_file
+//   CheckExposure(config, keys);                          // at start-up: refuse an open listener
+//   keys.Authorize(bearer_header, Scope::kTrain, "Train");  // per call: ServerError if refused
 //
 // Keys travel as `authorization: Bearer <key>` (gRPC metadata, HTTP header), as OpenAI's API and
 // vLLM's --api-key do. The keys file (auth.api_keys_file) holds one key per line:
@@ -10,12 +10,16 @@
 //   # scopes     key (16 .. 256 printable ASCII characters, no spaces)
 //   inference    4f1c0f0e7d9b2a65c2e1d0aa
 //   inference,train  9a8b7c6d5e4f3a2b1c0d9e8f
+//   all          0a1b2c3d4e5f60718293a4b5
 //
-// Scopes: `inference` (GetModelInfo, Generate, Forward, every OpenAI endpoint) and `train` (the
-// Train RPC: steps, checkpoint saves, publishing weights); `all` is both. server.api_key (or the
-// environment variable VLMGRAPH_API_KEY) adds one key with every scope. With no key at all, calls
-// need none. Health checks (gRPC health service, HTTP /health), reflection and /metrics never need
-// a key. Keys are compared in constant time per key; no key or part of one is ever logged.
+// Scopes: `inference` (GetModelInfo, Generate, Forward, every OpenAI endpoint), `train` (the
+// Train RPC: steps and checkpoint saves) and `publish` (changing what every client is served: a
+// Train job's publish request or publish_on_end, RollbackWeights); `all` is every scope.
+// Training and saving need no right to change the served model, so `train` does not include
+// `publish`. server.api_key (or the environment variable VLMGRAPH_API_KEY) adds one key with
+// every scope. With no key at all, calls need none. Health checks (gRPC health service, HTTP
+// /health), reflection and /metrics never need a key. Keys are compared in constant time per key;
+// no key or part of one is ever logged.
 //
 // Note [Exposure rule]: a server whose gRPC or HTTP address is not a loopback address (127.0.0.0/8,
 // ::1, localhost) refuses to start without keys unless auth.allow_unauthenticated is true, so a
@@ -37,7 +41,12 @@
 
 namespace vlmgraph::server {
 
-enum class Scope : unsigned { kInference = 1, kTrain = 2 };
+enum class Scope : unsigned { kInference = 1, kTrain = 2, kPublish = 4 };
+
+// Every scope's bit: what `all` and server.api_key grant.
+constexpr unsigned kAllScopes = static_cast<unsigned>(Scope::kInference) |
+                                static_cast<unsigned>(Scope::kTrain) |
+                                static_cast<unsigned>(Scope::kPublish);
 
 const char* ScopeName(Scope scope);
 
@@ -54,7 +63,7 @@ class ApiKeys {
 
   // `authorization` is the header / metadata value ("Bearer <key>", "" when absent). Returns when
   // keys are off or the key has `scope`; throws ServerError otherwise. `what` names the call in
-  // the PERMISSION_DENIED message ("Train").
+  // the PERMISSION_DENIED message ("Train", "Train publish").
   void Authorize(std::string_view authorization, Scope scope, const std::string& what) const;
 
  private:

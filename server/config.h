@@ -128,6 +128,12 @@ struct ServerConfig {
     // A Train stream that sends nothing for this long is cancelled (counted as DEADLINE_EXCEEDED);
     // 0 = never.
     double idle_timeout_seconds = 0;
+    // The publish gate (server/publish_gate.h): a Train job's weights are scored on held-out
+    // prompts before they replace the served weights.
+    bool publish_gate{};
+    std::string publish_gate_prompts_file;      // one prompt per line; "" = built-in prompts
+    double publish_gate_max_loss_increase = 0;  // nats per token over the served weights' loss
+    double publish_gate_max_abs_weight = 0;     // largest |weight| published; 0 = no bound
   } train;
 
   double shutdown_timeout_seconds = 0;  // SIGTERM: in-flight work gets this long, then is cancelled

@@ -30,7 +30,7 @@ enum class ConfigType {
   kBool,         // true or false
   kInteger,      // int64
   kUnsigned,     // int64 >= 0, stored as uint64
-  kSeconds,      // a number (double) of seconds
+  kSeconds,      // a number (double): seconds, or the unit the key's name or doc gives
   kIntegerList,  // a sequence of int64, like [1, 2, 4]
   kEnum,         // one of `allowed`
 };

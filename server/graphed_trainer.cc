@@ -68,8 +68,7 @@ VisionLanguageModel SourceModel(Engine& engine, const TrainJobOptions& options) 
 class GraphedTrainer final : public TrainBackend {
  public:
   GraphedTrainer(Engine& engine, const TrainJobOptions& options, EngineObserver* observer)
-      : serving_(engine.model()),
-        options_(options),
+      : options_(options),
         source_(SourceModel(engine, options)),
         trainer_(source_, ToEngineTrainOptions(engine, options, observer)) {
     source_ = VisionLanguageModel(nullptr);  // the trainer copied it; a loaded one is freed
@@ -110,17 +109,16 @@ class GraphedTrainer final : public TrainBackend {
     trainer_.SaveCheckpoint(directory);
   }
 
-  void Publish() override {
-    RequireFiniteWeights("publish");
-    CopyWeightsToServingModel();
+  const std::vector<std::pair<std::string, at::Tensor>>& weights() const override {
+    return trainer_.master_weights();
   }
 
   int64_t steps() const override { return trainer_.steps(); }
 
  private:
   // FAILED_PRECONDITION naming the first trained weight with a NaN or inf element: such weights
-  // are never served or written (Note [Skipped steps] keeps them finite unless a finite update
-  // overflows, e.g. a learning rate of 1e30).
+  // are never written (Note [Skipped steps] keeps them finite unless a finite update overflows,
+  // e.g. a learning rate of 1e30; WeightsPublisher refuses to serve them).
   void RequireFiniteWeights(const char* what) const {
     at::NoGradGuard no_grad;
     for (const auto& [name, master] : trainer_.master_weights()) {
@@ -133,18 +131,6 @@ class GraphedTrainer final : public TrainBackend {
     }
   }
 
-  // The trainer's float32 master weights of the trained parameters -> the engine's weights (their
-  // dtype, rounded to nearest even for bf16, and device), in place: the serving tensors keep their
-  // addresses, so captured inference graphs stay valid. Frozen parameters never change.
-  void CopyWeightsToServingModel() {
-    at::NoGradGuard no_grad;
-    auto serving = serving_->named_parameters();
-    for (const auto& [name, master] : trainer_.master_weights()) {
-      if (at::Tensor* dst = serving.find(name)) dst->copy_(master);
-    }
-  }
-
-  VisionLanguageModel serving_;  // the engine's model (shared module)
   const TrainJobOptions options_;
   VisionLanguageModel source_;  // only while trainer_ is built
   vlmgraph::Trainer trainer_;

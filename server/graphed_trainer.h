@@ -7,10 +7,11 @@
 // CPU or graphs off run the same code eagerly. The Trainer keeps float32 master weights of its own
 // (bf16 working weights beside them when the server's dtype is bfloat16 on CUDA), copied from the
 // serving model (or from TrainJobOptions::resume_from, with its AdamW state and step count) when
-// the job starts. Publish() copies the masters of the trained parameters into the serving model in
-// place (same tensors, so inference graphs stay valid); nothing else changes what clients are
-// served. Save() writes the master weights (nanoVLM config.json + model.safetensors) and
-// optimizer.safetensors. Publish() and Save() refuse weights with NaN or inf elements.
+// the job starts. weights() are the masters of the trained parameters, which
+// WeightsPublisher::Publish (server/weights_publisher.h) copies into the serving model in place
+// (same tensors, so inference graphs stay valid) when the publish gate accepts them; nothing else
+// changes what clients are served. Save() writes the master weights (nanoVLM config.json +
+// model.safetensors) and optimizer.safetensors, and refuses weights with NaN or inf elements.
 //
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread
 //

@@ -34,9 +34,11 @@
 #include "server/grpc_server.h"
 #include "server/metrics.h"
 #include "server/openai_http.h"
+#include "server/publish_gate.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 #include "server/text_prompt.h"
+#include "server/weights_publisher.h"
 
 namespace {
 
@@ -97,7 +99,14 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   vlmgraph::Engine& engine = scheduler.engine();
   metrics.InitBuckets(engine.options().buckets);
   metrics.SetMemory(engine.Memory());
-  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get(), &keys);
+  // What a Train job publishes passes the publish gate; the weights it replaces are kept for
+  // rollback (server/weights_publisher.h).
+  const PublishGate gate = PublishGate::FromConfig(config, engine, text.get());
+  LogInfo(gate.options().enabled
+              ? "publish gate: " + std::to_string(gate.prompts()) + " held-out prompts"
+              : "publish gate: off (train.publish_gate: false)");
+  WeightsPublisher publisher(&scheduler, &gate, &metrics);
+  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get(), &keys, &publisher);
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off

@@ -199,6 +199,20 @@ Metrics::Metrics(const std::string& metrics_address)
                           .Help("Times a Train job's weights were published to the serving model")
                           .Register(r)
                           .Add({});
+  train_publish_refused_ =
+      &BuildCounter()
+           .Name("vlmgraph_train_publish_refused_total")
+           .Help("Publishes refused by the publish gate or for non-finite weights, by reason")
+           .Register(r);
+  for (const char* reason :
+       {"non_finite_weights", "max_abs_weight", "non_finite", "collapse", "loss_increase"}) {
+    train_publish_refused_->Add({{"reason", reason}});
+  }
+  weights_rollbacks_ = &BuildCounter()
+                            .Name("vlmgraph_weights_rollbacks_total")
+                            .Help("Times the served weights were rolled back to the previous ones")
+                            .Register(r)
+                            .Add({});
   train_tokens_ = &BuildCounter()
                        .Name("vlmgraph_train_tokens_total")
                        .Help("Target tokens trained on")
@@ -374,5 +388,11 @@ void Metrics::ObserveTrainStep(int64_t target_tokens, double loss, double learni
 }
 
 void Metrics::AddTrainPublish() { train_publishes_->Increment(); }
+
+void Metrics::AddTrainPublishRefused(const std::string& reason) {
+  train_publish_refused_->Add({{"reason", reason}}).Increment();
+}
+
+void Metrics::AddWeightsRollback() { weights_rollbacks_->Increment(); }
 
 }  // namespace vlmgraph::server

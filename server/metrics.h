@@ -99,6 +99,10 @@ class Metrics : public EngineObserver {
   // the loss and learning-rate gauges as they were.
   void ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate, bool skipped);
   void AddTrainPublish();  // a Train job's weights became the serving weights
+  // A publish refused (server/weights_publisher.h): `reason` non_finite_weights or a publish
+  // gate verdict (max_abs_weight, non_finite, collapse, loss_increase).
+  void AddTrainPublishRefused(const std::string& reason);
+  void AddWeightsRollback();  // the served weights went back to those before the last publish
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -142,6 +146,8 @@ class Metrics : public EngineObserver {
   prometheus::Counter* train_tokens_;
   prometheus::Counter* train_skipped_steps_;
   prometheus::Counter* train_publishes_;
+  prometheus::Family<prometheus::Counter>* train_publish_refused_;
+  prometheus::Counter* weights_rollbacks_;
   prometheus::Gauge* train_loss_;
   prometheus::Gauge* train_learning_rate_;
 };

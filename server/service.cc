@@ -31,13 +31,14 @@ v1::FinishReason ToProto(FinishReason r) {
 
 VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
                                  const ServerConfig& config, const TextModel* text,
-                                 const ApiKeys* keys)
+                                 const ApiKeys* keys, WeightsPublisher* publisher)
     : engine_(engine),
       scheduler_(scheduler),
       metrics_(metrics),
       config_(config),
       text_(text),
-      keys_(keys) {}
+      keys_(keys),
+      publisher_(publisher) {}
 
 void VlmGraphService::SetShutdownDeadline(Clock::time_point deadline) {
   shutdown_deadline_ns_.store(
@@ -234,6 +235,22 @@ void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardR
   response->set_graphed(result.graphed);
   response->set_queue_seconds(queue_seconds);
   response->set_total_seconds(SecondsSince(accepted));
+}
+
+grpc::Status VlmGraphService::RollbackWeights(grpc::ServerContext* context,
+                                              const v1::RollbackWeightsRequest*,
+                                              v1::RollbackWeightsResponse* response) {
+  const auto accepted = Clock::now();
+  return RpcGuard("RollbackWeights", Scope::kPublish, context, accepted, [&] {
+    if (publisher_ == nullptr) {
+      throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this server cannot roll back weights (no publisher is set up)");
+    }
+    const RollbackReport r = publisher_->Rollback("RollbackWeights", accepted);
+    response->set_tensors(r.tensors);
+    response->set_bytes(r.bytes);
+    response->set_seconds(r.seconds);
+  });
 }
 
 }  // namespace vlmgraph::server

@@ -28,6 +28,7 @@
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
 #include "server/train_slot.h"
+#include "server/weights_publisher.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
@@ -38,10 +39,13 @@ class VlmGraphService final : public v1::VlmGraph::Service {
 
   // `text` (tokenizer and chat format) may be null: then prompts must be token ids. `keys` (may
   // be null = no keys) decides who may call what (server/auth.h): GetModelInfo, Generate and
-  // Forward need the inference scope, Train the train scope.
+  // Forward need the inference scope, Train the train scope, a Train job's publish (its publish
+  // request or publish_on_end) and RollbackWeights the publish scope. `publisher` (may be null:
+  // publishing and rollback then answer FAILED_PRECONDITION) changes the served weights
+  // (server/weights_publisher.h). None is owned; each must outlive the service.
   VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
                   const ServerConfig& config, const TextModel* text = nullptr,
-                  const ApiKeys* keys = nullptr);
+                  const ApiKeys* keys = nullptr, WeightsPublisher* publisher = nullptr);
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
                             v1::ModelInfo* response) override;
@@ -52,6 +56,9 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   grpc::Status Train(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) override;
+  grpc::Status RollbackWeights(grpc::ServerContext* context,
+                               const v1::RollbackWeightsRequest* request,
+                               v1::RollbackWeightsResponse* response) override;
 
   // Generate, Forward and Train calls running now (main waits for 0 while draining).
   int64_t in_flight() const { return in_flight_.load(); }
@@ -83,6 +90,7 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   const TextModel* text_;
   const ApiKeys* keys_;
   TrainSlot train_slot_;  // one Train job at a time (server/train_rpc.cc)
+  WeightsPublisher* publisher_;
   std::atomic<int64_t> in_flight_{0};
   // SetShutdownDeadline's time point, nanoseconds since the clock's epoch; max = none.
   std::atomic<int64_t> shutdown_deadline_ns_{std::numeric_limits<int64_t>::max()};

@@ -18,6 +18,7 @@
 #include "server/graphed_trainer.h"
 #include "server/service.h"
 #include "server/status.h"
+#include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -26,10 +27,34 @@ double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-double NonNegative(bool has, double value, double fallback, const char* field) {
+// Note [Hyperparameter ranges]: every number of a TrainConfig is checked against a documented
+// range (proto/vlmgraph/v1/train.proto) before the job starts, INVALID_ARGUMENT naming the field,
+// the range and the value. The ranges hold every setting that trains a model and refuse those
+// that can only destroy it: an AdamW update moves each weight by about the learning rate, so a
+// rate above 1 (or a decay factor 1 - lr * weight_decay below 0) overshoots any weight a model
+// has. The publish gate (server/publish_gate.h) still checks what a job publishes.
+constexpr double kMaxLearningRate = 1.0;
+constexpr double kMaxWeightDecay = 1.0;
+constexpr double kMinEps = 1e-12, kMaxEps = 1.0;
+constexpr double kMaxGradNorm = 1e6;
+constexpr int64_t kMaxConsecutiveSkippedSteps = 1000;
+
+std::string NumberText(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  return text;
+}
+
+// The field's value (or `fallback` when unset) when it lies in [min, max] (max excluded when
+// `open_max`); INVALID_ARGUMENT "config.<field>: must lie in [min, max], got v" otherwise.
+double InRange(bool has, double value, double fallback, double min, double max, const char* field,
+               bool open_max = false) {
   const double v = has ? value : fallback;
-  if (!(v >= 0) || !std::isfinite(v))
-    throw InvalidArgument(std::string("config.") + field + ": must be >= 0");
+  if (!(v >= min && (open_max ? v < max : v <= max))) {
+    throw InvalidArgument(std::string("config.") + field + ": must lie in [" + NumberText(min) +
+                          ", " + NumberText(max) + (open_max ? ")" : "]") + ", got " +
+                          NumberText(v));
+  }
   return v;
 }
 
@@ -68,13 +93,13 @@ TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
   }
   TrainJobOptions job;
   vlmgraph::TrainOptions& o = job.trainer;
-  o.lr_language = NonNegative(c.has_language_learning_rate(), c.language_learning_rate(),
-                              o.lr_language, "language_learning_rate");
+  o.lr_language = InRange(c.has_language_learning_rate(), c.language_learning_rate(), o.lr_language,
+                          0, kMaxLearningRate, "language_learning_rate");
   o.lr = o.lr_language;
-  o.lr_vision = NonNegative(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision,
-                            "vision_learning_rate");
-  o.lr_projector = NonNegative(c.has_projector_learning_rate(), c.projector_learning_rate(),
-                               o.lr_projector, "projector_learning_rate");
+  o.lr_vision = InRange(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision, 0,
+                        kMaxLearningRate, "vision_learning_rate");
+  o.lr_projector = InRange(c.has_projector_learning_rate(), c.projector_learning_rate(),
+                           o.lr_projector, 0, kMaxLearningRate, "projector_learning_rate");
   if (c.trainable_parts_size() > 0) {
     o.train_language = o.train_vision = o.train_projector = false;
     for (int i = 0; i < c.trainable_parts_size(); ++i) {
@@ -82,16 +107,13 @@ TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
                 &o.train_language) = true;
     }
   }
-  o.weight_decay =
-      NonNegative(c.has_weight_decay(), c.weight_decay(), o.weight_decay, "weight_decay");
-  o.beta1 = c.has_beta1() ? c.beta1() : o.beta1;
-  o.beta2 = c.has_beta2() ? c.beta2() : o.beta2;
-  if (!(o.beta1 >= 0 && o.beta1 < 1)) throw InvalidArgument("config.beta1: must lie in [0, 1)");
-  if (!(o.beta2 >= 0 && o.beta2 < 1)) throw InvalidArgument("config.beta2: must lie in [0, 1)");
-  o.eps = c.has_eps() ? c.eps() : o.eps;
-  if (!(o.eps > 0) || !std::isfinite(o.eps)) throw InvalidArgument("config.eps: must be > 0");
-  o.max_grad_norm =
-      NonNegative(c.has_max_grad_norm(), c.max_grad_norm(), o.max_grad_norm, "max_grad_norm");
+  o.weight_decay = InRange(c.has_weight_decay(), c.weight_decay(), o.weight_decay, 0,
+                           kMaxWeightDecay, "weight_decay");
+  o.beta1 = InRange(c.has_beta1(), c.beta1(), o.beta1, 0, 1, "beta1", /*open_max=*/true);
+  o.beta2 = InRange(c.has_beta2(), c.beta2(), o.beta2, 0, 1, "beta2", /*open_max=*/true);
+  o.eps = InRange(c.has_eps(), c.eps(), o.eps, kMinEps, kMaxEps, "eps");
+  o.max_grad_norm = InRange(c.has_max_grad_norm(), c.max_grad_norm(), o.max_grad_norm, 0,
+                            kMaxGradNorm, "max_grad_norm");
   if (c.has_max_tiles_per_example()) {
     if (c.max_tiles_per_example() < 1) {
       throw InvalidArgument("config.max_tiles_per_example: must be >= 1, got " +
@@ -119,8 +141,10 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
   JobPolicy p;
   p.publish_on_end = c.publish_on_end();
   if (c.has_max_consecutive_skipped_steps()) {
-    if (c.max_consecutive_skipped_steps() < 1) {
-      throw InvalidArgument("config.max_consecutive_skipped_steps: must be >= 1, got " +
+    if (c.max_consecutive_skipped_steps() < 1 ||
+        c.max_consecutive_skipped_steps() > kMaxConsecutiveSkippedSteps) {
+      throw InvalidArgument("config.max_consecutive_skipped_steps: must lie in [1, " +
+                            std::to_string(kMaxConsecutiveSkippedSteps) + "], got " +
                             std::to_string(c.max_consecutive_skipped_steps()));
     }
     p.max_consecutive_skipped_steps = c.max_consecutive_skipped_steps();
@@ -271,6 +295,9 @@ void VlmGraphService::RunTrain(
     throw InvalidArgument("the first message must be TrainRequest{config}");
   TrainJobOptions options = ToTrainJobOptions(message.config());
   const JobPolicy policy = ToJobPolicy(message.config(), config_.train.checkpoint_dir);
+  // Training and saving need the train scope (RpcGuard); changing what every client is served
+  // needs the publish scope too.
+  if (policy.publish_on_end) Authorize(context, Scope::kPublish, "Train with publish_on_end");
   if (!message.config().resume_from().empty()) {
     options.resume_from = ResolveCheckpointDir(
         config_.train.checkpoint_dir, message.config().resume_from(), "config.resume_from");
@@ -323,6 +350,33 @@ void VlmGraphService::RunTrain(
           steps = job->steps();
         },
         received, admission);
+    return steps;
+  };
+  // Publishes run on the GPU thread, through the publish gate (server/weights_publisher.h).
+  auto publish = [&](Clock::time_point received, v1::WeightsPublished* out) {
+    if (publisher_ == nullptr) {
+      throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this server cannot publish weights (no publisher is set up)");
+    }
+    PublishReport report;
+    int64_t steps = 0;
+    scheduler_->RunOnGpuThread(
+        "Train",
+        [&](Engine& engine) {
+          report = publisher_->Publish(engine, job->weights());
+          steps = job->steps();
+        },
+        received, Scheduler::Admission::kInFlight);
+    out->set_step(steps);
+    out->set_seconds(SecondsSince(received));
+    if (report.gated) {
+      v1::PublishGateResult* g = out->mutable_gate();
+      g->set_served_loss(report.served.loss);
+      g->set_published_loss(report.candidate.loss);
+      g->set_prompts(report.candidate.prompts);
+      g->set_loss_tokens(report.candidate.loss_tokens);
+    }
+    out->set_max_abs_weight(report.max_abs_weight);
     return steps;
   };
   int64_t saved_at_step = job->steps();  // a resumed job starts saved
@@ -415,18 +469,8 @@ void VlmGraphService::RunTrain(
         break;
       }
       case v1::TrainRequest::kPublish: {
-        int64_t steps = 0;
-        scheduler_->RunOnGpuThread(
-            "Train",
-            [&](Engine&) {
-              job->Publish();
-              steps = job->steps();
-            },
-            received, Scheduler::Admission::kInFlight);
-        metrics_->AddTrainPublish();
-        v1::WeightsPublished* p = response.mutable_published();
-        p->set_step(steps);
-        p->set_seconds(SecondsSince(received));
+        Authorize(context, Scope::kPublish, "Train publish");
+        const int64_t steps = publish(received, response.mutable_published());
         LogInfo("Train job published its weights after " + std::to_string(steps) + " steps");
         break;
       }
@@ -462,9 +506,8 @@ void VlmGraphService::RunTrain(
   if (context->IsCancelled())
     throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
   if (policy.publish_on_end) {
-    scheduler_->RunOnGpuThread(
-        "Train", [&](Engine&) { job->Publish(); }, Clock::now(), Scheduler::Admission::kInFlight);
-    metrics_->AddTrainPublish();
+    v1::WeightsPublished published;
+    publish(Clock::now(), &published);
     LogInfo("Train job published its weights as it ended");
   }
   LogInfo("Train job ended after " + std::to_string(job ? job->steps() : 0) + " steps");

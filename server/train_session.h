@@ -2,10 +2,11 @@
 //
 // A TrainBackend is one training job started from the serving model's weights: a step takes a
 // checked batch (server/convert.h), runs forward + backward + optimizer on the job's own copy of
-// the weights and reports the step; Save() writes a nanoVLM checkpoint; Publish() copies the job's
-// weights into the serving model (the only way training changes what clients are served).
-// MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer. A step runs in
-// pieces, one micro-batch each (engine/trainer.h, Note [Micro-batches]), so the GPU thread
+// the weights and reports the step; Save() writes a nanoVLM checkpoint; weights() are the job's
+// current weights, which only WeightsPublisher::Publish (server/weights_publisher.h, through the
+// publish gate) copies into the serving model: the only way training changes what clients are
+// served. MakeTrainBackend (server/graphed_trainer.h) implements it on engine/Trainer. A step runs
+// in pieces, one micro-batch each (engine/trainer.h, Note [Micro-batches]), so the GPU thread
 // decodes between them (server/scheduler.h, Note [Interleaving bound]).
 //
 // clang-format off
@@ -14,14 +15,14 @@
 //   while (!job->RunNextMicroBatch()) { /* a decode step */ }                         // GPU thread
 //   TrainStepResult s = job->StepResult();                                            // GPU thread
 //   job->Save("/srv/checkpoints/run1");                                               // GPU thread
-//   job->Publish();                                                                   // GPU thread
+//   publisher.Publish(engine, job->weights());                                        // GPU thread
 // clang-format on
 //
 // Thread rules: create, use and destroy a backend on the GPU thread only (it touches the
 // engine's model). Errors: ServerError INVALID_ARGUMENT for batches no bucket accepts (oversize
 // policy reject); EngineError kInvalidArgument for a batch no trained parameter can learn from;
-// FAILED_PRECONDITION from Save / Publish when a weight is not finite; torch errors propagate
-// (the RPC guard maps them).
+// FAILED_PRECONDITION from Save when a weight is not finite; torch errors propagate (the RPC
+// guard maps them).
 #pragma once
 
 #include <cstdint>
@@ -74,7 +75,9 @@ class TrainBackend {
     return StepResult();
   }
   virtual void Save(const std::string& directory) = 0;
-  virtual void Publish() = 0;
+  // (name, float32 master) of every trained parameter, named as the serving model's
+  // named_parameters(), on the engine's device; updated in place by Step().
+  virtual const std::vector<std::pair<std::string, at::Tensor>>& weights() const = 0;
   virtual int64_t steps() const = 0;
 };
 

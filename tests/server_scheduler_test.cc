@@ -21,6 +21,7 @@
 #include "server/scheduler.h"
 #include "server/status.h"
 #include "server/train_slot.h"
+#include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -343,7 +344,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   TrainJobOptions o;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   job->Step(Batch(2, 10));
-  job->Publish();  // the served weights are the job's from here on
+  WeightsPublisher(nullptr, nullptr, nullptr).Publish(*engine, job->weights());  // served from here
   const auto dir = std::filesystem::temp_directory_path() / "vlmgraph_trainer_test_ckpt";
   job->Save(dir.string());
   VisionLanguageModel loaded = LoadModel(dir.string());
@@ -379,7 +380,7 @@ TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   EXPECT_LT(losses.back(), losses.front() - 0.5);
   // The job trained its own copy: the engine still serves the weights it started with.
   EXPECT_DOUBLE_EQ(engine->Forward(engine->Validate(probe)).loss, before);
-  job->Publish();
+  WeightsPublisher(nullptr, nullptr, nullptr).Publish(*engine, job->weights());
   // Now it serves the trained weights (the probe is the batch's first example).
   EXPECT_LT(engine->Forward(engine->Validate(probe)).loss, before - 0.5);
 }
@@ -408,7 +409,7 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   auto job = MakeTrainBackend(*engine, o, nullptr);
   for (int i = 0; i < 2; ++i) job->Step(Batch(3, 12));
   try {
-    job->Publish();
+    WeightsPublisher(nullptr, nullptr, nullptr).Publish(*engine, job->weights());
     ADD_FAILURE() << "published non-finite weights";
   } catch (const ServerError& e) {
     EXPECT_EQ(e.code(), grpc::StatusCode::FAILED_PRECONDITION);

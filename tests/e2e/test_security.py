@@ -1,10 +1,12 @@
 """End to end: API keys with scopes (gRPC and HTTP), the exposure rule, TLS and mutual TLS, and
-training that cannot hurt serving (skipped non-finite steps, publish, idle timeout, autosave and
-resume). Each refusal keeps the server serving."""
+training that cannot hurt serving (hyperparameter ranges, the publish scope, the publish gate,
+rollback, skipped non-finite steps, idle timeout, autosave and resume). Each refusal keeps the
+server serving."""
 import json
 import math
 import os
 import queue
+import shutil
 import ssl
 import subprocess
 import time
@@ -17,8 +19,35 @@ import grpc
 from e2e_util import SERVER, Server, require, scratch_dir
 
 INFERENCE_KEY = "inference-key-0123456789abcdef"
+TRAIN_KEY = "train-only-key-0123456789abcdef"
+PUBLISH_KEY = "train-publish-key-0123456789abcdef"
 ALL_KEY = "all-scopes-key-0123456789abcdef"
 EXAMPLE = {"input_ids": [1, 2, 3, 4, 5, 6], "target_ids": [2, 3, 4, 5, 6, -100]}
+PROBE = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def served(client):
+    """What the server serves now: a Forward loss and greedy tokens (equal only for equal weights)."""
+    loss = client.forward(EXAMPLE["input_ids"], target_ids=EXAMPLE["target_ids"]).loss
+    tokens, _ = client.generate_all(PROBE, max_new_tokens=8)
+    return loss, tokens
+
+
+def poisoned_checkpoint(client, root, name, scale):
+    """A checkpoint under `root` whose weights are a saved job's times `scale`: what a job of
+    learning rate 1e30 leaves (finite weights near 1e26) without its out-of-range config."""
+    import numpy
+    from safetensors.numpy import load_file, save_file
+    base = name + "-base"
+    list(client.train(client.train_config(language_learning_rate=1e-12), iter([client.train_save(base)])))
+    src, dst = os.path.join(root, base), os.path.join(root, name)
+    os.makedirs(dst, exist_ok=True)
+    for f in ("config.json", "optimizer.safetensors"):
+        shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: (v * numpy.float32(scale)).astype(v.dtype) for k, v in weights.items()},
+              os.path.join(dst, "model.safetensors"))
+    return name
 
 
 def http_get(url, key=None, context=None):
@@ -44,7 +73,8 @@ class ApiKeyTest(unittest.TestCase):
         cls.dir = scratch_dir("keys")
         keys = os.path.join(cls.dir, "api-keys")
         with open(keys, "w") as fh:
-            fh.write(f"# scopes key\ninference {INFERENCE_KEY}\nall {ALL_KEY}\n")
+            fh.write(f"# scopes key\ninference {INFERENCE_KEY}\ntrain {TRAIN_KEY}\n"
+                     f"train,publish {PUBLISH_KEY}\nall {ALL_KEY}\n")
         cls.server = Server({"auth": {"api_keys_file": keys}}, name="auth").start()
 
     @classmethod
@@ -77,6 +107,44 @@ class ApiKeyTest(unittest.TestCase):
         self.assertEqual(len(list(inference.generate([1, 2, 3], max_new_tokens=2))) > 0, True)
         steps = self.train_once(full)
         self.assertEqual(steps[0].step.step, 1)
+
+    def test_train_scope_cannot_publish(self):
+        train, publish, inference = (self.client(k) for k in (TRAIN_KEY, PUBLISH_KEY, INFERENCE_KEY))
+        before = served(inference)
+        self.assertEqual(self.train_once(train)[0].step.step, 1)  # training needs train only
+        cfg = train.train_config(language_learning_rate=1e-3)
+        seen = []
+
+        def job(client, config, *extra):
+            for r in client.train(config, iter([client.train_batch([EXAMPLE])] + list(extra))):
+                seen.append(r)
+
+        # A publish request: refused when it arrives, after the step before it.
+        code, details = code_of(lambda: job(train, cfg, train.train_publish()))
+        self.assertEqual(code, grpc.StatusCode.PERMISSION_DENIED, details)
+        self.assertIn("Train publish: it needs the 'publish' scope", details)
+        self.assertEqual([r.step.step for r in seen], [1])
+        # publish_on_end: refused with the config, before any step.
+        seen.clear()
+        on_end = train.train_config(language_learning_rate=1e-3, publish_on_end=True)
+        code, details = code_of(lambda: job(train, on_end))
+        self.assertEqual(code, grpc.StatusCode.PERMISSION_DENIED, details)
+        self.assertIn("'publish' scope", details)
+        self.assertEqual(seen, [])
+        for client in (train, inference):
+            code, details = code_of(client.rollback_weights)
+            self.assertEqual(code, grpc.StatusCode.PERMISSION_DENIED, details)
+            self.assertIn("RollbackWeights: it needs the 'publish' scope", details)
+        self.assertEqual(served(inference), before)  # nothing was published
+        # train,publish may publish, and roll back.
+        seen.clear()
+        job(publish, on_end)
+        self.assertEqual([r.step.step for r in seen], [1])
+        self.assertNotEqual(served(inference), before)
+        self.assertGreater(publish.rollback_weights().tensors, 0)
+        self.assertEqual(served(inference), before)
+        for c in (train, publish, inference):
+            c.close()
 
     def test_http_keys(self):
         base = f"http://{self.server.http_address}"
@@ -180,8 +248,29 @@ class TrainingIsolationTest(unittest.TestCase):
 
     def test_a_poisonous_job_never_reaches_serving(self):
         c = self.client
-        before = self.loss()
-        cfg = c.train_config(language_learning_rate=1e30, weight_decay=1e30, max_consecutive_skipped_steps=2,
+        before = served(c)
+        # The reported settings are outside their ranges: refused before the job starts.
+        for field in ("language_learning_rate", "weight_decay"):
+            cfg = c.train_config(**{field: 1e30}, publish_on_end=True)
+            code, details = code_of(lambda: list(c.train(cfg, iter([c.train_batch([EXAMPLE])]))))
+            self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+            self.assertIn(f"config.{field}: must lie in [0, 1], got 1e+30", details)
+        # The weights such a job leaves (finite, near 1e26) come from a checkpoint instead: the
+        # publish gate refuses them, with the losses it measured, and serving is unchanged.
+        huge = poisoned_checkpoint(c, self.ckpt, "poison/huge", 1e26)
+        refused = self.server.metric("vlmgraph_train_publish_refused_total", reason="max_abs_weight")
+        cfg = c.train_config(language_learning_rate=1e-4, resume_from=huge)
+        code, details = code_of(lambda: list(c.train(cfg, iter([c.train_publish()]))))
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION, details)
+        self.assertIn("publish refused by the publish gate", details)
+        self.assertIn("above train.publish_gate_max_abs_weight 1000", details)
+        self.assertRegex(details, r"held-out loss [0-9.]+ nats/token served, \S+ with the job's weights")
+        self.assertEqual(served(c), before)  # bit-identical loss, same tokens
+        self.assertEqual(self.server.metric("vlmgraph_train_publish_refused_total", reason="max_abs_weight"),
+                         refused + 1)
+        # Trained on, such weights give non-finite gradients: every step is skipped, and
+        # max_consecutive_skipped_steps of them end the job before publish_on_end.
+        cfg = c.train_config(language_learning_rate=1e-4, resume_from=huge, max_consecutive_skipped_steps=2,
                              publish_on_end=True)
         seen = []
         with self.assertRaises(grpc.RpcError) as ctx:
@@ -189,18 +278,36 @@ class TrainingIsolationTest(unittest.TestCase):
                 seen.append(r.step)
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.ABORTED, ctx.exception.details())
         self.assertIn("in a row", ctx.exception.details())
-        self.assertEqual([s.skipped for s in seen][-2:], [True, True])
+        self.assertEqual([s.skipped for s in seen], [True, True])
         self.assertEqual(seen[-1].consecutive_skipped_steps, 2)
-        after = self.loss()
-        self.assertEqual(after, before)  # bit-identical: nothing was published
         self.assertGreaterEqual(self.server.metric("vlmgraph_train_skipped_steps_total"), 2)
-        # An explicit publish of such weights is refused; the job goes on being refused cleanly.
-        cfg = c.train_config(language_learning_rate=1e30, weight_decay=1e30, max_consecutive_skipped_steps=50)
-        with self.assertRaises(grpc.RpcError) as ctx:
-            list(c.train(cfg, iter([c.train_batch([EXAMPLE])] * 2 + [c.train_publish()])))
-        self.assertEqual(ctx.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
-        self.assertIn("NaN or infinite", ctx.exception.details())
-        self.assertEqual(self.loss(), before)
+        self.assertEqual(served(c), before)
+
+    def test_e_rollback_restores_the_previous_answers(self):
+        c = self.client
+        before = served(c)
+        code, details = code_of(c.rollback_weights)  # no publish yet: nothing to restore
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION, details)
+        self.assertIn("nothing to roll back", details)
+        cfg = c.train_config(language_learning_rate=3e-3, trainable_parts=["language"])
+        published = [r.published for r in c.train(cfg, iter([c.train_batch([EXAMPLE])] * 8 + [c.train_publish()]))
+                     if r.HasField("published")]
+        self.assertEqual([p.step for p in published], [8])
+        gate = published[0].gate
+        self.assertEqual(gate.prompts, 4)  # the built-in held-out sequences
+        self.assertTrue(math.isfinite(gate.served_loss) and math.isfinite(gate.published_loss))
+        self.assertGreater(published[0].max_abs_weight, 0)
+        trained = served(c)
+        self.assertLess(trained[0], before[0])  # it learned EXAMPLE
+        self.assertNotEqual(trained, before)
+        r = c.rollback_weights()
+        self.assertGreater(r.tensors, 0)
+        self.assertGreater(r.bytes, 0)
+        self.assertEqual(served(c), before)  # the previous answers, bit for bit
+        code, details = code_of(c.rollback_weights)  # one level
+        self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION, details)
+        self.assertIn("nothing to roll back", details)
+        self.assertGreaterEqual(self.server.metric("vlmgraph_weights_rollbacks_total"), 1)
 
     def test_b_idle_job_times_out_and_frees_the_slot(self):
         c = self.client

@@ -137,6 +137,34 @@ class TrainTest(unittest.TestCase):
         self.assertTrainFails(INVALID, "config.bucket_policy",
                               [t.TrainRequest(config=t.TrainConfig(bucket_policy=9))])
 
+    def test_hyperparameters_outside_their_ranges(self):
+        """Every number of TrainConfig has a documented range (train.proto): INVALID_ARGUMENT names
+        the field, the range and the value, before the job starts; the bounds themselves pass."""
+        INVALID = grpc.StatusCode.INVALID_ARGUMENT
+        t = self.client.pb.train_pb2
+        nan, inf = float("nan"), float("inf")
+        cases = [("language_learning_rate", 1e30, "must lie in [0, 1], got 1e+30"),
+                 ("vision_learning_rate", -1e-3, "must lie in [0, 1], got -0.001"),
+                 ("projector_learning_rate", nan, "must lie in [0, 1], got nan"),
+                 ("weight_decay", 1e30, "must lie in [0, 1], got 1e+30"),
+                 ("weight_decay", 1.5, "must lie in [0, 1], got 1.5"),
+                 ("beta1", 1.0, "must lie in [0, 1), got 1"),
+                 ("beta2", -0.5, "must lie in [0, 1), got -0.5"),
+                 ("eps", 0.0, "must lie in [1e-12, 1], got 0"),
+                 ("eps", 2.0, "must lie in [1e-12, 1], got 2"),
+                 ("max_grad_norm", inf, "must lie in [0, 1e+06], got inf"),
+                 ("max_grad_norm", -1.0, "must lie in [0, 1e+06], got -1"),
+                 ("max_consecutive_skipped_steps", 0, "must lie in [1, 1000], got 0"),
+                 ("max_consecutive_skipped_steps", 1001, "must lie in [1, 1000], got 1001")]
+        for field, value, text in cases:
+            with self.subTest(field=field, value=value):
+                cfg = t.TrainRequest(config=t.TrainConfig(**{field: value}))
+                self.assertTrainFails(INVALID, f"config.{field}: {text}", [cfg, self.client.train_batch(self.examples[1:2])])
+        # The bounds are in range: a job with every one of them starts (and takes no step).
+        edge = t.TrainConfig(language_learning_rate=1, vision_learning_rate=0, projector_learning_rate=1, weight_decay=1,
+                             beta1=0, beta2=0, eps=1e-12, max_grad_norm=1e6, max_consecutive_skipped_steps=1000)
+        self.assertEqual(list(self.client.stub.Train(iter([t.TrainRequest(config=edge)]), timeout=60)), [])
+
     def test_saves_stay_inside_the_checkpoint_dir(self):
         t = self.client.pb.train_pb2
         INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -9,6 +9,7 @@
     train --file data.jsonl                stream a training job; one line per example:
         {"text_ids": [...], "images": ["a.png"]}           prompt + next-token targets built for you
         {"input_ids": [...], "target_ids": [...], "images": [...]}   or exactly these
+    rollback                               serve the weights from before the last publish
 """
 import argparse
 import json
@@ -158,9 +159,17 @@ def cmd_train(client, args):
                   f"{s.step_seconds * 1e3:.1f} ms, bucket {s.bucket}" + (" (skipped: non-finite gradients)"
                                                                           if s.skipped else ""), flush=True)
         elif r.HasField("published"):
-            print(f"published the weights after {r.published.step} steps", flush=True)
+            p = r.published
+            gate = (f" (held-out loss {p.gate.served_loss:.4f} -> {p.gate.published_loss:.4f})"
+                    if p.HasField("gate") else "")
+            print(f"published the weights after {p.step} steps{gate}", flush=True)
         else:
             print(f"saved {r.saved.directory} after {r.saved.step} steps", flush=True)
+
+
+def cmd_rollback(client, args):
+    r = client.rollback_weights()
+    print(f"restored {r.tensors} tensors ({r.bytes} bytes) in {r.seconds * 1e3:.1f} ms", flush=True)
 
 
 def main(argv=None):
@@ -214,6 +223,8 @@ def main(argv=None):
     t.add_argument("--publish", action="store_true",
                    help="serve the trained weights when the job ends (TrainConfig.publish_on_end)")
     t.set_defaults(fn=cmd_train)
+    sub.add_parser("rollback", help="serve the weights from before the last publish (publish scope)"
+                   ).set_defaults(fn=cmd_rollback)
     args = p.parse_args(argv)
     if args.command == "demo" and len(args.image) > 1:
         args.image = args.image[1:]  # --image given: replace the default photo

@@ -213,9 +213,16 @@ class VlmGraphClient:
         return t.TrainRequest(save=t.SaveCheckpoint(directory=directory))
 
     def train_publish(self):
-        """Makes the job's current weights the serving weights (TrainResponse{published})."""
+        """Makes the job's current weights the serving weights (TrainResponse{published}), if the
+        server's publish gate accepts them. Needs a key with the `publish` scope."""
         t = self.pb.train_pb2
         return t.TrainRequest(publish=t.PublishWeights())
+
+    def rollback_weights(self, timeout=None):
+        """Restores the weights served before the last publish (RollbackWeightsResponse). Needs a
+        key with the `publish` scope; FAILED_PRECONDITION when there is nothing to roll back."""
+        req = self.pb.train_pb2.RollbackWeightsRequest()
+        return self.stub.RollbackWeights(req, timeout=timeout or self.timeout)
 
     def train(self, config, requests, timeout=None):
         """Streams TrainRequest{config} then `requests` (TrainRequest messages); yields TrainResponses.
