@@ -111,7 +111,8 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   grpc_server.SetServing(true);
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
   if (!config.server.http_address.empty())
-    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get(), &keys);
+    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get(), &keys,
+                                              &publisher);
   if (http) {
     metrics.SetScrapeHook([&http, &metrics] {
       const HttpServerStats s = http->stats();

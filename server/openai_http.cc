@@ -27,7 +27,9 @@ using namespace openai;  // NOLINT: this file is the protocol's HTTP side
 namespace net = boost::asio;
 
 // Routes, for the metric's endpoint label and for 405 (method) vs 404 (path).
-enum class Endpoint { kHealth, kModels, kModel, kChat, kCompletions, kTokenize, kDetokenize };
+enum class Endpoint {
+  kHealth, kModels, kModel, kChat, kCompletions, kTokenize, kDetokenize, kRollback
+};
 struct Route {
   const char* path;
   const char* method;
@@ -40,6 +42,7 @@ constexpr Route kRoutes[] = {
     {"/v1/completions", "POST", Endpoint::kCompletions},
     {"/tokenize", "POST", Endpoint::kTokenize},
     {"/detokenize", "POST", Endpoint::kDetokenize},
+    {"/v1/admin/rollback", "POST", Endpoint::kRollback},
 };
 constexpr const char* kModelPath = "/v1/models/{model}";
 constexpr const char* kModelPrefix = "/v1/models/";
@@ -97,7 +100,7 @@ int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits) {
 
 struct OpenAiHttpServer::Impl {
   Impl(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics, const TextModel* text,
-       const ApiKeys* keys);
+       const ApiKeys* keys, WeightsPublisher* publisher);
 
   // One generation over HTTP, from its submission to its last byte. Lives while the engine or
   // the connection may still call it; its lifetime is what Shutdown's drain counts.
@@ -134,7 +137,7 @@ struct OpenAiHttpServer::Impl {
   void Handle(const std::shared_ptr<HttpExchange>& x, Endpoint endpoint);
   void StartGeneration(const std::shared_ptr<HttpExchange>& x, PreparedGeneration g, bool chat);
 
-  void Authorize(const HttpRequest& head) const;  // throws ApiError 401 / 403
+  void Authorize(const HttpRequest& head, Scope scope) const;  // throws ApiError 401 / 403
   const TextModel& RequireText() const;
   ErrorInfo ErrorOf(std::exception_ptr error) const;
   void SendError(HttpExchange& x, const ErrorInfo& e) const;
@@ -149,6 +152,7 @@ struct OpenAiHttpServer::Impl {
   Metrics* const metrics;
   const TextModel* const text;
   const ApiKeys* const keys;  // may be null: no keys
+  WeightsPublisher* const publisher;  // may be null: no rollback endpoint
   const RequestContext ctx;
   const int64_t created;  // Unix seconds: /v1/models' "created"
   const int64_t max_body_bytes;
@@ -169,12 +173,14 @@ struct OpenAiHttpServer::Impl {
 };
 
 OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler_in,
-                             Metrics* metrics_in, const TextModel* text_in, const ApiKeys* keys_in)
+                             Metrics* metrics_in, const TextModel* text_in, const ApiKeys* keys_in,
+                             WeightsPublisher* publisher_in)
     : config(config_in),
       scheduler(scheduler_in),
       metrics(metrics_in),
       text(text_in),
       keys(keys_in),
+      publisher(publisher_in),
       ctx{config_in.served_model_name, config_in.limits},
       created(std::chrono::duration_cast<std::chrono::seconds>(
                   std::chrono::system_clock::now().time_since_epoch())
@@ -189,7 +195,8 @@ HeadVerdict OpenAiHttpServer::Impl::OnHead(const HttpRequest& head) {
     std::lock_guard<std::mutex> lock(mu);
     ++in_flight;  // balanced in OnComplete, which the front calls once per head
   }
-  const std::optional<Route> route = FindRoute(head.path);
+  std::optional<Route> route = FindRoute(head.path);
+  if (route && route->endpoint == Endpoint::kRollback && publisher == nullptr) route.reset();
   if (!route) {
     return RefuseHead(head, {404, "invalid_request_error",
                              "Invalid URL (" + LogSafe(head.method, 16) + " " +
@@ -208,7 +215,7 @@ HeadVerdict OpenAiHttpServer::Impl::OnHead(const HttpRequest& head) {
   }
   if (route->endpoint == Endpoint::kHealth) return HeadVerdict::Accept(0);
   try {
-    Authorize(head);
+    Authorize(head, route->endpoint == Endpoint::kRollback ? Scope::kPublish : Scope::kInference);
     if (!accepting.load()) {
       throw ServerError(grpc::StatusCode::UNAVAILABLE,
                         "the server is shutting down; retry on another replica");
@@ -245,10 +252,10 @@ HeadVerdict OpenAiHttpServer::Impl::RefuseHead(const HttpRequest& head, const Er
                              std::move(headers));
 }
 
-void OpenAiHttpServer::Impl::Authorize(const HttpRequest& head) const {
+void OpenAiHttpServer::Impl::Authorize(const HttpRequest& head, Scope scope) const {
   if (keys == nullptr || !keys->enabled()) return;
   try {
-    keys->Authorize(head.Header("Authorization"), Scope::kInference, head.path);
+    keys->Authorize(head.Header("Authorization"), scope, head.path);
   } catch (const ServerError& refused) {
     ErrorInfo e;
     const bool forbidden = refused.code() == grpc::StatusCode::PERMISSION_DENIED;
@@ -353,6 +360,23 @@ void OpenAiHttpServer::Impl::Handle(const std::shared_ptr<HttpExchange>& x, Endp
       const DetokenizeRequest request = ParseDetokenizeRequest(body, ctx);
       x->Respond(200, "application/json",
                  Dump(DetokenizeJson(DetokenizeText(request, RequireText()))));
+      return;
+    }
+    case Endpoint::kRollback: {
+      if (!body.empty()) {
+        const json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
+        if (!parsed.is_object() || !parsed.empty()) {
+          throw BadRequest("/v1/admin/rollback takes an empty JSON object, {}");
+        }
+      }
+      const RollbackReport r = publisher->Rollback("/v1/admin/rollback");
+      LogInfo("HTTP /v1/admin/rollback from " + x->request().remote_address + ": restored " +
+              std::to_string(r.tensors) + " tensors");
+      x->Respond(200, "application/json",
+                 Dump({{"object", "rollback"},
+                       {"tensors", r.tensors},
+                       {"bytes", r.bytes},
+                       {"seconds", r.seconds}}));
       return;
     }
     case Endpoint::kHealth:
@@ -539,8 +563,9 @@ void OpenAiHttpServer::Impl::Generation::Fail(std::exception_ptr error) {
 // --- OpenAiHttpServer ----------------------------------------------------------------------------
 
 OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler,
-                                   Metrics* metrics, const TextModel* text, const ApiKeys* keys)
-    : impl_(std::make_unique<Impl>(config, scheduler, metrics, text, keys)) {
+                                   Metrics* metrics, const TextModel* text, const ApiKeys* keys,
+                                   WeightsPublisher* publisher)
+    : impl_(std::make_unique<Impl>(config, scheduler, metrics, text, keys, publisher)) {
   Impl& m = *impl_;
   HttpServerOptions o;
   o.address = config.server.http_address;

@@ -13,14 +13,18 @@
 //   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
 //     -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 //
-// Endpoints (every one but /health needs `Authorization: Bearer <key>` with the inference scope
-// when keys are configured, server/auth.h):
+// Endpoints (every one but /health needs `Authorization: Bearer <key>` when keys are configured,
+// server/auth.h: the inference scope, the publish scope for /v1/admin/rollback):
 //   GET  /health               200 while serving, 503 once shutting down (as vLLM's)
 //   GET  /v1/models            the one model, served_model_name; GET /v1/models/{model} too
 //   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE
 //   POST /v1/completions       a prompt string (or token ids); stream: true -> SSE
 //   POST /tokenize             vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", ...}
 //   POST /detokenize           vLLM's: {"tokens"} -> {"prompt"}
+//   POST /v1/admin/rollback    the weights served before the last publish (key with the publish
+//                              scope; Note [Rollback], server/weights_publisher.h) -> {"object":
+//                              "rollback", "tensors", "bytes", "seconds"}; 400 with nothing to
+//                              roll back
 // A known path with another method answers 405, any other path 404, both with OpenAI's error body.
 //
 // Note [Limits before work]: everything that can be decided from the request head is decided
@@ -79,6 +83,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
+#include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
 
@@ -97,8 +102,10 @@ class OpenAiHttpServer {
   // API keys; otherwise every endpoint but /health needs a key with the inference scope: 401
   // without a valid one, 403 without the scope). TLS when config.tls.cert_file is set
   // (ServerConfigError when the files do not load). All must outlive this.
+  // `publisher` may be null (no /v1/admin/rollback: 404).
   OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics,
-                   const TextModel* text, const ApiKeys* keys = nullptr);
+                   const TextModel* text, const ApiKeys* keys = nullptr,
+                   WeightsPublisher* publisher = nullptr);
   ~OpenAiHttpServer();  // Shutdown(0) unless done
   OpenAiHttpServer(const OpenAiHttpServer&) = delete;
   OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;

@@ -113,6 +113,31 @@ class ChatPublishGateTest(unittest.TestCase):
             self.client.rollback_weights()
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
 
+    def test_c_rollback_over_http(self):
+        """POST /v1/admin/rollback (the publish scope; no keys here) restores what served before."""
+        import requests
+
+        def no_paris(k, v):
+            if k != "decoder.head.weight":
+                return v
+            v = v.copy()
+            v[self.client.forward(text="The capital of France is Paris").input_ids[-1]] = 0
+            return v
+
+        self.assertEqual(len(self.publish(self.craft("no-paris-http", no_paris))), 1)
+        self.assertNotEqual(self.answers()[0], self.before[0])
+        url = f"http://{self.server.http_address}/v1/admin/rollback"
+        r = requests.post(url, json={}, timeout=120)
+        self.assertEqual(r.status_code, 200, r.text)
+        self.assertEqual(r.json()["object"], "rollback")
+        self.assertGreater(r.json()["tensors"], 0)
+        self.assertEqual(self.answers(), self.before)
+        again = requests.post(url, json={}, timeout=120)
+        self.assertEqual(again.status_code, 400, again.text)
+        self.assertEqual(set(again.json()["error"]), {"message", "type", "param", "code"})
+        # A form post (what a web page could send without a CORS preflight) is refused unread.
+        self.assertEqual(requests.post(url, data="x=1", timeout=30).status_code, 415)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -154,6 +154,16 @@ class ApiKeyTest(unittest.TestCase):
         self.assertEqual(http_get(base + "/v1/models", "y" * 30)[0], 401)
         self.assertEqual(http_get(base + "/v1/models", INFERENCE_KEY)[0], 200)
         self.assertEqual(http_get(base + "/health")[0], 200)  # probes need no key
+        # Rolling the served weights back needs the publish scope; refused from the head.
+        import requests
+        url = base + "/v1/admin/rollback"
+        for key, status in ((None, 401), (INFERENCE_KEY, 403), (TRAIN_KEY, 403)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = requests.post(url, json={}, headers=headers, timeout=30)
+            self.assertEqual(r.status_code, status, r.text)
+        r = requests.post(url, json={}, headers={"Authorization": f"Bearer {PUBLISH_KEY}"}, timeout=60)
+        self.assertEqual(r.status_code, 400, r.text)  # allowed, but nothing published to roll back
+        self.assertIn("roll back", r.json()["error"]["message"])
 
 
 class ExposureTest(unittest.TestCase):
