@@ -169,13 +169,7 @@ class HttpConnection final : public HttpConnectionBase {
     if (!Current(x) || response_started_) return;
     response_started_ = true;
     reported_status = reported_status.load() != 0 ? reported_status.load() : status;
-    auto res = std::make_shared<http::response<http::string_body>>(
-        static_cast<http::status>(status), 11);
-    res->set(http::field::content_type, content_type);
-    for (auto& [k, v] : headers) res->insert(k, v);
-    res->keep_alive(keep_alive_);
-    res->body() = std::move(body);
-    res->prepare_payload();
+    auto res = WholeResponse(status, content_type, std::move(body), headers, keep_alive_);
     SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
     http::async_write(stream_, *res,
                       [self = Self(), res](beast::error_code ec, std::size_t) {
@@ -228,6 +222,20 @@ class HttpConnection final : public HttpConnectionBase {
   void DoClose() override { Close(); }
 
  private:
+  // A response with its whole body (Content-Length set), kept alive by the write that sends it.
+  static std::shared_ptr<http::response<http::string_body>> WholeResponse(
+      int status, const std::string& content_type, std::string body, const HttpHeaders& headers,
+      bool keep_alive) {
+    auto res = std::make_shared<http::response<http::string_body>>(
+        static_cast<http::status>(status), 11);
+    res->set(http::field::content_type, content_type);
+    for (const auto& [k, v] : headers) res->insert(k, v);
+    res->keep_alive(keep_alive);
+    res->body() = std::move(body);
+    res->prepare_payload();
+    return res;
+  }
+
   std::shared_ptr<HttpConnection> Self() {
     return std::static_pointer_cast<HttpConnection>(shared_from_this());
   }
@@ -505,13 +513,7 @@ class HttpConnection final : public HttpConnectionBase {
                       HttpHeaders headers) {
     Report(status);
     keep_alive_ = false;
-    auto res = std::make_shared<http::response<http::string_body>>(
-        static_cast<http::status>(status), 11);
-    res->set(http::field::content_type, content_type);
-    for (auto& [k, v] : headers) res->insert(k, v);
-    res->keep_alive(false);
-    res->body() = std::move(body);
-    res->prepare_payload();
+    auto res = WholeResponse(status, content_type, std::move(body), headers, false);
     response_started_ = true;
     SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
     http::async_write(stream_, *res, [self = Self(), res](beast::error_code ec, std::size_t) {

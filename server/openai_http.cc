@@ -47,15 +47,6 @@ constexpr Route kRoutes[] = {
 constexpr const char* kModelPath = "/v1/models/{model}";
 constexpr const char* kModelPrefix = "/v1/models/";
 
-std::string EndpointLabel(const std::string& path) {
-  for (const Route& r : kRoutes) {
-    if (path == r.path) return r.path;
-  }
-  if (path.rfind(kModelPrefix, 0) == 0 && path.size() > std::string(kModelPrefix).size())
-    return kModelPath;
-  return "other";  // bounded label values: unknown paths share one
-}
-
 // The route of `path` whatever the method; nullopt for an unknown path.
 std::optional<Route> FindRoute(const std::string& path) {
   for (const Route& r : kRoutes) {
@@ -64,6 +55,11 @@ std::optional<Route> FindRoute(const std::string& path) {
   if (path.rfind(kModelPrefix, 0) == 0 && path.size() > std::string(kModelPrefix).size())
     return Route{kModelPath, "GET", Endpoint::kModel};
   return std::nullopt;
+}
+
+std::string EndpointLabel(const std::string& path) {
+  const std::optional<Route> route = FindRoute(path);
+  return route ? route->path : "other";  // bounded label values: unknown paths share one
 }
 
 // "application/json; charset=utf-8" -> true; media types compare case-insensitively (RFC 9110).
@@ -304,7 +300,7 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
     --queued_work;
     if (x->client_gone()) return;
     try {
-      if (!accepting.load() && cancel_all.load()) {
+      if (cancel_all.load()) {
         throw ServerError(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
       }
       Handle(x, endpoint);
