@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "model/checkpoint.h"
+#include "tests/synthetic_train_batch.h"
 #include "server/graphed_trainer.h"
 #include "server/scheduler.h"
 #include "server/status.h"
@@ -297,15 +298,7 @@ TEST(TrainSlot, OneJobAtATimeAndAnEndingJobMakesNewOnesWait) {
 }
 
 std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
-  std::vector<TrainExample> out;
-  for (int64_t r = 0; r < rows; ++r) {
-    TrainExample d;
-    for (int64_t i = 0; i < len; ++i) d.input_ids.push_back((r * 31 + i * 7) % 200);
-    d.targets.assign(d.input_ids.begin() + 1, d.input_ids.end());
-    d.targets.push_back(-100);
-    out.push_back(d);
-  }
-  return out;
+  return vlmgraph::testing::SyntheticTrainBatch(rows, len);
 }
 
 TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
