@@ -21,7 +21,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <utility>
@@ -42,6 +44,7 @@ std::chrono::milliseconds Millis(double seconds) {
 struct DataParallelGroup::State {
   c10::intrusive_ptr<c10d::TCPStore> tcp_store;
   c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<c10::intrusive_ptr<c10d::Work>> started;  // StartAllReduceSum .. FinishAllReduces
 };
 
 bool DataParallelGroup::BackendAvailable(const std::string& backend) {
@@ -111,6 +114,8 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
 #if VLMGRAPH_HAVE_NCCL
     if (options.backend == "nccl") {
       c10::cuda::set_device(static_cast<c10::DeviceIndex>(options.device_index));
+      // A dead peer must not take this process down (c10d's default tears it down).
+      setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = Millis(options.timeout_seconds);
       group->state_->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, o);
@@ -135,10 +140,13 @@ int64_t DataParallelGroup::store_port() const {
 namespace {
 
 // Runs one collective and waits for it; a failure or timeout becomes kUnavailable.
-void Wait(const std::string& what, int64_t rank, const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+void Wait(const std::string& what, int64_t rank, std::chrono::milliseconds timeout,
+          const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
   try {
     c10::intrusive_ptr<c10d::Work> work = start();
-    work->wait();
+    // With a timeout, NCCL's wait blocks the host until the collective is done or the timeout
+    // passed (then it aborts the communicator and throws); gloo's collectives carry their own.
+    work->wait(timeout);
   } catch (const c10::Error& e) {
     throw EngineError(EngineError::Code::kUnavailable,
                       "data parallel rank " + std::to_string(rank) + ": " + what +
@@ -203,7 +211,7 @@ int64_t DataParallelGroup::AllReduceMean(const std::vector<at::Tensor>& tensors)
     std::vector<at::Tensor> one{flat};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    Wait("all-reduce", rank(), [&] { return state_->backend->allreduce(one, o); });
+    Wait("all-reduce", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->allreduce(one, o); });
     flat.div_(world);  // exact for a power-of-two world size
   });
 }
@@ -215,13 +223,67 @@ void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_
     std::vector<at::Tensor> one{flat};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    Wait("broadcast", rank(), [&] { return state_->backend->broadcast(one, o); });
+    Wait("broadcast", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->broadcast(one, o); });
   });
 }
 
 void DataParallelGroup::Barrier() {
   if (!state_->backend) return;
-  Wait("barrier", rank(), [&] { return state_->backend->barrier(); });
+  Wait("barrier", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->barrier(); });
+}
+
+LaunchEnvironment ReadLaunchEnvironment() {
+  LaunchEnvironment env;
+  auto number = [](const char* name, int64_t fallback) -> int64_t {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return fallback;
+    char* end = nullptr;
+    errno = 0;
+    const long long x = std::strtoll(v, &end, 10);
+    if (errno != 0 || end == v || *end != '\0')
+      throw Invalid(std::string(name) + "=\"" + v + "\" is not an integer (torchrun's variables)");
+    return static_cast<int64_t>(x);
+  };
+  env.from_launcher = std::getenv("WORLD_SIZE") != nullptr;
+  env.world_size = number("WORLD_SIZE", 1);
+  env.rank = number("RANK", 0);
+  env.local_rank = number("LOCAL_RANK", env.world_size == 1 ? 0 : env.rank);
+  env.master_port = number("MASTER_PORT", 29500);
+  if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') env.master_addr = a;
+  if (env.world_size < 1) throw Invalid("WORLD_SIZE must be >= 1");
+  if (env.rank < 0 || env.rank >= env.world_size)
+    throw Invalid("RANK=" + std::to_string(env.rank) + " must lie in [0, WORLD_SIZE=" +
+                  std::to_string(env.world_size) + ")");
+  if (env.local_rank < 0) throw Invalid("LOCAL_RANK must be >= 0");
+  if (env.master_port < 1 || env.master_port > 65535)
+    throw Invalid("MASTER_PORT must lie in [1, 65535]");
+  return env;
+}
+
+void DataParallelGroup::StartAllReduceSum(const at::Tensor& tensor) {
+  if (options_.world_size == 1) return;
+  if (!tensor.defined() || !tensor.is_contiguous())
+    throw Invalid("data parallel: collectives take defined, contiguous tensors");
+  std::vector<at::Tensor> one{tensor};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  try {
+    state_->started.push_back(state_->backend->allreduce(one, o));
+  } catch (const c10::Error& e) {
+    throw EngineError(EngineError::Code::kUnavailable,
+                      "data parallel rank " + std::to_string(rank()) +
+                          ": all-reduce failed to start: " + e.what_without_backtrace());
+  }
+}
+
+void DataParallelGroup::FinishAllReduces() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> started;
+  started.swap(state_->started);
+  for (auto& work : started) {
+    // NCCL: the current stream waits for the collective (no host block, so this is legal inside
+    // a capture); gloo: the host waits, up to the group's timeout.
+    Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */, [&] { return work; });
+  }
 }
 
 }  // namespace vlmgraph

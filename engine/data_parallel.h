@@ -28,6 +28,11 @@
 // Errors: EngineError(kUnavailable) when the store cannot be reached or a rank does not join
 // within timeout_seconds, and when a collective fails or times out (a rank died or hangs): the
 // group is then unusable; EngineError(kInvalidArgument) for bad options or a backend not built.
+// NCCL: eager collectives (Join, Broadcast, AllReduceMean, Barrier) wait at most timeout_seconds;
+// a captured one that never completes (its peer died) is detected by the Trainer's deadline (Note
+// [A rank that dies] in engine/trainer.cc). Unless the environment sets it, Join sets
+// TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up, do not tear the process down), so the caller decides
+// how to end.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -86,12 +91,40 @@ class DataParallelGroup {
   // Returns when every rank has called it.
   void Barrier();
 
+  // Gradient buckets reduced while the backward pass still runs (Trainer, Note [Overlapped
+  // all-reduce] in engine/trainer.cc). StartAllReduceSum queues an in-place SUM all-reduce of one
+  // contiguous tensor and returns at once: NCCL runs it on the backend's stream once the work
+  // queued so far on the current stream is done; gloo on its own thread. FinishAllReduces makes
+  // the current stream wait for every started one (NCCL; the host does not block) or blocks until
+  // they are done (gloo), in start order. Every rank must start the same tensors (shapes, dtypes)
+  // in the same order. With NCCL both may run while a CUDA graph is captured on the current
+  // stream: the collectives and the wait are then part of the graph, and each replay runs them.
+  // StartAllReduceSum may be called from the autograd engine's thread while the thread that
+  // drives the group waits in backward(). Errors: EngineError(kUnavailable) (gloo: a rank died or
+  // timed out).
+  void StartAllReduceSum(const at::Tensor& tensor);
+  void FinishAllReduces();
+
  private:
   struct State;
   explicit DataParallelGroup(DataParallelOptions options);
   DataParallelOptions options_;
   std::unique_ptr<State> state_;
 };
+
+// Where a rank learns its place: torchrun's environment, as torch.distributed's env:// init reads
+// it (torch/distributed/rendezvous.py; torchrun, `srun` with these exported, and a Kubernetes
+// PyTorchJob all set them). Absent variables: one rank (RANK 0, WORLD_SIZE 1, LOCAL_RANK 0),
+// MASTER_ADDR 127.0.0.1, MASTER_PORT 29500. Throws EngineError(kInvalidArgument) naming the
+// variable when one is not a number or out of range (RANK outside [0, WORLD_SIZE), a port outside
+// [1, 65535]).
+struct LaunchEnvironment {
+  int64_t rank = 0, world_size = 1, local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int64_t master_port = 29500;
+  bool from_launcher = false;  // WORLD_SIZE was set
+};
+LaunchEnvironment ReadLaunchEnvironment();
 
 // The contiguous shard of a global batch that `rank` of `world_size` trains: elements
 // [rank * p, min((rank + 1) * p, n)) with p = ceil(n / world_size), the split Trainer::Step uses

@@ -36,6 +36,10 @@ class DeviceEvent {
   DeviceEvent& operator=(const DeviceEvent&) = delete;
   void Record();
   void Synchronize();
+  // Synchronize with a deadline: polls until the recorded work is done (true) or timeout_seconds
+  // have passed (false; the work stays queued). For work that may never finish, such as a
+  // collective whose peer died (Trainer, Note [A rank that dies]).
+  bool WaitFor(double timeout_seconds);
 
  private:
   struct Impl;

@@ -19,6 +19,7 @@ DeviceEvent::DeviceEvent(const at::Device&) {}
 DeviceEvent::~DeviceEvent() = default;
 void DeviceEvent::Record() {}
 void DeviceEvent::Synchronize() {}
+bool DeviceEvent::WaitFor(double) { return true; }
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
 DeviceCapacity DeviceMemoryCapacity(const at::Device&) { return {}; }

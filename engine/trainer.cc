@@ -81,6 +81,47 @@ struct Trainer::PendingStep {
   TrainStepResult result;
 };
 
+// Note [Overlapped all-reduce]: with data parallelism the gradients are averaged over the ranks
+// as PyTorch DDP's Reducer does it (Li et al. 2020, section 3.2.3), inside the step's graphs:
+// - Buckets: the trained parameters in reverse order (the order the backward produces their
+//   gradients), packed into buckets of at most DataParallelOptions::bucket_bytes of float32
+//   (the first one at most 1 MiB, DDP's first_bucket_bytes, so the first all-reduce starts
+//   early; a larger parameter alone). Each bucket's accumulators are views of one flat float32
+//   buffer, so a bucket is all-reduced in place, without copies in or out.
+// - A gradient hook on every trained parameter (it runs on autograd's thread, before autograd
+//   stores the gradient) records the gradient; once every gradient of a bucket has arrived and
+//   every earlier bucket is launched, the bucket's gradients are added into its accumulators and,
+//   in the step's last micro-batch, its SUM all-reduce is started (NCCL: on its own stream, so it
+//   runs while the backward of the earlier layers goes on). Buckets launch in bucket order on
+//   every rank, whatever order their gradients arrive in, so every rank starts the same
+//   collectives in the same order (DDP's rule); parameters that get no gradient are launched after
+//   the backward. The loss is all-reduced last, then the stream waits for every collective.
+// - The losses are divided by micro-batches x world_size (micro_batches_), so the SUM is the
+//   mean: world_size ranks with a micro-batches each take exactly the step of one rank with
+//   world_size x a (up to the order of float additions).
+// - Earlier micro-batches of a step only accumulate (DDP's no_sync): their graph is the bucket's
+//   second one (AccumulatingGraph), captured at Warmup when grad_accum_steps > 1, else when a step
+//   first needs it (it has no collective, so a rank may capture it alone).
+// With NCCL the collectives are captured into the micro-step's CUDA graph (NCCL supports capture
+// with one GPU per process; every rank captures the same collectives in the same order, after
+// warm-up runs on the capture stream, as CudaGraphStepRunner::Capture does): a replay runs the
+// backward and the bucket all-reduces overlapped, with no host work between them.
+struct Trainer::Reducer {
+  struct Bucket {
+    std::vector<size_t> params;  // indices into params_
+    at::Tensor flat;             // float32, the accumulators of `params` back to back
+    size_t ready = 0;            // gradients of the backward in progress that have arrived
+  };
+  std::vector<Bucket> buckets;   // launch order
+  std::vector<size_t> bucket_of;  // params_ index -> bucket
+  int64_t bytes = 0;             // all-reduced per step: every bucket + the loss
+  // The backward in progress.
+  bool active = false, reduce = false;
+  size_t next = 0;                // first bucket not launched yet
+  std::vector<at::Tensor> grads;  // params_ index -> its gradient, until its bucket launches
+  double wait_seconds = 0;        // host time in FinishAllReduces since the step began
+};
+
 namespace {
 // A model of `cfg` whose parameters are about to be overwritten: nanoVLM's random initialisation
 // (seconds on the CPU for nanovlm-460m) is skipped.
@@ -190,8 +231,10 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   }
   if (params_.empty())
     throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
+  if (data_parallel_) BuildReducer();
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
   micro_batches_ = at::ones({}, f32);
+  dp_loss_sum_ = at::zeros({1}, f32);
   grad_sq_sum_ = at::zeros({}, f32.dtype(at::kDouble));
   for (const auto& g : groups_) {
     auto append = [](std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
@@ -213,6 +256,95 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       runner_.get(), [this](const BucketKey& exact, const std::string& reason) {
         if (options_.observer) options_.observer->OnEagerFallback(exact.region, reason);
       });
+}
+
+void Trainer::BuildReducer() {
+  reducer_ = std::make_unique<Reducer>();
+  Reducer& r = *reducer_;
+  const int64_t cap = options_.data_parallel->options().bucket_bytes;
+  constexpr int64_t kFirstBucketBytes = 1 << 20;  // DDP's first_bucket_bytes
+  r.bucket_of.assign(params_.size(), 0);
+  std::vector<std::vector<size_t>> packed;
+  int64_t bucket_bytes = 0;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const int64_t bytes = params_[k].numel() * 4;
+    const int64_t limit = packed.size() == 1 ? std::min(cap, kFirstBucketBytes) : cap;
+    if (packed.empty() || (!packed.back().empty() && bucket_bytes + bytes > limit)) {
+      packed.emplace_back();
+      bucket_bytes = 0;
+    }
+    packed.back().push_back(k);
+    bucket_bytes += bytes;
+  }
+  // The float32 accumulator of params_[k], to be replaced by a view of its bucket.
+  std::vector<at::Tensor*> accumulator(params_.size(), nullptr);
+  {
+    size_t k = 0;
+    for (auto& g : groups_)
+      for (auto& grad : g.grads) accumulator[k++] = &grad;
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& indices : packed) {
+    if (indices.empty()) continue;
+    Reducer::Bucket b;
+    b.params = indices;
+    int64_t numel = 0;
+    for (size_t k : indices) numel += params_[k].numel();
+    b.flat = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
+    int64_t offset = 0;
+    for (size_t k : indices) {
+      r.bucket_of[k] = r.buckets.size();
+      *accumulator[k] = b.flat.narrow(0, offset, params_[k].numel()).view(params_[k].sizes());
+      offset += params_[k].numel();
+    }
+    r.bytes += numel * 4;
+    r.buckets.push_back(std::move(b));
+  }
+  r.bytes += 4;  // the loss
+  master_grads_.clear();
+  for (auto& g : groups_)
+    for (auto& grad : g.grads) master_grads_.push_back(grad);
+  r.grads.resize(params_.size());
+  for (size_t k = 0; k < params_.size(); ++k) {
+    // float32: the accumulators are no longer the parameters' .grad; autograd's gradient is
+    // transient, as in bfloat16 mode (Note [Transient bf16 gradients]).
+    params_[k].mutable_grad() = at::Tensor();
+    params_[k].register_hook([this, k](const at::Tensor& grad) { OnGradient(k, grad); });
+  }
+}
+
+void Trainer::OnGradient(size_t i, const at::Tensor& grad) {
+  Reducer& r = *reducer_;
+  if (!r.active) return;
+  r.grads[i] = grad;
+  if (++r.buckets[r.bucket_of[i]].ready == r.buckets[r.bucket_of[i]].params.size())
+    LaunchReadyBuckets(/*all=*/false);
+}
+
+void Trainer::LaunchReadyBuckets(bool all) {
+  Reducer& r = *reducer_;
+  at::NoGradGuard no_grad;
+  for (; r.next < r.buckets.size(); ++r.next) {
+    Reducer::Bucket& b = r.buckets[r.next];
+    if (!all && b.ready < b.params.size()) return;
+    std::vector<at::Tensor> accumulators, grads;
+    for (size_t k : b.params) {
+      if (!r.grads[k].defined()) continue;  // no gradient: zero
+      accumulators.push_back(master_grads_[k]);
+      grads.push_back(std::move(r.grads[k]));
+      r.grads[k] = at::Tensor();
+    }
+    if (!grads.empty()) {
+      if (fused_) {
+        // One multi-tensor kernel; the squared norm it also sums is not used (the optimizer
+        // takes the norm of the averaged gradients).
+        AccumulateGradients(accumulators, grads, grad_sq_sum_);
+      } else {
+        at::_foreach_add_(accumulators, grads);
+      }
+    }
+    if (r.reduce) options_.data_parallel->StartAllReduceSum(b.flat);
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -260,7 +392,7 @@ Trainer::MicroBuffers& Trainer::BuffersFor(const BucketKey& key) {
   return *buffers_.emplace(key, MakeBuffers(key)).first->second;
 }
 
-std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct) {
+std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool reduce) {
   at::AutoGradMode grad_mode(true);
   // A graph encodes the whole static tile buffer. An eager run on CUDA does too, so that both take
   // the same kernels (cuBLAS picks its algorithms by shape) and compute the same values (float32
@@ -282,6 +414,32 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct) {
   // without a graph: its gradient is zero, so it adds nothing. BeginStep refuses a step where
   // this holds for every micro-batch.
   const bool learns = loss.requires_grad();
+  if (data_parallel_) {  // Note [Overlapped all-reduce]
+    Reducer& r = *reducer_;
+    dp_loss_sum_.add_(loss.detach());
+    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+    for (auto& b : r.buckets) b.ready = 0;
+    r.next = 0;
+    r.reduce = reduce;
+    r.active = true;
+    try {
+      if (learns) loss.backward();
+      r.active = false;
+      LaunchReadyBuckets(/*all=*/true);
+      if (reduce) {
+        options_.data_parallel->StartAllReduceSum(dp_loss_sum_);
+        const auto t_wait = Clock::now();
+        options_.data_parallel->FinishAllReduces();
+        r.wait_seconds += SecondsSince(t_wait);
+      }
+    } catch (...) {
+      r.active = false;
+      for (auto& g : r.grads) g = at::Tensor();
+      throw;
+    }
+    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
+    return {loss.detach()};
+  }
   if (!mixed_precision()) {
     if (learns) loss.backward();  // accumulates into the persistent float32 .grad tensors
     return {loss.detach()};
@@ -405,11 +563,19 @@ void Trainer::Warmup() {
   for (const auto& key :
        options_.exact_shapes ? std::vector<BucketKey>{} : options_.buckets.All(Region::kTrain)) {
     MicroBuffers& buf = BuffersFor(key);
-    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_); });
+    // Data parallel: this graph all-reduces (the step's last micro-batch); with gradient
+    // accumulation the earlier micro-batches' graph, which only accumulates, is captured too.
+    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
     ++captures_;
     if (options_.observer) options_.observer->OnCapture(key, seconds);
     if (options_.log_captures) {
       LogDebug(LogFormat("captured train   %-10s in %7.1f ms", key.Label().c_str(), seconds * 1e3));
+    }
+    if (data_parallel_ && options_.grad_accum_steps > 1) {
+      seconds = runner_->Capture(AccumulatingGraph(key),
+                                 [this, &buf] { return RunMicro(buf, false, /*reduce=*/false); });
+      ++captures_;
+      if (options_.observer) options_.observer->OnCapture(key, seconds);
     }
   }
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -420,6 +586,7 @@ void Trainer::Warmup() {
   }
   // The model's .grad tensors in float32 mode.
   if (!master_grads_.empty()) at::_foreach_zero_(master_grads_);
+  dp_loss_sum_.zero_();
   SynchronizeDevice(options_.device);
   if (options_.log_captures) {
     LogInfo(LogFormat("train capture summary: %lld graphs in %.2f s, graph pool %.1f MiB",
@@ -473,27 +640,31 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
 }
 
 at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct,
-                              BucketKey* key, RunKind* kind, int64_t* target_tokens,
+                              bool last, BucketKey* key, RunKind* kind, int64_t* target_tokens,
                               std::vector<at::Tensor>* optimizer_out) {
+  const bool reduce = data_parallel_ && last;
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
   std::optional<BucketKey> graph =
       options_.exact_shapes ? std::nullopt : options_.buckets.PickTrain(n, max_len);
   bool captured = false;
-  if (graph && direct_ && !direct) graph = AccumulatingGraph(*graph);
+  // The second graph of a bucket: micro-batches that accumulate without the optimizer (direct_)
+  // or without the all-reduce (data parallel, Note [Overlapped all-reduce]).
+  const bool accumulating = (direct_ && !direct) || (data_parallel_ && !reduce);
+  if (graph && accumulating) graph = AccumulatingGraph(*graph);
   if (graph && runner_->captures() && !runner_->Has(*graph)) {
-    // Only the accumulating graphs of a direct_ trainer are captured here (Warmup captured the
-    // rest). Their warm-up runs and capture see neutral inputs (every target -100: zero loss,
-    // zero gradients), so the accumulators keep what earlier micro-batches of this step added.
-    if (!(direct_ && !direct)) {
+    // Only accumulating graphs are captured here (Warmup captured the rest). Their warm-up runs
+    // and capture see neutral inputs (every target -100: zero loss, zero gradients), so the
+    // accumulators keep what earlier micro-batches of this step added.
+    if (!accumulating) {
       throw EngineError(EngineError::Code::kInternal,
                         "train bucket " + graph->Label() + " was not captured by Warmup");
     }
     MicroBuffers& buf = BuffersFor(PlainBucket(*graph));
     buf.targets.fill_(-100);
     const double seconds =
-        runner_->Capture(*graph, [this, &buf] { return RunMicro(buf, /*direct=*/false); });
+        runner_->Capture(*graph, [this, &buf] { return RunMicro(buf, false, /*reduce=*/false); });
     ++captures_;
     captured = true;
     if (options_.observer) options_.observer->OnCapture(PlainBucket(*graph), seconds);
@@ -504,12 +675,12 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, boo
       [&](const BucketKey& k) -> RegionFn {
         MicroBuffers& buf = BuffersFor(PlainBucket(k));
         FillBuffers(buf, micro, target_tokens);
-        return [this, &buf, direct] { return RunMicro(buf, direct); };
+        return [this, &buf, direct, reduce] { return RunMicro(buf, direct, reduce); };
       },
       [&] {
         exact_buffers = MakeBuffers(BucketKey{Region::kTrain, n, max_len, 0});
         FillBuffers(*exact_buffers, micro, target_tokens);
-        return RunMicro(*exact_buffers, direct);
+        return RunMicro(*exact_buffers, direct, reduce);
       },
       /*exact_requested=*/options_.exact_shapes);
   *key = PlainBucket(r.key);
@@ -590,7 +761,13 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   const int64_t micro_batches = static_cast<int64_t>(step->starts.size()) - 1;
   step->direct = direct_ && micro_batches == 1;
   if (direct_ && micro_batches > 1) PrepareAccumulation();
-  micro_batches_.fill_(static_cast<double>(micro_batches));
+  // Data parallel: the SUM over the ranks then averages (Note [Overlapped all-reduce]).
+  micro_batches_.fill_(static_cast<double>(
+      micro_batches * (data_parallel_ ? options_.data_parallel->world_size() : 1)));
+  if (data_parallel_) {
+    dp_loss_sum_.zero_();
+    reducer_->wait_seconds = 0;
+  }
   step->loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   TrainStepResult& r = step->result;
   for (const auto& g : groups_) r.learning_rates[g.name] = g.configured_lr * lr_scale_;
@@ -616,7 +793,8 @@ bool Trainer::RunNextMicroBatch() {
     }
     BucketKey key;
     RunKind kind;
-    s.loss_sum += MicroStep(micro, s.direct, &key, &kind, &r.target_tokens, &s.optimizer_out);
+    s.loss_sum += MicroStep(micro, s.direct, last, &key, &kind, &r.target_tokens,
+                            &s.optimizer_out);
     r.buckets.push_back(key);
     r.padded_tokens += key.batch * key.seq;
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;
@@ -646,19 +824,36 @@ void Trainer::FinishStep() {
   PendingStep& s = *pending_;
   TrainStepResult& r = s.result;
   if (data_parallel_) {
-    // Average the accumulated gradients and the loss over the ranks (the loss rides in the last
-    // bucket). The optimizer below then sees the global gradient on every rank.
-    const auto t_reduce = Clock::now();
-    std::vector<at::Tensor> reduced = master_grads_;
-    at::Tensor loss_view = s.loss_sum.view({1});
-    reduced.push_back(loss_view);
-    r.all_reduce_bytes = options_.data_parallel->AllReduceMean(reduced);
-    r.all_reduce_seconds = SecondsSince(t_reduce);
+    // The last micro-batch averaged the gradients and the loss over the ranks (Note [Overlapped
+    // all-reduce]): the optimizer below sees the global gradient on every rank.
+    r.all_reduce_bytes = reducer_->bytes;
+    r.all_reduce_seconds = reducer_->wait_seconds;
+    s.loss_sum = dp_loss_sum_.squeeze(0);
   }
   if (!s.direct) {
     const RunKind opt_kind = runner_->Run(
         kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &s.optimizer_out);
     if (opt_kind != RunKind::kEager) ++replays_;
+  }
+  // Note [A rank that dies]: with NCCL a collective whose peer died never completes, and a
+  // replayed graph cannot time out by itself (c10d's watchdog does not see captured collectives).
+  // So a data-parallel rank waits for its step with the group's deadline; past it the step fails
+  // with kUnavailable. The collective still occupies the device: ncclCommAbort does not end a
+  // kernel of a replayed graph (measured on 2 H100s: c10d's abort itself timed out after 20 s and
+  // the process hung), and anything that waits for the device (freeing the graphs' memory,
+  // cudaDeviceSynchronize) would hang, so the process must end without waiting for the device:
+  // vlmgraph-train prints the error and exits (std::_Exit) at once, as torchrun's agent ends the
+  // job's other ranks.
+  if (data_parallel_ && options_.device.is_cuda()) {
+    DeviceEvent done(options_.device);
+    done.Record();
+    const double timeout = options_.data_parallel->options().timeout_seconds;
+    if (!done.WaitFor(timeout)) {
+      throw EngineError(EngineError::Code::kUnavailable,
+                        "data parallel rank " + std::to_string(options_.data_parallel->rank()) +
+                            ": the step did not finish within " + LogFormat("%g", timeout) +
+                            " s (timeout_seconds): a rank died or hangs; the job ends");
+    }
   }
   // The step's one host synchronisation: loss, gradient norm and found_inf together.
   at::Tensor report = at::stack({s.loss_sum.to(at::kDouble), s.optimizer_out.at(0).to(at::kDouble),

@@ -132,12 +132,17 @@ struct TrainOptions {
   // Data parallelism (engine/data_parallel.h): this trainer is one rank of the group. Null or a
   // group of one: a single rank. With more ranks the trainer starts from rank 0's weights
   // (broadcast at construction), each Step takes this rank's shard of the global batch
-  // (ShardForRank), and between the backward and the optimizer the float32 gradients and the loss
-  // are averaged over the ranks (DataParallelGroup::AllReduceMean), so world_size ranks with
-  // grad_accum_steps a take the step one rank takes with grad_accum_steps world_size * a. The
-  // gradient norm (clipping, skipped steps) is taken after the average, on the global gradient,
-  // and the optimizer runs on the accumulators (the bf16 optimizer-inside-the-micro-step shortcut
-  // is off). Every rank must call Step the same number of times with the same shard sizes.
+  // (ShardForRank), and the float32 gradients and the loss are averaged over the ranks in
+  // buckets of DataParallelOptions::bucket_bytes that are all-reduced while the backward of the
+  // step's last micro-batch still runs, inside its CUDA graph (Note [Overlapped all-reduce] in
+  // trainer.cc; the earlier micro-batches only accumulate, as DDP's no_sync), so world_size ranks
+  // with grad_accum_steps a take the step one rank takes with grad_accum_steps world_size * a.
+  // The gradient norm (clipping, skipped steps) is taken after the average, on the global
+  // gradient, and the optimizer runs on the accumulators (the bf16 optimizer-inside-the-micro-step
+  // shortcut is off). Every rank must call Step the same number of times with the same shard
+  // sizes. A step that does not finish within the group's timeout_seconds (a rank died or hangs)
+  // aborts the group and throws EngineError(kUnavailable) (Note [A rank that dies]); the trainer
+  // is unusable afterwards.
   std::shared_ptr<DataParallelGroup> data_parallel;
 };
 
@@ -160,8 +165,9 @@ struct TrainStepResult {
   // caller ran between them), the step's host synchronisation included.
   double seconds = 0;
   // Data parallel: bytes of gradients (and loss) averaged over the ranks, and the host time the
-  // all-reduce calls took (on the CPU the whole exchange; with NCCL the launch and wait, as the
-  // collectives run on their own stream). 0 with one rank.
+  // thread waited for the all-reduces after the backward (gloo on the CPU: the exchange's part
+  // that the backward did not hide; NCCL: ~0, the wait is queued on the stream or is part of the
+  // step's graph). 0 with one rank.
   int64_t all_reduce_bytes = 0;
   double all_reduce_seconds = 0;
   std::vector<BucketKey> buckets;  // one per micro-batch, in order
@@ -238,14 +244,16 @@ class Trainer {
   struct Group;
   struct MicroBuffers;
   struct PendingStep;
+  struct Reducer;
 
   void ValidateExample(const TrainExample& e) const;
   // INVALID_ARGUMENT when no trained parameter is reached by any example of `examples`.
   void CheckSomethingLearns(const std::vector<TrainExample>& examples) const;
   // Returns the micro-batch's scaled loss (device scalar) after forward + backward. With the
   // optimizer inside the micro-step (`direct`), *optimizer_out gets {gradient norm, found_inf}.
-  at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, bool direct, BucketKey* key,
-                       RunKind* kind, int64_t* target_tokens,
+  // `last`: the step's last micro-batch (data parallel: the one that all-reduces).
+  at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, bool direct, bool last,
+                       BucketKey* key, RunKind* kind, int64_t* target_tokens,
                        std::vector<at::Tensor>* optimizer_out);
   // The step's last part: the all-reduce (data parallel), the optimizer, the host report.
   void FinishStep();
@@ -254,8 +262,17 @@ class Trainer {
   void PrepareAccumulation();
   bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
   // Forward + backward over `buf`; with `direct` (Note [Optimizer inside the micro-step]) AdamW
-  // too, on the backward's own gradients.
-  std::vector<at::Tensor> RunMicro(MicroBuffers& buf, bool direct);
+  // too, on the backward's own gradients; with `reduce` (data parallel, the step's last
+  // micro-batch) the gradient buckets and the loss are all-reduced during the backward.
+  std::vector<at::Tensor> RunMicro(MicroBuffers& buf, bool direct, bool reduce);
+  // Data parallel (Note [Overlapped all-reduce]): the accumulators become views of per-bucket
+  // flat buffers and a gradient hook goes on every trained parameter.
+  void BuildReducer();
+  // The hook: parameter i's gradient of the backward in progress.
+  void OnGradient(size_t i, const at::Tensor& grad);
+  // Accumulates (and with the backward's `reduce`, starts the all-reduce of) every bucket whose
+  // gradients have all arrived, in bucket order; `all`: every bucket not yet launched.
+  void LaunchReadyBuckets(bool all);
   std::vector<at::Tensor> RunOptimizer();
   // Squared norm, step counters and FusedAdamW over `t` (Note [Skipped steps]); returns
   // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}. `direct`: t.grads
@@ -304,6 +321,10 @@ class Trainer {
   double lr_scale_ = 1;  // SetLearningRateScale
   // More than one rank (TrainOptions::data_parallel).
   bool data_parallel_ = false;
+  std::unique_ptr<Reducer> reducer_;  // data parallel only
+  // Data parallel: device float32 scalar, the step's loss summed over its micro-batches (the
+  // graphs add into it) and, after the last micro-batch's all-reduce, over the ranks.
+  at::Tensor dp_loss_sum_;
 };
 
 }  // namespace vlmgraph

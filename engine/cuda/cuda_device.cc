@@ -8,7 +8,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
+#include <thread>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -57,6 +60,22 @@ void DeviceEvent::Record() {
 
 void DeviceEvent::Synchronize() {
   if (impl_->event) impl_->event->synchronize();
+}
+
+bool DeviceEvent::WaitFor(double timeout_seconds) {
+  if (!impl_->event) return true;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_seconds));
+  // Polls at most every 200 us: a training step takes tens of milliseconds, so the added latency
+  // is a fraction of a percent, and the thread does not spin a core.
+  auto pause = std::chrono::microseconds(10);
+  while (!impl_->event->query()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(200));
+  }
+  return true;
 }
 
 MemoryStats DeviceMemory(const at::Device& device) {
