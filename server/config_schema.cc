@@ -378,6 +378,18 @@ std::vector<ConfigKey> BuildKeys() {
           .Doc("cpu, cuda (device 0) or cuda:N. CUDA graphs need a CUDA device; on CPU every "
                "region runs eagerly.")
           .Default("cpu"),
+      Key("data_parallel_size", &SC::data_parallel_size)
+          .Doc("Engines serving behind the one gRPC and HTTP front (vLLM's "
+               "--data-parallel-size): one per device, from `device` on (device cuda:2 with 2: "
+               "cuda:2 and cuda:3), each with its own weights, KV cache, CUDA graphs and GPU "
+               "thread. 0 = every CUDA device from `device` on. Each request goes to the "
+               "least-loaded engine (running + waiting); an engine whose GPU fails fails only its "
+               "own requests (UNAVAILABLE / 503) and the others keep serving. On cpu N engines "
+               "share the CPU (tests). max_queue_size is per engine. The Train RPC and "
+               "checkpoint saves run on the first engine, and publishing is refused with more "
+               "than one.")
+          .Default(1)
+          .AtLeast(0),
       Key("model_stop_token_ids", &SC::model_stop_token_ids)
           .Doc("End-of-sequence token ids that GetModelInfo suggests to clients as "
                "stop_token_ids; [] = the tokenizer's (the chat format's end of turn and the "

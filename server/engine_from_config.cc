@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
+
 #include "model/checkpoint.h"
 
 namespace vlmgraph::server {
@@ -30,6 +32,28 @@ EngineOptions ToEngineOptions(const ServerConfig& config) {
   o.lazy_capture = config.capture.lazy;
   o.programmatic_dependent_launch = config.capture.programmatic_dependent_launch;
   return o;
+}
+
+std::vector<std::string> ServingDevices(const ServerConfig& config) {
+  if (config.device == "cpu") {
+    return std::vector<std::string>(static_cast<size_t>(std::max<int64_t>(1, config.data_parallel_size)),
+                                    "cpu");
+  }
+  if (config.data_parallel_size == 1) return {config.device};  // ToEngineOptions checks it
+  const int64_t count = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+  const int64_t base = config.device == "cuda" ? 0 : at::Device(config.device).index();
+  const int64_t n = config.data_parallel_size == 0 ? count - base : config.data_parallel_size;
+  if (n < 1 || base + n > count) {
+    throw ServerConfigError("data_parallel_size",
+                            std::to_string(config.data_parallel_size) + " engine(s) from " +
+                                config.device + " need CUDA devices " + std::to_string(base) +
+                                ".." + std::to_string(base + std::max<int64_t>(n, 1) - 1) +
+                                ", but this machine has " + std::to_string(count) +
+                                " CUDA device(s)");
+  }
+  std::vector<std::string> devices;
+  for (int64_t i = 0; i < n; ++i) devices.push_back("cuda:" + std::to_string(base + i));
+  return devices;
 }
 
 VlmConfig BuildModelConfig(const ServerConfig& config) {

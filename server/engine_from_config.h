@@ -12,6 +12,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "engine/engine.h"
 #include "server/config.h"
@@ -19,6 +21,12 @@
 namespace vlmgraph::server {
 
 EngineOptions ToEngineOptions(const ServerConfig& config);
+
+// The devices of the engines to serve on (config keys device and data_parallel_size): "cuda:2",
+// "cuda:3" for device cuda:2 and data_parallel_size 2; every CUDA device from `device` on for 0;
+// "cpu" N times on the CPU. Throws ServerConfigError naming data_parallel_size when the devices
+// do not exist (the message gives the machine's count).
+std::vector<std::string> ServingDevices(const ServerConfig& config);
 
 // The configured model's config (a preset's, or the checkpoint's config.json), without its
 // weights: cheap, for checks before the engine is built.

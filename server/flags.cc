@@ -26,6 +26,8 @@ const std::map<std::string, FlagSpec>& Flags() {
       {"--model",
        {"model", nullptr, "preset name (nanovlm-tiny, nanovlm-460m) or checkpoint directory"}},
       {"--device", {"device", nullptr, "cpu, cuda or cuda:N"}},
+      {"--data-parallel-size",
+       {"data_parallel_size", nullptr, "engines, one per GPU from --device on (0: every GPU)"}},
       {"--dtype", {"dtype", nullptr, "float32 or bfloat16"}},
       {"--seed", {"seed", nullptr, "random-init seed of preset models"}},
       {"--grpc-address",

@@ -13,24 +13,23 @@ double SecondsSince(Clock::time_point t0) {
 
 }  // namespace
 
-GenerationSession::GenerationSession(Scheduler& scheduler, Metrics* metrics,
+GenerationSession::GenerationSession(EngineRouter& router, Metrics* metrics,
                                      ValidatedRequest request, Clock::time_point accepted,
                                      TextStream* text, std::function<void()> on_update)
-    : scheduler_(scheduler),
-      metrics_(metrics),
+    : metrics_(metrics),
       text_(text),
       accepted_(accepted),
-      stream_(scheduler.SubmitGenerate(std::move(request), accepted)),
+      stream_(router.SubmitGenerate(std::move(request), accepted, &scheduler_)),
       last_delta_(accepted) {
   if (on_update) stream_->SetListener(std::move(on_update));
 }
 
 GenerationSession::~GenerationSession() {
   stream_->SetListener(nullptr);
-  if (!engine_done_) scheduler_.Cancel(stream_);
+  if (!engine_done_) scheduler_->Cancel(stream_);
 }
 
-void GenerationSession::Cancel() { scheduler_.Cancel(stream_); }
+void GenerationSession::Cancel() { scheduler_->Cancel(stream_); }
 
 void GenerationSession::Record(const GenerationDelta& delta) {
   const auto now = Clock::now();
@@ -78,7 +77,7 @@ GenerationSession::Taken GenerationSession::Take(std::chrono::milliseconds timeo
     taken.deltas.push_back(std::move(delta));
     if (out_.stop_string_matched) {
       out_.reason = FinishReason::kStopToken;
-      scheduler_.Cancel(stream_);
+      scheduler_->Cancel(stream_);
       engine_done_ = true;  // cancelled just now
       u.done = true;
       u.error = nullptr;
@@ -110,11 +109,11 @@ GenerationSession::Taken GenerationSession::Take(std::chrono::milliseconds timeo
   return taken;
 }
 
-GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
+GenerationOutcome RunGeneration(EngineRouter& router, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,
                                 const std::function<bool(const GenerationDelta&)>& write,
                                 const std::function<bool()>& is_cancelled) {
-  GenerationSession session(scheduler, metrics, std::move(request), accepted, text, nullptr);
+  GenerationSession session(router, metrics, std::move(request), accepted, text, nullptr);
   while (true) {
     GenerationSession::Taken t = session.Take(kGenerationPollInterval);
     for (const GenerationDelta& d : t.deltas) {

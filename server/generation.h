@@ -3,18 +3,20 @@
 // they write a delta.
 //
 //   GenerationOutcome r = RunGeneration(
-//       scheduler, metrics, std::move(request), accepted, text_stream.get(),   // text: optional
+//       router, metrics, std::move(request), accepted, text_stream.get(),      // text: optional
 //       [&](const GenerationDelta& d) { return writer->Write(ToProto(d)); },   // false: gone
 //       [&] { return context->IsCancelled(); });
 //
-// The request is validated (Engine::Validate makes a ValidatedRequest). Deltas come in order; each
+// The request is validated (Engine::Validate makes a ValidatedRequest) and goes to the engine the
+// router picks (Note [Data-parallel routing], server/engine_router.h). Deltas come in order; each
 // carries the new token ids and, with a TextStream, their new text (stop strings already applied:
 // the text ends before a stop string, and the generation is cancelled in the engine when one
 // matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
 //
 // Errors: ServerError CANCELLED when `is_cancelled` turns true or `write` returns false (the
-// sequence is cancelled in the engine first); what the scheduler throws (RESOURCE_EXHAUSTED,
-// UNAVAILABLE) and what the engine reported for the request. Thread rules: call from the
+// sequence is cancelled in the engine first); what the router and scheduler throw
+// (RESOURCE_EXHAUSTED, UNAVAILABLE: no engine serves, or the engine's device failed) and what the
+// engine reported for the request. Thread rules: call from the
 // request's own thread (an RPC handler); it blocks until the generation ends.
 //
 // GenerationSession is the same generation without a thread of its own, for event-driven
@@ -22,7 +24,7 @@
 // `on_update` (from the GPU thread; it must only post work) whenever something arrived, and
 // Take() turns what arrived into deltas without blocking:
 //
-//   auto session = std::make_shared<GenerationSession>(scheduler, metrics, std::move(request),
+//   auto session = std::make_shared<GenerationSession>(router, metrics, std::move(request),
 //                                                      accepted, text, [=] { post(drain); });
 //   // drain, on the transport's thread:
 //   GenerationSession::Taken t = session->Take();
@@ -40,6 +42,7 @@
 #include <vector>
 
 #include "engine/engine_types.h"
+#include "server/engine_router.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_stream.h"
@@ -68,9 +71,10 @@ inline constexpr std::chrono::milliseconds kGenerationPollInterval{50};
 
 class GenerationSession {
  public:
-  // Queues the request (throws what Scheduler::SubmitGenerate throws: RESOURCE_EXHAUSTED,
-  // UNAVAILABLE). `text` may be null and must outlive the session; `on_update` may be empty.
-  GenerationSession(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
+  // Queues the request on the engine `router` picks (throws what EngineRouter::SubmitGenerate
+  // throws: RESOURCE_EXHAUSTED, UNAVAILABLE). `text` may be null and must outlive the session;
+  // `on_update` may be empty.
+  GenerationSession(EngineRouter& router, Metrics* metrics, ValidatedRequest request,
                     Clock::time_point accepted, TextStream* text, std::function<void()> on_update);
   // Cancels the sequence in the engine unless it finished.
   ~GenerationSession();
@@ -94,7 +98,7 @@ class GenerationSession {
  private:
   void Record(const GenerationDelta& delta);
 
-  Scheduler& scheduler_;
+  Scheduler* scheduler_ = nullptr;  // the engine's, picked by the router
   Metrics* const metrics_;
   TextStream* const text_;
   const Clock::time_point accepted_;
@@ -105,7 +109,7 @@ class GenerationSession {
   bool engine_done_ = false;  // the engine ended the sequence (no cancel needed)
 };
 
-GenerationOutcome RunGeneration(Scheduler& scheduler, Metrics* metrics, ValidatedRequest request,
+GenerationOutcome RunGeneration(EngineRouter& router, Metrics* metrics, ValidatedRequest request,
                                 Clock::time_point accepted, TextStream* text,
                                 const std::function<bool(const GenerationDelta&)>& write,
                                 const std::function<bool()>& is_cancelled);

@@ -4,9 +4,11 @@
 //   vlmgraph-server                                  # built-in nanovlm-tiny on CPU (quick start)
 //   vlmgraph-server --config deploy/config.yaml      # a deployment
 //   vlmgraph-server --config c.yaml --device cuda:1 --grpc-address 0.0.0.0:50051
+//   vlmgraph-server --config c.yaml --device cuda --data-parallel-size 0   # every GPU, one endpoint
 //   vlmgraph-server --config c.yaml --print-config-documented  # every key documented, then exit
 //
-// Only wiring lives here: config -> metrics -> engine (on the scheduler's GPU thread) -> gRPC and
+// Only wiring lives here: config -> metrics -> engines (one per device, each on its scheduler's GPU
+// thread, behind one router: server/engine_router.h) -> gRPC and
 // the OpenAI-compatible HTTP API (server/openai_http.h) -> wait for SIGTERM/SIGINT -> graceful
 // shutdown (Note [Graceful shutdown], server/grpc_server.h).
 // Prints one line "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT[ http HOST:PORT]" on
@@ -26,10 +28,12 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "model/log.h"
 #include "server/auth.h"
 #include "server/engine_from_config.h"
+#include "server/engine_router.h"
 #include "server/flags.h"
 #include "server/grpc_server.h"
 #include "server/metrics.h"
@@ -53,7 +57,10 @@ std::string Host(const std::string& address) { return address.substr(0, address.
 int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
   using namespace vlmgraph;
   using namespace vlmgraph::server;
-  LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device);
+  LogInfo("starting: model " + config.model + ", " + config.dtype + " on " + config.device +
+          (config.data_parallel_size == 1
+               ? std::string()
+               : ", data_parallel_size " + std::to_string(config.data_parallel_size)));
   // Every HTTP connection is a file descriptor: lift the soft limit to the hard one (as nginx's
   // worker_rlimit_nofile), so http.max_connections is what bounds them.
   rlimit files{};
@@ -86,32 +93,50 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   Metrics metrics(config.server.metrics_address);
   SchedulerOptions scheduler_options{config.batching.max_queue_delay_us,
                                      config.batching.max_queue_size};
-  // Note [Device faults] (server/scheduler.h): a dead GPU context shuts the server down with
-  // status 1, through the same drain as SIGTERM, so the container's restart policy replaces it.
-  scheduler_options.on_device_fault = [](const std::string&) { kill(getpid(), SIGTERM); };
-  Scheduler scheduler(&metrics, scheduler_options);
-  scheduler.Start([&] {
-    std::unique_ptr<vlmgraph::Engine> engine = BuildEngine(config);
-    engine->SetObserver(&metrics);
-    engine->Warmup();
-    return engine;
-  });
-  vlmgraph::Engine& engine = scheduler.engine();
-  metrics.InitBuckets(engine.options().buckets);
-  metrics.SetMemory(engine.Memory());
+  // One engine per device (data_parallel_size) behind one front (Note [Data-parallel routing],
+  // server/engine_router.h).
+  std::vector<EngineSlot> slots;
+  const std::vector<std::string> devices = ServingDevices(config);
+  for (size_t i = 0; i < devices.size(); ++i) slots.push_back({devices[i], GpuLabel(devices[i], i)});
+  // Note [Device faults] (server/scheduler.h): an engine whose GPU fails stops alone; once none is
+  // left, the server shuts down with status 1, through the same drain as SIGTERM, so the
+  // container's restart policy replaces it.
+  EngineRouter router(std::move(slots), &metrics, scheduler_options,
+                      [] { kill(getpid(), SIGTERM); });
+  for (size_t i = 0; i < router.size(); ++i) {
+    ServerConfig engine_config = config;
+    engine_config.device = router.slot(i).device;
+    EngineMetrics& engine_metrics = metrics.ForGpu(router.slot(i).gpu);
+    // One engine after another, so no two CUDA graph captures overlap.
+    router.Start(i, [&] {
+      std::unique_ptr<vlmgraph::Engine> engine = BuildEngine(engine_config);
+      engine->SetObserver(&engine_metrics);
+      engine->Warmup();
+      return engine;
+    });
+    const vlmgraph::Engine& ready = router.scheduler(i).engine();
+    engine_metrics.InitBuckets(ready.options().buckets);
+    engine_metrics.SetMemory(ready.Memory());
+    if (router.size() > 1) {
+      LogInfo("engine " + std::to_string(i) + " of " + std::to_string(router.size()) +
+              " ready on " + router.slot(i).device);
+    }
+  }
+  vlmgraph::Engine& engine = router.engine();
   // What a Train job publishes passes the publish gate; the weights it replaces are kept for
   // rollback (server/weights_publisher.h).
   const PublishGate gate = PublishGate::FromConfig(config, engine, text.get());
   LogInfo(gate.options().enabled
               ? "publish gate: " + std::to_string(gate.prompts()) + " held-out prompts"
               : "publish gate: off (train.publish_gate: false)");
-  WeightsPublisher publisher(&scheduler, &gate, &metrics);
-  VlmGraphService service(&engine, &scheduler, &metrics, config, text.get(), &keys, &publisher);
+  WeightsPublisher publisher(&router.scheduler(0), &gate, &metrics,
+                             static_cast<int64_t>(router.size()));
+  VlmGraphService service(&router, &metrics, config, text.get(), &keys, &publisher);
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
   if (!config.server.http_address.empty())
-    http = std::make_unique<OpenAiHttpServer>(config, &scheduler, &metrics, text.get(), &keys,
+    http = std::make_unique<OpenAiHttpServer>(config, &router, &metrics, text.get(), &keys,
                                               &publisher);
   if (http) {
     metrics.SetScrapeHook([&http, &metrics] {
@@ -121,7 +146,10 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   }
   const std::string metrics_address =
       Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
-  LogInfo(std::string("serving: graphs ") + (engine.graphs_enabled() ? "on" : "off") +
+  std::string engines;
+  for (size_t i = 0; i < router.size(); ++i) engines += (i ? "," : "") + router.slot(i).device;
+  LogInfo(std::string("serving on ") + std::to_string(router.size()) + " engine(s) (" + engines +
+          "): graphs " + (engine.graphs_enabled() ? "on" : "off") +
           ", max context " + std::to_string(engine.max_context()) + ", gRPC " +
           grpc_server.address() + ", metrics http://" + metrics_address + "/metrics" +
           (http ? ", OpenAI API http://" + http->address() + "/v1" : ""));
@@ -144,7 +172,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
       drain_start +
       std::chrono::milliseconds(static_cast<int64_t>(config.shutdown_timeout_seconds * 1000));
   grpc_server.SetServing(false);
-  scheduler.StopAccepting();
+  router.StopAccepting();
   if (http) http->StopAccepting();
   while (std::chrono::steady_clock::now() < deadline &&
          (service.in_flight() > 0 || (http && http->in_flight() > 0))) {
@@ -156,13 +184,24 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   grpc_server.Shutdown(left_seconds);     // every handler has returned after this
   if (http) http->Shutdown(config.shutdown_timeout_seconds);  // counts from its StopAccepting
   metrics.SetScrapeHook(nullptr);  // the front's counters go with it
-  if (const std::string fault = scheduler.device_fault(); !fault.empty()) {
-    LogError("exiting with status 1 after a device fault: " + fault);
-    std::fflush(nullptr);
-    std::_Exit(1);  // destructors would call into the failed CUDA context
+  for (size_t i = 0; i < router.size(); ++i) {
+    if (const std::string fault = router.scheduler(i).device_fault(); !fault.empty()) {
+      LogError("exiting with status 1 after a device fault on " + router.slot(i).device + ": " +
+               fault);
+      std::fflush(nullptr);
+      std::_Exit(1);  // destructors would call into the failed CUDA context
+    }
   }
-  const vlmgraph::EngineCounters counters = engine.Counters();
-  scheduler.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engine
+  vlmgraph::EngineCounters counters;
+  for (size_t i = 0; i < router.size(); ++i) {
+    const vlmgraph::EngineCounters c = router.scheduler(i).engine().Counters();
+    for (const auto& [key, n] : c.replays) counters.replays[key] += n;
+    for (const auto& [key, n] : c.captures) counters.captures[key] += n;
+    counters.eager_fallbacks += c.eager_fallbacks;
+    counters.real_tokens += c.real_tokens;
+    counters.padded_tokens += c.padded_tokens;
+  }
+  router.Stop();  // fails leftovers, refreshes the gauges one last time, destroys the engines
   LogInfo("stopped: " + std::to_string(counters.TotalReplays()) + " graph replays, " +
           std::to_string(counters.TotalCaptures()) + " captures, " +
           std::to_string(counters.eager_fallbacks) + " eager fallbacks, " +

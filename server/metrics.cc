@@ -76,8 +76,7 @@ Metrics::Metrics(const std::string& metrics_address)
   capture_seconds_ = &BuildCounter()
                           .Name("vlmgraph_capture_seconds_total")
                           .Help("Time spent capturing graphs")
-                          .Register(r)
-                          .Add({});
+                          .Register(r);
   tokens_ = &BuildCounter()
                  .Name("vlmgraph_tokens_total")
                  .Help("Tokens processed; padded counts the whole bucket, so waste = padded / real")
@@ -147,13 +146,15 @@ Metrics::Metrics(const std::string& metrics_address)
   queue_depth_ = &BuildGauge()
                       .Name("vlmgraph_queue_depth")
                       .Help("Requests waiting for a decode slot")
-                      .Register(r)
-                      .Add({});
+                      .Register(r);
   active_sequences_ = &BuildGauge()
                            .Name("vlmgraph_active_sequences")
                            .Help("Sequences holding a KV-cache slot")
-                           .Register(r)
-                           .Add({});
+                           .Register(r);
+  engine_healthy_ = &BuildGauge()
+                         .Name("vlmgraph_engine_healthy")
+                         .Help("1 while the engine of this GPU serves, 0 once its device failed")
+                         .Register(r);
   auto& heap = BuildGauge()
                    .Name("vlmgraph_process_heap_bytes")
                    .Help(
@@ -167,23 +168,19 @@ Metrics::Metrics(const std::string& metrics_address)
   gpu_allocated_ = &BuildGauge()
                         .Name("vlmgraph_gpu_memory_allocated_bytes")
                         .Help("Device memory held by live tensors")
-                        .Register(r)
-                        .Add({});
+                        .Register(r);
   gpu_reserved_ = &BuildGauge()
                        .Name("vlmgraph_gpu_memory_reserved_bytes")
                        .Help("Device memory reserved by the caching allocator")
-                       .Register(r)
-                       .Add({});
+                       .Register(r);
   graph_pool_ = &BuildGauge()
                      .Name("vlmgraph_graph_pool_bytes")
                      .Help("Device memory of the shared CUDA graph pool")
-                     .Register(r)
-                     .Add({});
+                     .Register(r);
   kv_cache_ = &BuildGauge()
                    .Name("vlmgraph_kv_cache_bytes")
                    .Help("Static KV cache size")
-                   .Register(r)
-                   .Add({});
+                   .Register(r);
   train_steps_ = &BuildCounter()
                       .Name("vlmgraph_train_steps_total")
                       .Help("Optimizer steps taken by Train streams")
@@ -232,7 +229,6 @@ Metrics::Metrics(const std::string& metrics_address)
   for (const char* rpc : {"Generate", "Forward", "Train"}) {
     requests_->Add({{"rpc", rpc}, {"code", "OK"}});
     request_duration_->Add({{"rpc", rpc}}, LatencyBuckets());
-    queue_time_->Add({{"rpc", rpc}}, LatencyBuckets());
   }
   if (!metrics_address.empty()) {
     http_ = std::make_unique<MetricsHttpServer>(metrics_address, [this] { return Render(); });
@@ -240,29 +236,6 @@ Metrics::Metrics(const std::string& metrics_address)
 }
 
 Metrics::~Metrics() { http_.reset(); }  // stop serving before the metrics go away
-
-std::string Metrics::BucketLabel(const BucketKey& key) const {
-  if (known_buckets_.empty()) return key.Label();
-  const std::string label = key.Label();
-  return known_buckets_.count(std::string(RegionName(key.region)) + "/" + label) ? label : "exact";
-}
-
-void Metrics::InitBuckets(const BucketSpec& buckets) {
-  // A trainer's optimizer step is reported as region train, batch 0 (engine/trainer.h).
-  const BucketKey optimizer{Region::kTrain, 0, 0, 0};
-  known_buckets_.insert(std::string(RegionName(optimizer.region)) + "/" + optimizer.Label());
-  for (int r = 0; r < kNumRegions; ++r) {
-    const Region region = static_cast<Region>(r);
-    for (const BucketKey& key : buckets.All(region)) {
-      known_buckets_.insert(std::string(RegionName(region)) + "/" + key.Label());
-      const prometheus::Labels labels{{"region", RegionName(region)}, {"bucket", key.Label()}};
-      captures_->Add(labels);
-      replays_->Add(labels);
-      eager_runs_->Add(labels);
-    }
-    eager_fallbacks_->Add({{"region", RegionName(region)}, {"reason", "no bucket fits"}});
-  }
-}
 
 int Metrics::port() const { return http_ ? http_->port() : 0; }
 
@@ -281,38 +254,36 @@ std::string Metrics::Render() const {
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 
-void Metrics::OnCapture(const BucketKey& key, double seconds) {
-  captures_->Add({{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}}).Increment();
-  capture_seconds_->Increment(seconds);
-}
+void Metrics::OnCapture(const BucketKey& key, double seconds) { First().OnCapture(key, seconds); }
 
 void Metrics::OnStep(const BucketKey& key, bool graphed, double seconds) {
-  const prometheus::Labels labels{{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}};
-  (graphed ? replays_ : eager_runs_)->Add(labels).Increment();
-  prometheus::Labels with_mode = labels;
-  with_mode["mode"] = ModeLabel(graphed);
-  step_latency_->Add(with_mode, LatencyBuckets()).Observe(seconds);
+  First().OnStep(key, graphed, seconds);
 }
 
 void Metrics::OnEagerFallback(Region region, const std::string& reason) {
-  eager_fallbacks_->Add({{"region", RegionName(region)}, {"reason", ReasonLabel(reason)}})
-      .Increment();
+  First().OnEagerFallback(region, reason);
 }
 
 void Metrics::OnTokens(Region region, int64_t real, int64_t padded) {
-  tokens_->Add({{"region", RegionName(region)}, {"kind", "real"}})
-      .Increment(static_cast<double>(real));
-  tokens_->Add({{"region", RegionName(region)}, {"kind", "padded"}})
-      .Increment(static_cast<double>(padded));
+  First().OnTokens(region, real, padded);
 }
 
-void Metrics::OnBatch(Region region, int64_t real_batch) {
-  batch_size_->Add({{"region", RegionName(region)}}, BatchBuckets())
-      .Observe(static_cast<double>(real_batch));
+void Metrics::OnBatch(Region region, int64_t real_batch) { First().OnBatch(region, real_batch); }
+
+EngineMetrics& Metrics::ForGpu(const std::string& gpu) {
+  std::lock_guard<std::mutex> lock(engines_mu_);
+  std::unique_ptr<EngineMetrics>& e = engines_[gpu];
+  if (!e) e.reset(new EngineMetrics(this, gpu));
+  if (first_ == nullptr) first_ = e.get();
+  return *e;
 }
 
-void Metrics::ObserveQueueTime(const std::string& rpc, double seconds) {
-  queue_time_->Add({{"rpc", rpc}}, LatencyBuckets()).Observe(seconds);
+EngineMetrics& Metrics::First() {
+  {
+    std::lock_guard<std::mutex> lock(engines_mu_);
+    if (first_ != nullptr) return *first_;
+  }
+  return ForGpu("0");
 }
 
 void Metrics::ObserveTimeToFirstToken(double seconds) { time_to_first_token_->Observe(seconds); }
@@ -362,19 +333,6 @@ void Metrics::AddGeneratedTokens(int64_t tokens) {
   generated_tokens_->Increment(static_cast<double>(tokens));
 }
 
-void Metrics::SetQueueDepth(int64_t requests) { queue_depth_->Set(static_cast<double>(requests)); }
-
-void Metrics::SetActiveSequences(int64_t sequences) {
-  active_sequences_->Set(static_cast<double>(sequences));
-}
-
-void Metrics::SetMemory(const MemoryStats& m) {
-  gpu_allocated_->Set(static_cast<double>(m.allocated_bytes));
-  gpu_reserved_->Set(static_cast<double>(m.reserved_bytes));
-  graph_pool_->Set(static_cast<double>(m.graph_pool_bytes));
-  kv_cache_->Set(static_cast<double>(m.kv_cache_bytes));
-}
-
 void Metrics::ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate,
                                bool skipped) {
   train_steps_->Increment();
@@ -394,5 +352,107 @@ void Metrics::AddTrainPublishRefused(const std::string& reason) {
 }
 
 void Metrics::AddWeightsRollback() { weights_rollbacks_->Increment(); }
+
+// ---------------------------------------------------------------------------------------------
+// EngineMetrics
+
+EngineMetrics::EngineMetrics(Metrics* metrics, std::string gpu)
+    : metrics_(metrics), gpu_(std::move(gpu)) {
+  const prometheus::Labels labels = Labels({});
+  capture_seconds_ = &metrics_->capture_seconds_->Add(labels);
+  queue_depth_ = &metrics_->queue_depth_->Add(labels);
+  active_sequences_ = &metrics_->active_sequences_->Add(labels);
+  gpu_allocated_ = &metrics_->gpu_allocated_->Add(labels);
+  gpu_reserved_ = &metrics_->gpu_reserved_->Add(labels);
+  graph_pool_ = &metrics_->graph_pool_->Add(labels);
+  kv_cache_ = &metrics_->kv_cache_->Add(labels);
+  healthy_ = &metrics_->engine_healthy_->Add(labels);
+  healthy_->Set(1);
+  for (const char* rpc : {"Generate", "Forward", "Train"}) {
+    metrics_->queue_time_->Add(Labels({{"rpc", rpc}}), LatencyBuckets());
+  }
+}
+
+prometheus::Labels EngineMetrics::Labels(prometheus::Labels labels) const {
+  labels.emplace("gpu", gpu_);
+  return labels;
+}
+
+std::string EngineMetrics::BucketLabel(const BucketKey& key) const {
+  if (known_buckets_.empty()) return key.Label();
+  const std::string label = key.Label();
+  return known_buckets_.count(std::string(RegionName(key.region)) + "/" + label) ? label : "exact";
+}
+
+void EngineMetrics::InitBuckets(const BucketSpec& buckets) {
+  // A trainer's optimizer step is reported as region train, batch 0 (engine/trainer.h).
+  const BucketKey optimizer{Region::kTrain, 0, 0, 0};
+  known_buckets_.insert(std::string(RegionName(optimizer.region)) + "/" + optimizer.Label());
+  for (int r = 0; r < kNumRegions; ++r) {
+    const Region region = static_cast<Region>(r);
+    for (const BucketKey& key : buckets.All(region)) {
+      known_buckets_.insert(std::string(RegionName(region)) + "/" + key.Label());
+      const prometheus::Labels labels = Labels({{"region", RegionName(region)}, {"bucket", key.Label()}});
+      metrics_->captures_->Add(labels);
+      metrics_->replays_->Add(labels);
+      metrics_->eager_runs_->Add(labels);
+    }
+    metrics_->eager_fallbacks_->Add(
+        Labels({{"region", RegionName(region)}, {"reason", "no bucket fits"}}));
+  }
+}
+
+void EngineMetrics::OnCapture(const BucketKey& key, double seconds) {
+  metrics_->captures_->Add(Labels({{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}}))
+      .Increment();
+  capture_seconds_->Increment(seconds);
+}
+
+void EngineMetrics::OnStep(const BucketKey& key, bool graphed, double seconds) {
+  prometheus::Labels labels =
+      Labels({{"region", RegionName(key.region)}, {"bucket", BucketLabel(key)}});
+  (graphed ? metrics_->replays_ : metrics_->eager_runs_)->Add(labels).Increment();
+  labels["mode"] = ModeLabel(graphed);
+  metrics_->step_latency_->Add(labels, LatencyBuckets()).Observe(seconds);
+}
+
+void EngineMetrics::OnEagerFallback(Region region, const std::string& reason) {
+  metrics_->eager_fallbacks_
+      ->Add(Labels({{"region", RegionName(region)}, {"reason", ReasonLabel(reason)}}))
+      .Increment();
+}
+
+void EngineMetrics::OnTokens(Region region, int64_t real, int64_t padded) {
+  metrics_->tokens_->Add(Labels({{"region", RegionName(region)}, {"kind", "real"}}))
+      .Increment(static_cast<double>(real));
+  metrics_->tokens_->Add(Labels({{"region", RegionName(region)}, {"kind", "padded"}}))
+      .Increment(static_cast<double>(padded));
+}
+
+void EngineMetrics::OnBatch(Region region, int64_t real_batch) {
+  metrics_->batch_size_->Add(Labels({{"region", RegionName(region)}}), BatchBuckets())
+      .Observe(static_cast<double>(real_batch));
+}
+
+void EngineMetrics::ObserveQueueTime(const std::string& rpc, double seconds) {
+  metrics_->queue_time_->Add(Labels({{"rpc", rpc}}), LatencyBuckets()).Observe(seconds);
+}
+
+void EngineMetrics::SetQueueDepth(int64_t requests) {
+  queue_depth_->Set(static_cast<double>(requests));
+}
+
+void EngineMetrics::SetActiveSequences(int64_t sequences) {
+  active_sequences_->Set(static_cast<double>(sequences));
+}
+
+void EngineMetrics::SetMemory(const MemoryStats& m) {
+  gpu_allocated_->Set(static_cast<double>(m.allocated_bytes));
+  gpu_reserved_->Set(static_cast<double>(m.reserved_bytes));
+  graph_pool_->Set(static_cast<double>(m.graph_pool_bytes));
+  kv_cache_->Set(static_cast<double>(m.kv_cache_bytes));
+}
+
+void EngineMetrics::SetHealthy(bool healthy) { healthy_->Set(healthy ? 1 : 0); }
 
 }  // namespace vlmgraph::server

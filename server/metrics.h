@@ -1,14 +1,17 @@
 // server/metrics.h: every Prometheus metric of vlmgraph, owned by one class.
 //
 // Names, types and labels are fixed by docs/metrics.md (a Grafana dashboard is generated from
-// that list). Metrics implements the engine's EngineObserver (captures, replays, eager runs,
-// tokens, batch sizes, step latency per region and bucket) and takes the server's own
-// observations (queue time, time to first token, inter-token latency, requests by RPC and status
-// code, HTTP requests by endpoint and status, memory, training). `/metrics` is served on its own
-// port by MetricsHttpServer (Note [Own metrics endpoint], server/metrics_http.h).
+// that list). Each engine (one per GPU, server/engine_router.h) has its own series, labelled
+// gpu="<index>": EngineMetrics implements the engine's EngineObserver (captures, replays, eager
+// runs, tokens, batch sizes, step latency per region and bucket) and takes its scheduler's
+// observations (queue time, queue depth, active sequences, memory, health). Metrics owns them
+// and takes the front's own observations (time to first token, inter-token latency, requests by
+// RPC and status code, HTTP requests by endpoint and status, training). `/metrics` is served on
+// its own port by MetricsHttpServer (Note [Own metrics endpoint], server/metrics_http.h).
 //
 //   Metrics metrics("127.0.0.1:9464");   // "" = no HTTP endpoint (tests read Render())
-//   engine.SetObserver(&metrics);
+//   EngineMetrics& gpu0 = metrics.ForGpu("0");
+//   engine.SetObserver(&gpu0);           // vlmgraph_graph_replays_total{gpu="0",...}
 //   metrics.ObserveRequest("Generate", grpc::StatusCode::OK, 0.8);
 //
 // Thread rules: every method is safe from any thread (prometheus-cpp metrics are thread-safe);
@@ -17,9 +20,11 @@
 #pragma once
 
 #include <grpcpp/support/status.h>
+#include <prometheus/labels.h>
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -39,6 +44,63 @@ class Family;
 }  // namespace prometheus
 
 namespace vlmgraph::server {
+
+class Metrics;
+
+// The series of one engine, labelled gpu="<gpu()>" (the CUDA device index, or the engine's index
+// on CPU). Made by Metrics::ForGpu; lives as long as its Metrics.
+class EngineMetrics : public EngineObserver {
+ public:
+  EngineMetrics(const EngineMetrics&) = delete;
+  EngineMetrics& operator=(const EngineMetrics&) = delete;
+
+  const std::string& gpu() const { return gpu_; }
+
+  // Creates the zero-valued series of every configured bucket (captures, replays, eager runs per
+  // region and bucket; eager fallbacks per region), so dashboards see each family before its
+  // first event (Prometheus' advice: initialise known label sets). Call once, after the engine's
+  // warm-up and before it serves (its GPU thread reads the bucket set on every step). From then
+  // on a run at a shape that is not a configured bucket (an oversize prompt or train batch run
+  // eagerly at its own shape) is labelled bucket="exact", so the number of series stays bounded
+  // whatever lengths clients send.
+  void InitBuckets(const BucketSpec& buckets);
+
+  // --- EngineObserver (the engine's GPU thread) -------------------------------------------------
+  void OnCapture(const BucketKey& key, double seconds) override;
+  void OnStep(const BucketKey& key, bool graphed, double seconds) override;
+  // `reason`'s trailing shape label ("no bucket fits b1xs300" -> "no bucket fits") is dropped
+  // to keep the label's values few.
+  void OnEagerFallback(Region region, const std::string& reason) override;
+  void OnTokens(Region region, int64_t real, int64_t padded) override;
+  void OnBatch(Region region, int64_t real_batch) override;
+
+  // --- its scheduler (server/scheduler.h) -------------------------------------------------------
+  void ObserveQueueTime(const std::string& rpc, double seconds);
+  void SetQueueDepth(int64_t requests);
+  void SetActiveSequences(int64_t sequences);
+  void SetMemory(const MemoryStats& memory);
+  // vlmgraph_engine_healthy: 1 while the engine can serve, 0 once its device failed.
+  void SetHealthy(bool healthy);
+
+ private:
+  friend class Metrics;
+  EngineMetrics(Metrics* metrics, std::string gpu);
+  prometheus::Labels Labels(prometheus::Labels labels) const;  // `labels` + gpu
+  std::string BucketLabel(const BucketKey& key) const;         // key.Label() or "exact"
+
+  Metrics* const metrics_;
+  const std::string gpu_;
+  // "region/bucket" of every configured bucket (InitBuckets); empty: every label is kept.
+  std::set<std::string> known_buckets_;
+  prometheus::Counter* capture_seconds_;
+  prometheus::Gauge* queue_depth_;
+  prometheus::Gauge* active_sequences_;
+  prometheus::Gauge* gpu_allocated_;
+  prometheus::Gauge* gpu_reserved_;
+  prometheus::Gauge* graph_pool_;
+  prometheus::Gauge* kv_cache_;
+  prometheus::Gauge* healthy_;
+};
 
 class Metrics : public EngineObserver {
  public:
@@ -60,25 +122,19 @@ class Metrics : public EngineObserver {
   void ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
                         int64_t timed_out_requests_total);
 
-  // Creates the zero-valued series of every configured bucket (captures, replays, eager runs per
-  // region and bucket; eager fallbacks per region), so dashboards see each family before its
-  // first event (Prometheus' advice: initialise known label sets). Call once at start-up, before
-  // any observer call. From then on a run at a shape that is not a configured bucket (an oversize
-  // prompt or train batch run eagerly at its own shape) is labelled bucket="exact", so the number
-  // of series stays bounded whatever lengths clients send.
-  void InitBuckets(const BucketSpec& buckets);
+  // The series of the engine labelled gpu="`gpu`", made on the first call (its healthy gauge
+  // at 1); the reference stays valid as long as this Metrics.
+  EngineMetrics& ForGpu(const std::string& gpu);
 
-  // --- EngineObserver (GPU thread) --------------------------------------------------------------
+  // --- EngineObserver: the first engine's series (ForGpu's first call; gpu="0" before any), which
+  // is the engine the Train RPC's jobs run on (server/train_rpc.cc) -------------------------------
   void OnCapture(const BucketKey& key, double seconds) override;
   void OnStep(const BucketKey& key, bool graphed, double seconds) override;
-  // `reason`'s trailing shape label ("no bucket fits b1xs300" -> "no bucket fits") is dropped
-  // to keep the label's values few.
   void OnEagerFallback(Region region, const std::string& reason) override;
   void OnTokens(Region region, int64_t real, int64_t padded) override;
   void OnBatch(Region region, int64_t real_batch) override;
 
   // --- server observations ----------------------------------------------------------------------
-  void ObserveQueueTime(const std::string& rpc, double seconds);
   void ObserveTimeToFirstToken(double seconds);
   void ObserveInterTokenLatency(double seconds);
   // A finished RPC: vlmgraph_requests_total{rpc, code} and vlmgraph_request_duration_seconds{rpc}.
@@ -91,9 +147,6 @@ class Metrics : public EngineObserver {
   // Zero-valued series (status 200) of each endpoint, so dashboards see them before traffic.
   void InitHttpEndpoints(const std::vector<std::string>& endpoints);
   void AddGeneratedTokens(int64_t tokens);
-  void SetQueueDepth(int64_t requests);
-  void SetActiveSequences(int64_t sequences);
-  void SetMemory(const MemoryStats& memory);
   // One optimizer step of a Train stream (its latency goes to OnStep with region train).
   // Skipped steps (non-finite gradients) count in vlmgraph_train_skipped_steps_total too and leave
   // the loss and learning-rate gauges as they were.
@@ -105,17 +158,20 @@ class Metrics : public EngineObserver {
   void AddWeightsRollback();  // the served weights went back to those before the last publish
 
  private:
+  friend class EngineMetrics;
+  EngineMetrics& First();  // ForGpu's first engine, or gpu "0"
+
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsHttpServer> http_;
-  // "region/bucket" of every configured bucket (InitBuckets); empty: every label is kept.
-  std::set<std::string> known_buckets_;
-  std::string BucketLabel(const BucketKey& key) const;  // key.Label() or "exact"
+  std::mutex engines_mu_;
+  std::map<std::string, std::unique_ptr<EngineMetrics>> engines_;  // engines_mu_
+  EngineMetrics* first_ = nullptr;                                 // engines_mu_
 
   prometheus::Family<prometheus::Counter>* captures_;
   prometheus::Family<prometheus::Counter>* replays_;
   prometheus::Family<prometheus::Counter>* eager_runs_;
   prometheus::Family<prometheus::Counter>* eager_fallbacks_;
-  prometheus::Counter* capture_seconds_;
+  prometheus::Family<prometheus::Counter>* capture_seconds_;
   prometheus::Family<prometheus::Counter>* tokens_;
   prometheus::Family<prometheus::Histogram>* step_latency_;
   prometheus::Family<prometheus::Histogram>* batch_size_;
@@ -127,8 +183,8 @@ class Metrics : public EngineObserver {
   prometheus::Family<prometheus::Histogram>* http_request_duration_;
   prometheus::Family<prometheus::Counter>* http_requests_;
   prometheus::Counter* generated_tokens_;
-  prometheus::Gauge* queue_depth_;
-  prometheus::Gauge* active_sequences_;
+  prometheus::Family<prometheus::Gauge>* queue_depth_;
+  prometheus::Family<prometheus::Gauge>* active_sequences_;
   mutable std::mutex scrape_hook_mu_;
   std::function<void()> scrape_hook_;  // scrape_hook_mu_
   prometheus::Gauge* http_open_connections_;
@@ -138,10 +194,11 @@ class Metrics : public EngineObserver {
   int64_t http_refused_seen_ = 0, http_timed_out_seen_ = 0;  // http_front_mu_
   prometheus::Gauge* heap_in_use_;  // set in Render (a scrape)
   prometheus::Gauge* heap_free_;
-  prometheus::Gauge* gpu_allocated_;
-  prometheus::Gauge* gpu_reserved_;
-  prometheus::Gauge* graph_pool_;
-  prometheus::Gauge* kv_cache_;
+  prometheus::Family<prometheus::Gauge>* gpu_allocated_;
+  prometheus::Family<prometheus::Gauge>* gpu_reserved_;
+  prometheus::Family<prometheus::Gauge>* graph_pool_;
+  prometheus::Family<prometheus::Gauge>* kv_cache_;
+  prometheus::Family<prometheus::Gauge>* engine_healthy_;
   prometheus::Counter* train_steps_;
   prometheus::Counter* train_tokens_;
   prometheus::Counter* train_skipped_steps_;

@@ -95,7 +95,7 @@ int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits) {
 }
 
 struct OpenAiHttpServer::Impl {
-  Impl(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics, const TextModel* text,
+  Impl(const ServerConfig& config, EngineRouter* router, Metrics* metrics, const TextModel* text,
        const ApiKeys* keys, WeightsPublisher* publisher);
 
   // One generation over HTTP, from its submission to its last byte. Lives while the engine or
@@ -144,7 +144,7 @@ struct OpenAiHttpServer::Impl {
   void Unregister(Generation* g);
 
   const ServerConfig config;
-  Scheduler* const scheduler;
+  EngineRouter* const router;
   Metrics* const metrics;
   const TextModel* const text;
   const ApiKeys* const keys;  // may be null: no keys
@@ -168,11 +168,11 @@ struct OpenAiHttpServer::Impl {
   std::unique_ptr<HttpServer> http;  // last: stopped first
 };
 
-OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, Scheduler* scheduler_in,
+OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, EngineRouter* router_in,
                              Metrics* metrics_in, const TextModel* text_in, const ApiKeys* keys_in,
                              WeightsPublisher* publisher_in)
     : config(config_in),
-      scheduler(scheduler_in),
+      router(router_in),
       metrics(metrics_in),
       text(text_in),
       keys(keys_in),
@@ -278,12 +278,29 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
   const std::optional<Route> route = FindRoute(x->request().path);
   const Endpoint endpoint = route ? route->endpoint : Endpoint::kHealth;
   if (endpoint == Endpoint::kHealth) {
-    if (accepting.load()) {
-      x->Respond(200, "application/json", "{}");
-    } else {
-      SendError(*x, ErrorOf(std::make_exception_ptr(ServerError(grpc::StatusCode::UNAVAILABLE,
-                                                                "the server is shutting down"))));
+    const std::vector<EngineState> engines = router->States();
+    json list = json::array();
+    int64_t serving = 0;
+    for (const EngineState& e : engines) {
+      serving += e.healthy ? 1 : 0;
+      json entry = {{"device", e.device},   {"gpu", e.gpu},         {"healthy", e.healthy},
+                    {"running", e.running}, {"waiting", e.waiting}};
+      if (!e.error.empty()) entry["error"] = e.error;
+      list.push_back(std::move(entry));
     }
+    if (accepting.load() && serving > 0) {
+      const bool all = serving == static_cast<int64_t>(engines.size());
+      x->Respond(200, "application/json",
+                 Dump({{"status", all ? "serving" : "degraded"}, {"engines", std::move(list)}}));
+      return;
+    }
+    const ErrorInfo e = ErrorOf(std::make_exception_ptr(ServerError(
+        grpc::StatusCode::UNAVAILABLE, accepting.load() ? "no GPU of this server can serve"
+                                                        : "the server is shutting down")));
+    LogRefusal(x->request(), e);
+    json body = ErrorJson(e);
+    body["engines"] = std::move(list);
+    x->Respond(e.http_status, "application/json", Dump(body));
     return;
   }
   // Everything else may parse, tokenize or decode: a worker's job. The queue before the workers
@@ -312,7 +329,7 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
 
 void OpenAiHttpServer::Impl::Handle(const std::shared_ptr<HttpExchange>& x, Endpoint endpoint) {
   const std::string& body = x->request().body;
-  Engine& engine = scheduler->engine();
+  Engine& engine = router->engine();
   switch (endpoint) {
     case Endpoint::kModels:
       x->Respond(200, "application/json",
@@ -447,7 +464,7 @@ OpenAiHttpServer::Impl::Generation::~Generation() { owner->Unregister(this); }
 void OpenAiHttpServer::Impl::StartGeneration(const std::shared_ptr<HttpExchange>& x,
                                              PreparedGeneration g, bool chat) {
   // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
-  ValidatedRequest request = scheduler->engine().Validate(std::move(g.request));
+  ValidatedRequest request = router->engine().Validate(std::move(g.request));
   if (LogEnabled(LogLevel::kDebug)) {
     const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
     LogDebug("HTTP " + x->request().path + " from " + x->request().remote_address + ": " +
@@ -466,7 +483,7 @@ void OpenAiHttpServer::Impl::Generation::Start(ValidatedRequest request) {
                          std::chrono::duration<double>(exchange->seconds()));
   std::weak_ptr<Generation> weak = weak_from_this();
   session = std::make_unique<GenerationSession>(
-      *owner->scheduler, owner->metrics, std::move(request), accepted, &text, [weak] {
+      *owner->router, owner->metrics, std::move(request), accepted, &text, [weak] {
         if (auto self = weak.lock()) self->ScheduleDrain();
       });
   self = shared_from_this();
@@ -558,10 +575,10 @@ void OpenAiHttpServer::Impl::Generation::Fail(std::exception_ptr error) {
 
 // --- OpenAiHttpServer ----------------------------------------------------------------------------
 
-OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler,
+OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, EngineRouter* router,
                                    Metrics* metrics, const TextModel* text, const ApiKeys* keys,
                                    WeightsPublisher* publisher)
-    : impl_(std::make_unique<Impl>(config, scheduler, metrics, text, keys, publisher)) {
+    : impl_(std::make_unique<Impl>(config, router, metrics, text, keys, publisher)) {
   Impl& m = *impl_;
   HttpServerOptions o;
   o.address = config.server.http_address;

@@ -1,13 +1,13 @@
 // server/openai_http.h: the OpenAI-compatible HTTP API on its own address (server.http_address),
 // served by the event-driven HTTP front (server/http_server.h: Boost.Beast). Requests run through
-// the same validation, Scheduler, limits and metrics as gRPC Generate (GenerationSession,
-// server/generation.h); the JSON side (formats, accepted fields, their sources) is
-// server/openai_protocol.h.
+// the same validation, router (server/engine_router.h), limits and metrics as gRPC Generate
+// (GenerationSession, server/generation.h); the JSON side (formats, accepted fields, their
+// sources) is server/openai_protocol.h.
 //
-//   OpenAiHttpServer http(config, &scheduler, &metrics, text_model.get());   // listening
+//   OpenAiHttpServer http(config, &router, &metrics, text_model.get());   // listening
 //   http.address();          // "127.0.0.1:8000" (resolves port 0)
 //   ...                       // SIGTERM:
-//   scheduler.StopAccepting(); http.StopAccepting();   // new requests: 503
+//   router.StopAccepting(); http.StopAccepting();      // new requests: 503
 //   http.Shutdown(config.shutdown_timeout_seconds);    // drain, cancel the rest, stop
 //
 //   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
@@ -15,7 +15,12 @@
 //
 // Endpoints (every one but /health needs `Authorization: Bearer <key>` when keys are configured,
 // server/auth.h: the inference scope, the publish scope for /v1/admin/rollback):
-//   GET  /health               200 while serving, 503 once shutting down (as vLLM's)
+//   GET  /health               200 while at least one engine serves, 503 once shutting down or
+//                              when no engine can serve (vLLM's); the body lists every engine:
+//                              {"status": "serving" | "degraded", "engines": [{"device":
+//                              "cuda:0", "gpu": "0", "healthy": true, "running": 3, "waiting":
+//                              0}, ...]} ("error": the device error of a failed engine); a 503
+//                              body is OpenAI's error body with the same "engines" list
 //   GET  /v1/models            the one model, served_model_name; GET /v1/models/{model} too
 //   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE
 //   POST /v1/completions       a prompt string (or token ids); stream: true -> SSE
@@ -48,7 +53,9 @@
 //   414, 431                   request line or head over 64 KiB
 //   415                        Content-Type is not application/json
 //   429 rate_limit_error       the scheduler's queue or the workers' queue is full
-//   503 server_error           shutting down; too many connections (http.max_connections*)
+//   503 server_error           shutting down; no engine serves, or the request's engine's GPU
+//                              failed (Note [Device faults], server/scheduler.h); too many
+//                              connections (http.max_connections*)
 //   500 server_error           a server bug (logged as an error)
 // An error after a stream has started (its 200 is sent) arrives as one more event,
 // `data: {"error": {...}}`, followed by `data: [DONE]` (as vLLM).
@@ -68,7 +75,7 @@
 // Threads: http.io_threads serve the connections, http.workers prepare requests, and
 // kStreamThreads turn engine tokens into response chunks; nothing blocks on a client.
 // Thread rules: construct, StopAccepting, Shutdown and destroy from the main thread; the rest runs
-// on those threads and only uses thread-safe objects (Scheduler, Engine::Validate, Metrics, the
+// on those threads and only uses thread-safe objects (EngineRouter, Engine::Validate, Metrics, the
 // immutable TextModel). Errors: the constructor throws std::runtime_error naming
 // server.http_address when it cannot listen, ServerConfigError when the TLS files do not load.
 #pragma once
@@ -79,6 +86,7 @@
 
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/engine_router.h"
 #include "server/http_server.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -96,14 +104,14 @@ int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits);
 
 class OpenAiHttpServer {
  public:
-  // Listens on config.server.http_address (port 0: any free port) and serves. `scheduler` must be
-  // started (its engine answers Validate and max_context); `metrics` may be null (tests); `text`
+  // Listens on config.server.http_address (port 0: any free port) and serves. `router`'s engines
+  // must be started (the first answers Validate and max_context); `metrics` may be null (tests); `text`
   // may be null (no tokenizer: the text endpoints answer 400 saying so); `keys` may be null (no
   // API keys; otherwise every endpoint but /health needs a key with the inference scope: 401
   // without a valid one, 403 without the scope). TLS when config.tls.cert_file is set
   // (ServerConfigError when the files do not load). All must outlive this.
   // `publisher` may be null (no /v1/admin/rollback: 404).
-  OpenAiHttpServer(const ServerConfig& config, Scheduler* scheduler, Metrics* metrics,
+  OpenAiHttpServer(const ServerConfig& config, EngineRouter* router, Metrics* metrics,
                    const TextModel* text, const ApiKeys* keys = nullptr,
                    WeightsPublisher* publisher = nullptr);
   ~OpenAiHttpServer();  // Shutdown(0) unless done

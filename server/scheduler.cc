@@ -88,7 +88,7 @@ void GenerationStream::Fail(std::exception_ptr error) {
 // ---------------------------------------------------------------------------------------------
 // Scheduler: submission (any thread)
 
-Scheduler::Scheduler(Metrics* metrics, SchedulerOptions options)
+Scheduler::Scheduler(EngineMetrics* metrics, SchedulerOptions options)
     : metrics_(metrics), options_(options) {}
 
 Scheduler::~Scheduler() { Stop(); }
@@ -125,6 +125,23 @@ std::string Scheduler::device_fault() const {
   return device_fault_;
 }
 
+bool Scheduler::serving() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return started_ && accepting_ && !stopping_ && device_fault_.empty();
+}
+
+std::exception_ptr Scheduler::FaultError() const {
+  return std::make_exception_ptr(
+      ServerError(grpc::StatusCode::UNAVAILABLE, FaultMessage(device_fault())));
+}
+
+std::string Scheduler::FaultMessage(const std::string& fault) const {
+  return "the GPU failed (" + fault + ")" +
+         (options_.device.empty() ? std::string() : " on " + options_.device) +
+         "; retry the request: the server serves on its other GPUs, or restarts when none is "
+         "left";
+}
+
 bool Scheduler::DeviceFailed() {
   std::string fault;
   try {
@@ -140,15 +157,16 @@ bool Scheduler::DeviceFailed() {
     accepting_ = false;
     stopping_ = true;
   }
-  LogError("the device failed and cannot run work until the server restarts: " + fault);
+  if (metrics_) metrics_->SetHealthy(false);
+  LogError("the device" + (options_.device.empty() ? std::string() : " " + options_.device) +
+           " failed and cannot run work until the server restarts: " + fault);
   if (options_.on_device_fault) options_.on_device_fault(fault);
   return true;
 }
 
 void Scheduler::CheckAccepting() const {
   if (!device_fault_.empty()) {
-    throw ServerError(grpc::StatusCode::UNAVAILABLE,
-                      "the GPU failed (" + device_fault_ + "); the server is restarting");
+    throw ServerError(grpc::StatusCode::UNAVAILABLE, FaultMessage(device_fault_));
   }
   if (!accepting_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
   CheckQueueLimit();
@@ -229,6 +247,8 @@ int64_t Scheduler::QueueDepth() const {
   return static_cast<int64_t>(pending_.size() + work_.size());
 }
 
+int64_t Scheduler::Load() const { return QueueDepth() + running_count_.load(); }
+
 // ---------------------------------------------------------------------------------------------
 // Scheduler: the GPU thread
 
@@ -253,6 +273,10 @@ void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready
     }
     ready->set_exception(std::current_exception());
     return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = true;
   }
   ready->set_value();
   Serve();
@@ -296,6 +320,7 @@ void Scheduler::Serve() {
           admit.push_back(std::move(pending_.front()));
           pending_.pop_front();
         }
+        running_count_ += n;  // counted as running through their prefill (Load), until Admit
       }
       if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size() + work_.size()));
     }
@@ -319,8 +344,10 @@ void Scheduler::Serve() {
         finished = item.fn(*engine_);
         if (finished) item.done->set_value();
       } catch (...) {
-        item.done->set_exception(std::current_exception());
-        if (DeviceFailed()) return give_back();
+        // On a failed device the item fails as its requests do: UNAVAILABLE (retryable).
+        const bool dead = DeviceFailed();
+        item.done->set_exception(dead ? FaultError() : std::current_exception());
+        if (dead) return give_back();
       }
       if (!finished) {
         // Its next piece runs in the next iteration, after admission and a decode step (Note
@@ -334,14 +361,17 @@ void Scheduler::Serve() {
       try {
         engine_->Step(&events);
       } catch (...) {
-        // A failed decode step leaves no sequence in a known state: end them all with the error.
+        // A failed decode step leaves no sequence in a known state: end them all with the error
+        // (UNAVAILABLE when the device failed for good).
         LogError("decode step failed; ending every running sequence");
-        std::exception_ptr error = std::current_exception();
+        const bool dead = DeviceFailed();
+        const std::exception_ptr error = dead ? FaultError() : std::current_exception();
         for (auto& [id, stream] : running_) stream->Fail(error);
         running_.clear();
-        engine_->CancelAll();  // every slot, owned or not
+        CountRunning();
         events.clear();
-        if (DeviceFailed()) return;
+        if (dead) return;
+        engine_->CancelAll();  // every slot, owned or not
       }
     }
     Route(&events);
@@ -371,10 +401,12 @@ bool Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
       ok[i]->id_ = ids[i];
       running_[ids[i]] = ok[i];
     }
+    CountRunning();
   } catch (...) {
-    std::exception_ptr error = std::current_exception();
+    const bool dead = DeviceFailed();
+    const std::exception_ptr error = dead ? FaultError() : std::current_exception();
     for (auto& stream : ok) stream->Fail(error);
-    return !DeviceFailed();
+    return !dead;
   }
   return true;
 }
@@ -390,6 +422,7 @@ void Scheduler::Route(std::vector<TokenEvent>* events) {
     it->second->Push(ev);
     if (ev.finished) running_.erase(it);
   }
+  CountRunning();
   events->clear();
 }
 
@@ -401,6 +434,7 @@ void Scheduler::CancelOnGpuThread(const std::shared_ptr<GenerationStream>& strea
     if (metrics_) metrics_->SetQueueDepth(static_cast<int64_t>(pending_.size() + work_.size()));
   }
   if (stream->id_ >= 0 && running_.erase(stream->id_) > 0) engine_->Cancel(stream->id_);
+  CountRunning();
   stream->Fail(Cancelled());
 }
 
@@ -413,12 +447,7 @@ void Scheduler::FailEverything() {
     work.swap(work_);
     cancels_.clear();
   }
-  const std::string fault = device_fault();
-  const std::exception_ptr error =
-      fault.empty() ? ShuttingDown()
-                    : std::make_exception_ptr(
-                          ServerError(grpc::StatusCode::UNAVAILABLE,
-                                      "the GPU failed (" + fault + "); the server is restarting"));
+  const std::exception_ptr error = device_fault().empty() ? ShuttingDown() : FaultError();
   for (auto& stream : pending) stream->Fail(error);
   for (auto& item : work) item.done->set_exception(error);
   for (auto& [id, stream] : running_) {
@@ -426,6 +455,7 @@ void Scheduler::FailEverything() {
     stream->Fail(error);
   }
   running_.clear();
+  CountRunning();
   UpdateGauges(/*force=*/true);
 }
 

@@ -49,14 +49,16 @@
 // Note [Device faults]: after any engine call fails, the GPU thread asks the engine whether its
 // device still works (Engine::DeviceFault). A CUDA error that leaves the context unusable (a
 // device-side assert, an illegal memory access) cannot be recovered inside the process: the
-// scheduler stops accepting, fails everything queued or running with UNAVAILABLE naming the
-// error, stops its loop (it never retries on a dead device) and calls
-// SchedulerOptions::on_device_fault once, which the server's main turns into a shutdown with a
-// non-zero exit status, so the container's restart policy brings up a fresh process (as vLLM's
-// API server exits when its engine dies). A failed decode step that leaves the device usable ends
-// the running sequences with the error and frees every slot.
+// scheduler stops accepting (serving() turns false, vlmgraph_engine_healthy{gpu} 0), fails
+// everything queued or running with UNAVAILABLE naming the error and the device, stops its loop
+// (it never retries on a dead device) and calls SchedulerOptions::on_device_fault once. With
+// several engines (server/engine_router.h) only this engine's requests fail and the router sends
+// no more to it; once no engine is left the server's main shuts down with a non-zero exit
+// status, so the container's restart policy brings up a fresh process (as vLLM's API server
+// exits when its engine dies). A failed decode step that leaves the device usable ends the
+// running sequences with the error and frees every slot.
 //
-// Thread rules: Submit*, Cancel, RunOnGpuThread, QueueDepth and engine() (for the Engine's
+// Thread rules: Submit*, Cancel, RunOnGpuThread, QueueDepth, Load, serving and engine() (for the Engine's
 // thread-safe methods only) are safe from any thread; Start and Stop from the owning (main)
 // thread. The engine is built, warmed up, driven and destroyed on the GPU thread. Errors reach
 // handlers as exception_ptrs (Update::error) or exceptions (RunOnGpuThread), never as statuses; the
@@ -87,7 +89,10 @@ using Clock = std::chrono::steady_clock;
 
 struct SchedulerOptions {
   int64_t max_queue_delay_us = 2000;
-  int64_t max_queue_size = 256;
+  int64_t max_queue_size = 256;  // waiting requests and work items of this scheduler
+  // The engine's device as users name it ("cuda:1", "cpu"): in logs and in the error a device
+  // fault gives its requests. May be empty.
+  std::string device;
   // Called once, on the GPU thread, with the error when the device fails for good (Note [Device
   // faults]). May be empty.
   std::function<void(const std::string& error)> on_device_fault;
@@ -148,8 +153,8 @@ class Scheduler {
   // Builds and warms up the engine; called on the GPU thread by Start.
   using EngineStartup = std::function<std::unique_ptr<Engine>()>;
 
-  // `metrics` may be null (tests).
-  Scheduler(Metrics* metrics, SchedulerOptions options);
+  // `metrics` (this engine's series; may be null: tests) must outlive the scheduler.
+  Scheduler(EngineMetrics* metrics, SchedulerOptions options);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
   Scheduler& operator=(const Scheduler&) = delete;
@@ -167,6 +172,9 @@ class Scheduler {
   void Stop();
   // The device error that stopped the GPU thread (Note [Device faults]), "" if none. Any thread.
   std::string device_fault() const;
+  // Whether new work is accepted now: started, no device fault, not stopping. Any thread.
+  bool serving() const;
+  const SchedulerOptions& options() const { return options_; }
 
   // Queues a validated request. Throws ServerError RESOURCE_EXHAUSTED (queue full) or
   // UNAVAILABLE (stopping).
@@ -199,7 +207,13 @@ class Scheduler {
                             Clock::time_point accepted = Clock::now(),
                             Admission admission = Admission::kNew);
 
+  // Generate requests and work items waiting (the queue).
   int64_t QueueDepth() const;
+  // What the router balances (server/engine_router.h): sequences running in the engine plus
+  // requests and work items waiting, as vLLM's data-parallel balancer counts them. Any thread.
+  int64_t Load() const;
+  // Sequences running in the engine (as of the GPU thread's last change). Any thread.
+  int64_t Running() const { return running_count_.load(); }
 
  private:
   struct WorkItem {
@@ -227,10 +241,13 @@ class Scheduler {
   void CancelOnGpuThread(const std::shared_ptr<GenerationStream>& stream);
   void FailEverything();
   void UpdateGauges(bool force);
+  std::string FaultMessage(const std::string& fault) const;  // UNAVAILABLE's message
+  std::exception_ptr FaultError() const;  // ServerError UNAVAILABLE with device_fault()'s message
+  void CountRunning() { running_count_ = static_cast<int64_t>(running_.size()); }  // GPU thread
 
   std::unique_ptr<Engine> owned_engine_;  // GPU thread: created, used and destroyed there
   Engine* engine_ = nullptr;
-  Metrics* metrics_;
+  EngineMetrics* metrics_;
   const SchedulerOptions options_;
 
   mutable std::mutex mu_;
@@ -240,7 +257,9 @@ class Scheduler {
   std::vector<std::shared_ptr<GenerationStream>> cancels_;
   bool accepting_ = true;
   bool stopping_ = false;
+  bool started_ = false;      // mu_: the engine is ready
   std::string device_fault_;  // mu_; set once by the GPU thread
+  std::atomic<int64_t> running_count_{0};  // running_.size(), for Load from any thread
 
   // GPU thread only.
   std::map<SequenceId, std::shared_ptr<GenerationStream>> running_;

@@ -29,11 +29,12 @@ v1::FinishReason ToProto(FinishReason r) {
 
 }  // namespace
 
-VlmGraphService::VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
+VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics,
                                  const ServerConfig& config, const TextModel* text,
                                  const ApiKeys* keys, WeightsPublisher* publisher)
-    : engine_(engine),
-      scheduler_(scheduler),
+    : router_(router),
+      engine_(&router->engine()),
+      scheduler_(&router->scheduler(0)),
       metrics_(metrics),
       config_(config),
       text_(text),
@@ -179,7 +180,7 @@ void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::Genera
                                                                  request.sampling().stop().end()));
   }
   const GenerationOutcome r = RunGeneration(
-      *scheduler_, metrics_, std::move(req), accepted, text.get(),
+      *router_, metrics_, std::move(req), accepted, text.get(),
       [&](const GenerationDelta& d) {
         v1::GenerateResponse chunk;
         v1::TokenChunk* c = chunk.mutable_tokens();
@@ -216,7 +217,7 @@ void VlmGraphService::RunForward(const v1::ForwardRequest& request, v1::ForwardR
       engine_->Validate(ToEngineRequest(request, engine_->model_config(), config_.limits, text_));
   ForwardResult result;
   double queue_seconds = 0;
-  scheduler_->RunOnGpuThread(
+  router_->RunOnGpuThread(
       "Forward",
       [&](Engine& engine) {
         queue_seconds = SecondsSince(accepted);

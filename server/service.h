@@ -2,15 +2,16 @@
 //
 // Handlers run on gRPC's synchronous-server threads: they convert and check requests
 // (server/convert.h, Engine::Validate) on their own thread, hand the work to the Scheduler's GPU
-// thread, and stream results back. Every handler body runs inside RpcGuard, the one place where
-// exceptions become grpc::Status and where vlmgraph_requests_total / request_duration_seconds are
-// recorded.
+// thread of the engine the router picks (server/engine_router.h: Generate and Forward go to the
+// least-loaded engine; Train, saves and publishing run on the first engine), and stream results
+// back. Every handler body runs inside RpcGuard, the one place where exceptions become
+// grpc::Status and where vlmgraph_requests_total / request_duration_seconds are recorded.
 //
-//   VlmGraphService service(&engine, &scheduler, &metrics, config, text_model.get());
+//   VlmGraphService service(&router, &metrics, config, text_model.get());
 //   builder.RegisterService(&service);
 //
-// Thread rules: handlers are called concurrently by gRPC; the service only touches the engine
-// through the scheduler (plus Engine::Validate and accessors, which are thread-safe). Cancelled
+// Thread rules: handlers are called concurrently by gRPC; the service only touches the engines
+// through their schedulers (plus Engine::Validate and accessors, which are thread-safe). Cancelled
 // calls and clients that vanish mid-stream are noticed within kPollInterval and their sequence is
 // cancelled in the engine.
 #pragma once
@@ -23,6 +24,7 @@
 #include "engine/engine.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "server/engine_router.h"
 #include "server/generation.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
@@ -42,9 +44,10 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   // Forward need the inference scope, Train the train scope, a Train job's publish (its publish
   // request or publish_on_end) and RollbackWeights the publish scope. `publisher` (may be null:
   // publishing and rollback then answer FAILED_PRECONDITION) changes the served weights
-  // (server/weights_publisher.h). None is owned; each must outlive the service.
-  VlmGraphService(Engine* engine, Scheduler* scheduler, Metrics* metrics,
-                  const ServerConfig& config, const TextModel* text = nullptr,
+  // (server/weights_publisher.h). `router`'s engines must be started. None is owned; each must
+  // outlive the service.
+  VlmGraphService(EngineRouter* router, Metrics* metrics, const ServerConfig& config,
+                  const TextModel* text = nullptr,
                   const ApiKeys* keys = nullptr, WeightsPublisher* publisher = nullptr);
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
@@ -83,8 +86,9 @@ class VlmGraphService final : public v1::VlmGraph::Service {
   void RunTrain(grpc::ServerContext* context,
                 grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream);
 
-  Engine* engine_;
-  Scheduler* scheduler_;
+  EngineRouter* router_;
+  Engine* engine_;        // the first engine: Validate, the model's accessors, Train
+  Scheduler* scheduler_;  // the first engine's: the Train RPC (server/train_rpc.cc)
   Metrics* metrics_;
   const ServerConfig config_;
   const TextModel* text_;

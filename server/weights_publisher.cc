@@ -32,10 +32,19 @@ void CopyInto(Engine& engine, const NamedWeights& weights) {
 
 }  // namespace
 
-WeightsPublisher::WeightsPublisher(Scheduler* scheduler, const PublishGate* gate, Metrics* metrics)
-    : scheduler_(scheduler), gate_(gate), metrics_(metrics) {}
+WeightsPublisher::WeightsPublisher(Scheduler* scheduler, const PublishGate* gate, Metrics* metrics,
+                                   int64_t served_engines)
+    : scheduler_(scheduler), gate_(gate), metrics_(metrics), served_engines_(served_engines) {}
 
 PublishReport WeightsPublisher::Publish(Engine& engine, const NamedWeights& candidate) {
+  if (served_engines_ > 1) {
+    throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                      "cannot publish: this server serves on " + std::to_string(served_engines_) +
+                          " engines (data_parallel_size) and a publish changes the first one "
+                          "only, so its engines would serve different weights; the served "
+                          "weights are unchanged. Save a checkpoint and serve it, or publish on a "
+                          "server with data_parallel_size 1");
+  }
   at::NoGradGuard no_grad;
   auto refuse = [&](const std::string& reason, const std::string& message) {
     if (metrics_) metrics_->AddTrainPublishRefused(reason);

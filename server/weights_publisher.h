@@ -33,8 +33,8 @@
 // the GPU thread and waits for it (Scheduler::RunOnGpuThread, admission kNew), so it is
 // serialised with every publish and engine step. The caller checks the `publish` scope first
 // (ApiKeys::Authorize(authorization, Scope::kPublish, "RollbackWeights"), server/auth.h).
-// Errors (ServerError): FAILED_PRECONDITION from Publish (refused; the served weights are
-// unchanged) and from Rollback (nothing to roll back: no publish since start-up or since the last
+// Errors (ServerError): FAILED_PRECONDITION from Publish (refused, or a server with several
+// engines; the served weights are unchanged) and from Rollback (nothing to roll back: no publish since start-up or since the last
 // rollback); from Rollback also RESOURCE_EXHAUSTED (the scheduler's queue is full) and UNAVAILABLE
 // (the server is shutting down). Engine errors propagate; Publish restores the served weights
 // before it rethrows one.
@@ -76,8 +76,11 @@ class WeightsPublisher {
  public:
   // `gate` (null = no gate: any finite weights are published) and `metrics` (may be null) are not
   // owned and must outlive the publisher; `scheduler` is needed by Rollback() only (may be null
-  // when only the GPU-thread methods are used, e.g. in tests).
-  WeightsPublisher(Scheduler* scheduler, const PublishGate* gate, Metrics* metrics);
+  // when only the GPU-thread methods are used, e.g. in tests). `served_engines`: the engines of
+  // the server (server/engine_router.h); with more than one, Publish refuses (FAILED_PRECONDITION):
+  // it changes the first engine only, and every engine must serve the same weights.
+  WeightsPublisher(Scheduler* scheduler, const PublishGate* gate, Metrics* metrics,
+                   int64_t served_engines = 1);
   WeightsPublisher(const WeightsPublisher&) = delete;
   WeightsPublisher& operator=(const WeightsPublisher&) = delete;
 
@@ -100,6 +103,7 @@ class WeightsPublisher {
   Scheduler* scheduler_;
   const PublishGate* gate_;
   Metrics* metrics_;
+  const int64_t served_engines_;
   // GPU thread only: host copies of the served tensors the last accepted publish replaced.
   NamedWeights previous_;
   std::atomic<bool> can_rollback_{false};

@@ -358,22 +358,23 @@ std::set<std::string> DocumentedMetrics() {
 TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
   Metrics metrics("");
   // One observation of everything, so every labelled family has a series.
+  EngineMetrics& gpu = metrics.ForGpu("0");
   const BucketKey prefill{Region::kPrefill, 2, 64, 0};
-  metrics.OnCapture(prefill, 0.5);
-  metrics.OnStep(prefill, true, 0.001);
-  metrics.OnStep(BucketKey{Region::kDecode, 2, 128, 0}, false, 0.002);
-  metrics.OnEagerFallback(Region::kPrefill, "no bucket fits b1xs300");
-  metrics.OnTokens(Region::kPrefill, 100, 128);
-  metrics.OnBatch(Region::kDecode, 2);
-  metrics.ObserveQueueTime("Generate", 0.01);
+  gpu.OnCapture(prefill, 0.5);
+  gpu.OnStep(prefill, true, 0.001);
+  gpu.OnStep(BucketKey{Region::kDecode, 2, 128, 0}, false, 0.002);
+  gpu.OnEagerFallback(Region::kPrefill, "no bucket fits b1xs300");
+  gpu.OnTokens(Region::kPrefill, 100, 128);
+  gpu.OnBatch(Region::kDecode, 2);
+  gpu.ObserveQueueTime("Generate", 0.01);
   metrics.ObserveTimeToFirstToken(0.02);
   metrics.ObserveInterTokenLatency(0.003);
   metrics.ObserveRequest("Generate", grpc::StatusCode::INVALID_ARGUMENT, 0.1);
   metrics.ObserveHttpRequest("/v1/chat/completions", 429, 0.2);
   metrics.AddGeneratedTokens(5);
-  metrics.SetQueueDepth(3);
-  metrics.SetActiveSequences(2);
-  metrics.SetMemory(MemoryStats{10, 20, 30, 40});
+  gpu.SetQueueDepth(3);
+  gpu.SetActiveSequences(2);
+  gpu.SetMemory(MemoryStats{10, 20, 30, 40});
   metrics.ObserveTrainStep(64, 2.5, 1e-3, /*skipped=*/false);
   metrics.ObserveTrainStep(64, NAN, 1e-3, /*skipped=*/true);
   metrics.AddTrainPublish();
@@ -389,25 +390,26 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
   ASSERT_GE(documented.size(), 20u);
   EXPECT_EQ(exported, documented);
 
-  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xs64",region="prefill"} 1)"),
+  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xs64",gpu="0",region="prefill"} 1)"),
             std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_skipped_steps_total 1\n"), std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_steps_total 2\n"), std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_loss 2.5\n"), std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b2xc128",region="decode"} 1)"),
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b2xc128",gpu="0",region="decode"} 1)"),
             std::string::npos);
   EXPECT_NE(
-      text.find(R"(vlmgraph_eager_fallbacks_total{reason="no bucket fits",region="prefill"} 1)"),
+      text.find(R"(vlmgraph_eager_fallbacks_total{gpu="0",reason="no bucket fits",region="prefill"} 1)"),
       std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_tokens_total{kind="padded",region="prefill"} 128)"),
+  EXPECT_NE(text.find(R"(vlmgraph_tokens_total{gpu="0",kind="padded",region="prefill"} 128)"),
             std::string::npos);
   EXPECT_NE(text.find(R"(vlmgraph_requests_total{code="INVALID_ARGUMENT",rpc="Generate"} 1)"),
             std::string::npos);
   EXPECT_NE(
       text.find(
-          R"(vlmgraph_step_latency_seconds_count{bucket="b2xs64",mode="graph",region="prefill"} 1)"),
+          R"(vlmgraph_step_latency_seconds_count{bucket="b2xs64",gpu="0",mode="graph",region="prefill"} 1)"),
       std::string::npos);
-  EXPECT_NE(text.find("vlmgraph_kv_cache_bytes 40"), std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_kv_cache_bytes{gpu="0"} 40)"), std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_engine_healthy{gpu="0"} 1)"), std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_loss 2.5"), std::string::npos);
   EXPECT_NE(
       text.find(R"(vlmgraph_http_requests_total{endpoint="/v1/chat/completions",status="429"} 1)"),
@@ -426,16 +428,17 @@ TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {
   spec.context_lens = {32};
   spec.tile_counts = {1, 2};
   spec.Validate();
-  metrics.InitBuckets(spec);
+  EngineMetrics& gpu = metrics.ForGpu("0");
+  gpu.InitBuckets(spec);
   const std::string text = metrics.Render();
-  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="t2",region="vision"} 0)"),
+  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="t2",gpu="0",region="vision"} 0)"),
             std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xc32",region="decode"} 0)"),
+  EXPECT_NE(text.find(R"(vlmgraph_graph_replays_total{bucket="b2xc32",gpu="0",region="decode"} 0)"),
             std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",region="prefill"} 0)"),
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",gpu="0",region="prefill"} 0)"),
             std::string::npos);
   EXPECT_NE(
-      text.find(R"(vlmgraph_eager_fallbacks_total{reason="no bucket fits",region="train"} 0)"),
+      text.find(R"(vlmgraph_eager_fallbacks_total{gpu="0",reason="no bucket fits",region="train"} 0)"),
       std::string::npos);
   EXPECT_EQ(text.find(R"(bucket="b4xs16")"), std::string::npos);  // only configured buckets
 }
@@ -449,18 +452,19 @@ TEST(ServerMetrics, ExactShapesShareOneSeries) {
   spec.seq_lens = {16};
   spec.context_lens = {32};
   spec.Validate();
-  metrics.InitBuckets(spec);
+  EngineMetrics& gpu = metrics.ForGpu("0");
+  gpu.InitBuckets(spec);
   for (int64_t len = 17; len < 40; ++len) {
-    metrics.OnStep(BucketKey{Region::kPrefill, 1, len, 0}, /*graphed=*/false, 0.001);
+    gpu.OnStep(BucketKey{Region::kPrefill, 1, len, 0}, /*graphed=*/false, 0.001);
   }
-  metrics.OnStep(BucketKey{Region::kPrefill, 1, 16, 0}, /*graphed=*/false, 0.001);
+  gpu.OnStep(BucketKey{Region::kPrefill, 1, 16, 0}, /*graphed=*/false, 0.001);
   metrics.OnCapture(BucketKey{Region::kTrain, 0, 0, 0}, 0.5);  // a trainer's optimizer graph
   const std::string text = metrics.Render();
-  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="exact",region="prefill"} 23)"),
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="exact",gpu="0",region="prefill"} 23)"),
             std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",region="prefill"} 1)"),
+  EXPECT_NE(text.find(R"(vlmgraph_eager_runs_total{bucket="b1xs16",gpu="0",region="prefill"} 1)"),
             std::string::npos);
-  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="b0xs0",region="train"} 1)"),
+  EXPECT_NE(text.find(R"(vlmgraph_graph_captures_total{bucket="b0xs0",gpu="0",region="train"} 1)"),
             std::string::npos);
   EXPECT_EQ(text.find(R"(bucket="b1xs17")"), std::string::npos);
   EXPECT_EQ(text.find(R"(bucket="b1xs39")"), std::string::npos);

@@ -6,8 +6,10 @@ No Docker engine is needed; each check reads the files as Docker, Prometheus and
     --config path lies in the mounted deploy/ folder and the file exists;
   - every deploy/config*.yaml: server.grpc_address and server.metrics_address listen on all
     interfaces (a container's 127.0.0.1 is unreachable from the host and from Prometheus) at ports
-    that compose publishes; the device is a GPU (compose reserves one); config-throughput.yaml uses
-    only keys that config.yaml has;
+    that compose publishes; the device is a GPU (compose reserves one; every GPU, count: all, when
+    a config serves on every GPU with data_parallel_size 0); a model directory under
+    /opt/vlmgraph/models/ is one the Dockerfile converts at build time (tools/convert_gguf.py);
+    config-throughput.yaml uses only keys that config.yaml has;
   - deploy/prometheus.yml scrapes a compose service at the configs' metrics port;
   - Grafana's data source points at the prometheus service; the dashboard provider path, the home
     dashboard and the provisioning folder match compose's mounts;
@@ -162,6 +164,17 @@ class Wiring:
             device = str(cfg.get("device", ""))
             if not device.startswith("cuda"):
                 self.error(f"deploy/{c}: device is '{device}'; compose reserves a GPU, use cuda")
+            if cfg.get("data_parallel_size") == 0 and not any(
+                    str(d.get("count")) == "all" for d in devices if d.get("driver") == "nvidia"):
+                self.error(f"deploy/{c}: data_parallel_size 0 serves on every GPU, but compose.yaml "
+                           "reserves fewer (deploy.resources.reservations.devices count: all)")
+            model = str(cfg.get("model", ""))
+            if model.startswith("/opt/vlmgraph/models/"):
+                dockerfile = open(self.path("Dockerfile")).read()
+                if "tools/convert_gguf.py" not in dockerfile or not re.search(
+                        re.escape("/stage" + model) + r"(?![\w/.-])", dockerfile):
+                    self.error(f"deploy/{c}: model {model} is not converted into the image by the "
+                               "Dockerfile (tools/convert_gguf.py ... /stage" + model + ")")
         if len(grpc_ports) > 1 or len(metrics_ports) > 1 or len(http_ports) > 1:
             self.error(f"deploy/config*.yaml disagree on ports: gRPC {sorted(grpc_ports)}, "
                        f"metrics {sorted(metrics_ports)}")

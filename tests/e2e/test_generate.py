@@ -166,7 +166,7 @@ class GenerateTest(unittest.TestCase):
         self.server.wait_metric("vlmgraph_requests_total", lambda v: v == before + 1, rpc="Forward", code="OK")
         text = self.server.metrics_text()
         self.assertIn("vlmgraph_time_to_first_token_seconds_count", text)
-        self.assertIn('vlmgraph_step_latency_seconds_count{bucket="t17",mode="%s",region="vision"}' % STEP_MODE, text)
+        self.assertIn('vlmgraph_step_latency_seconds_count{bucket="t17",gpu="0",mode="%s",region="vision"}' % STEP_MODE, text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,394 @@
+// Serving on several engines behind one front (server/engine_router.h): two CPU engines of the tiny
+// preset, the real gRPC service and OpenAI-compatible HTTP front in this process. Requests spread
+// over both engines by load, the metrics carry a gpu label per engine, /health lists both, and an
+// engine whose (injected) device failure stops it fails only its own requests (UNAVAILABLE over
+// gRPC, 503 with OpenAI's error body over HTTP) while the other keeps serving; with none left,
+// both fronts answer UNAVAILABLE / 503.
+#include <ATen/ATen.h>
+#include <arpa/inet.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/config.h"
+#include "server/engine_from_config.h"
+#include "server/engine_router.h"
+#include "server/grpc_server.h"
+#include "server/metrics.h"
+#include "server/openai_http.h"
+#include "server/service.h"
+#include "server/status.h"
+#include "server/text_prompt.h"
+#include "tests/tiny_tokenizer.h"
+#include "vlmgraph/v1/service.grpc.pb.h"
+
+namespace vlmgraph::server {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using std::chrono::milliseconds;
+
+constexpr const char* kInjectedFault = "cudaErrorIllegalAddress: injected by the test";
+
+// The engine's observer: forwards to the engine's metrics and, once armed, throws from the next
+// region run, as a kernel on a failed GPU does; `step_delay_ms` slows decode steps so requests
+// stay running while the test acts.
+class FaultInjector : public EngineObserver {
+ public:
+  explicit FaultInjector(EngineMetrics* metrics) : metrics_(metrics) {}
+  void OnCapture(const BucketKey& key, double seconds) override { metrics_->OnCapture(key, seconds); }
+  void OnStep(const BucketKey& key, bool graphed, double seconds) override {
+    metrics_->OnStep(key, graphed, seconds);
+    if (armed) throw std::runtime_error(kInjectedFault);
+    if (key.region == Region::kDecode && step_delay_ms > 0)
+      std::this_thread::sleep_for(milliseconds(step_delay_ms.load()));
+  }
+  void OnEagerFallback(Region region, const std::string& reason) override {
+    metrics_->OnEagerFallback(region, reason);
+  }
+  void OnTokens(Region region, int64_t real, int64_t padded) override {
+    metrics_->OnTokens(region, real, padded);
+  }
+  void OnBatch(Region region, int64_t real_batch) override {
+    metrics_->OnBatch(region, real_batch);
+  }
+
+  std::atomic<bool> armed{false};
+  std::atomic<int> step_delay_ms{0};
+
+ private:
+  EngineMetrics* metrics_;
+};
+
+// An HTTP/1.1 exchange on a new connection: (status, body).
+std::pair<int, std::string> Http(int port, const std::string& method, const std::string& path,
+                                 const std::string& body = "") {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return {0, ""};
+  }
+  std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+  if (!body.empty()) {
+    req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\n";
+  }
+  req += "\r\n" + body;
+  send(fd, req.data(), req.size(), 0);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fd);
+  if (out.size() < 12) return {0, out};
+  const size_t split = out.find("\r\n\r\n");
+  return {std::stoi(out.substr(9, 3)), split == std::string::npos ? "" : out.substr(split + 4)};
+}
+
+class DataParallelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("vlmgraph-dp-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+            "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "tokenizer.json")
+        << testing::TinyTokenizerJson(VlmConfig::Preset("nanovlm-tiny")).dump();
+    config_ = FillDefaults(RawConfig{});
+    config_.data_parallel_size = 2;
+    config_.tokenizer = (dir_ / "tokenizer.json").string();
+    config_.server.grpc_address = "127.0.0.1:0";
+    config_.server.http_address = "127.0.0.1:0";
+    config_.server.metrics_address = "127.0.0.1:0";  // validated only: metrics_ has no endpoint
+    config_.batching.max_queue_delay_us = 0;
+    ValidateConfig(config_);
+    text_ = TextModel::Load(config_, BuildModelConfig(config_));
+
+    std::vector<EngineSlot> slots;
+    const std::vector<std::string> devices = ServingDevices(config_);
+    ASSERT_EQ(devices, (std::vector<std::string>{"cpu", "cpu"}));
+    for (size_t i = 0; i < devices.size(); ++i)
+      slots.push_back({devices[i], GpuLabel(devices[i], i)});
+    SchedulerOptions options{config_.batching.max_queue_delay_us, config_.batching.max_queue_size};
+    // The device check after a failed engine call: the injected engines' devices are gone.
+    options.device_fault = [this](Engine& e) {
+      for (size_t i = 0; i < 2; ++i) {
+        if (&e == engines_[i].load() && injectors_[i]->armed) return std::string(kInjectedFault);
+      }
+      return std::string();
+    };
+    router_ = std::make_unique<EngineRouter>(std::move(slots), &metrics_, options,
+                                             [this] { every_engine_failed_++; });
+    for (size_t i = 0; i < router_->size(); ++i) {
+      injectors_[i] = std::make_unique<FaultInjector>(&metrics_.ForGpu(router_->slot(i).gpu));
+      router_->Start(i, [this, i] {
+        ServerConfig c = config_;
+        c.device = router_->slot(i).device;
+        std::unique_ptr<Engine> engine = BuildEngine(c);
+        engine->SetObserver(injectors_[i].get());
+        engine->Warmup();
+        engines_[i] = engine.get();
+        return engine;
+      });
+      metrics_.ForGpu(router_->slot(i).gpu).InitBuckets(router_->scheduler(i).engine().options().buckets);
+    }
+    service_ = std::make_unique<VlmGraphService>(router_.get(), &metrics_, config_, text_.get());
+    grpc_ = std::make_unique<GrpcServer>(config_, service_.get());
+    grpc_->SetServing(true);
+    http_ = std::make_unique<OpenAiHttpServer>(config_, router_.get(), &metrics_, text_.get());
+    stub_ = v1::VlmGraph::NewStub(
+        grpc::CreateChannel(grpc_->address(), grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    if (http_) http_->Shutdown(0);
+    if (grpc_) grpc_->Shutdown(0);
+    if (router_) router_->Stop();
+    for (const char* f : {"tokenizer.json"}) ::unlink((dir_ / f).c_str());
+    ::rmdir(dir_.c_str());
+  }
+
+  // A gRPC Generate of `max_new` tokens from token ids: its status and the tokens streamed.
+  std::pair<grpc::Status, int64_t> Generate(int64_t first, int64_t max_new) {
+    v1::GenerateRequest req;
+    for (int64_t i = 0; i < 8; ++i) req.add_input_ids((first + 7 * i) % 200);
+    req.mutable_sampling()->set_max_new_tokens(max_new);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = stub_->Generate(&ctx, req);
+    v1::GenerateResponse chunk;
+    int64_t tokens = 0;
+    while (reader->Read(&chunk)) {
+      if (chunk.has_tokens()) tokens += chunk.tokens().token_ids_size();
+    }
+    return {reader->Finish(), tokens};
+  }
+
+  // A non-streaming /v1/completions of `max_tokens` tokens (no stop tokens).
+  std::pair<int, json> Complete(int64_t max_tokens) {
+    const json body = {{"model", config_.served_model_name},
+                       {"prompt", "abc"},
+                       {"max_tokens", max_tokens},
+                       {"temperature", 0},
+                       {"ignore_eos", true}};
+    auto [status, text] = Http(http_->port(), "POST", "/v1/completions", body.dump());
+    return {status, json::parse(text, nullptr, /*allow_exceptions=*/false)};
+  }
+
+  std::pair<int, json> Health() {
+    auto [status, text] = Http(http_->port(), "GET", "/health");
+    return {status, json::parse(text, nullptr, /*allow_exceptions=*/false)};
+  }
+
+  // Waits until every engine runs at least one sequence.
+  bool EveryEngineRuns() {
+    for (int i = 0; i < 2000; ++i) {
+      bool all = true;
+      for (const EngineState& e : router_->States()) all = all && e.running > 0;
+      if (all) return true;
+      std::this_thread::sleep_for(milliseconds(5));
+    }
+    return false;
+  }
+
+  fs::path dir_;
+  ServerConfig config_;
+  std::unique_ptr<TextModel> text_;
+  Metrics metrics_{""};
+  std::unique_ptr<FaultInjector> injectors_[2];
+  std::atomic<Engine*> engines_[2] = {nullptr, nullptr};
+  std::atomic<int> every_engine_failed_{0};
+  std::unique_ptr<EngineRouter> router_;
+  std::unique_ptr<VlmGraphService> service_;
+  std::unique_ptr<GrpcServer> grpc_;
+  std::unique_ptr<OpenAiHttpServer> http_;
+  std::unique_ptr<v1::VlmGraph::Stub> stub_;
+};
+
+TEST_F(DataParallelTest, RequestsGoToTheLeastLoadedEngine) {
+  for (auto& injector : injectors_) injector->step_delay_ms = 5;
+  // Four long requests submitted at once: each goes to the engine with less running + waiting,
+  // so two land on each.
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  std::vector<Scheduler*> chosen;
+  GenerateRequest r;
+  r.input_ids = {1, 2, 3, 4};
+  r.sampling.max_new_tokens = 100;
+  for (int i = 0; i < 4; ++i) {
+    Scheduler* s = nullptr;
+    streams.push_back(router_->SubmitGenerate(router_->engine().Validate(r), Clock::now(), &s));
+    chosen.push_back(s);
+  }
+  EXPECT_EQ(std::count(chosen.begin(), chosen.end(), &router_->scheduler(0)), 2);
+  EXPECT_EQ(std::count(chosen.begin(), chosen.end(), &router_->scheduler(1)), 2);
+  EXPECT_EQ(router_->scheduler(0).Load(), 2);
+  EXPECT_EQ(router_->scheduler(1).Load(), 2);
+  // The next one goes to the engine with less load.
+  router_->scheduler(1).Cancel(streams[std::find(chosen.begin(), chosen.end(),
+                                                 &router_->scheduler(1)) -
+                                       chosen.begin()]);
+  for (int i = 0; i < 500 && router_->scheduler(1).Load() != 1; ++i)
+    std::this_thread::sleep_for(milliseconds(2));
+  EXPECT_EQ(&router_->Pick(), &router_->scheduler(1));
+  for (size_t i = 0; i < streams.size(); ++i) chosen[i]->Cancel(streams[i]);
+
+  // Over gRPC and HTTP at once: both engines serve, and each engine's series carry its label.
+  for (auto& injector : injectors_) injector->step_delay_ms = 2;
+  std::vector<std::future<grpc::Status>> grpc_calls;
+  std::vector<std::future<int>> http_calls;
+  for (int i = 0; i < 3; ++i) {
+    grpc_calls.push_back(std::async(std::launch::async, [this, i] { return Generate(i, 24).first; }));
+    http_calls.push_back(std::async(std::launch::async, [this] { return Complete(24).first; }));
+  }
+  for (auto& c : grpc_calls) EXPECT_TRUE(c.get().ok());
+  for (auto& c : http_calls) EXPECT_EQ(c.get(), 200);
+  const std::string text = metrics_.Render();
+  for (const char* gpu : {"0", "1"}) {
+    const std::string decode =
+        std::string("vlmgraph_batch_size_count{gpu=\"") + gpu + "\",region=\"decode\"} ";
+    const size_t at = text.find(decode);
+    ASSERT_NE(at, std::string::npos) << decode;
+    EXPECT_GT(std::stod(text.substr(at + decode.size())), 0) << decode;
+    EXPECT_NE(text.find(std::string("vlmgraph_engine_healthy{gpu=\"") + gpu + "\"} 1"),
+              std::string::npos);
+    EXPECT_NE(text.find(std::string("vlmgraph_kv_cache_bytes{gpu=\"") + gpu + "\"}"),
+              std::string::npos);
+  }
+}
+
+TEST_F(DataParallelTest, HealthListsEveryEngine) {
+  const auto [status, body] = Health();
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(body["status"], "serving");
+  ASSERT_EQ(body["engines"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const json& e = body["engines"][i];
+    EXPECT_EQ(e["device"], "cpu");
+    EXPECT_EQ(e["gpu"], std::to_string(i));
+    EXPECT_EQ(e["healthy"], true);
+    EXPECT_EQ(e["running"], 0);
+    EXPECT_EQ(e["waiting"], 0);
+  }
+}
+
+TEST_F(DataParallelTest, AFailedEngineFailsOnlyItsRunningRequests) {
+  // One long gRPC generation and one long HTTP completion per engine... then engine 1's GPU fails:
+  // its requests end with UNAVAILABLE / 503, engine 0's finish.
+  for (auto& injector : injectors_) injector->step_delay_ms = 5;
+  auto g0 = std::async(std::launch::async, [this] { return Generate(1, 100); });
+  auto g1 = std::async(std::launch::async, [this] { return Generate(2, 100); });
+  ASSERT_TRUE(EveryEngineRuns());
+  auto h0 = std::async(std::launch::async, [this] { return Complete(100); });
+  auto h1 = std::async(std::launch::async, [this] { return Complete(100); });
+  for (int i = 0; i < 2000; ++i) {
+    const std::vector<EngineState> s = router_->States();
+    if (s[0].running == 2 && s[1].running == 2) break;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  injectors_[1]->armed = true;
+  std::vector<grpc::Status> grpc_statuses = {g0.get().first, g1.get().first};
+  std::vector<std::pair<int, json>> http = {h0.get(), h1.get()};
+  int grpc_ok = 0, grpc_unavailable = 0, http_ok = 0, http_503 = 0;
+  for (const grpc::Status& s : grpc_statuses) {
+    grpc_ok += s.ok();
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      ++grpc_unavailable;
+      EXPECT_NE(s.error_message().find("GPU failed"), std::string::npos) << s.error_message();
+      EXPECT_NE(s.error_message().find(kInjectedFault), std::string::npos) << s.error_message();
+    }
+  }
+  for (const auto& [status, body] : http) {
+    http_ok += status == 200;
+    if (status == 503) {
+      ++http_503;
+      EXPECT_EQ(body["error"]["type"], "server_error") << body.dump();
+      EXPECT_NE(body["error"]["message"].get<std::string>().find("GPU failed"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(grpc_ok, 1);
+  EXPECT_EQ(grpc_unavailable, 1);
+  EXPECT_EQ(http_ok, 1);
+  EXPECT_EQ(http_503, 1);
+
+  // Engine 1 is out; engine 0 takes everything from now on.
+  const auto [status, health] = Health();
+  EXPECT_EQ(status, 200);
+  EXPECT_EQ(health["status"], "degraded");
+  EXPECT_EQ(health["engines"][0]["healthy"], true);
+  EXPECT_EQ(health["engines"][1]["healthy"], false);
+  EXPECT_EQ(health["engines"][1]["error"], kInjectedFault);
+  injectors_[0]->step_delay_ms = 0;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(Generate(i, 4).first.ok());
+    EXPECT_EQ(Complete(4).first, 200);
+  }
+  EXPECT_EQ(router_->serving_engines(), 1);
+  EXPECT_EQ(every_engine_failed_.load(), 0);
+  EXPECT_NE(metrics_.Render().find("vlmgraph_engine_healthy{gpu=\"1\"} 0"), std::string::npos);
+}
+
+TEST_F(DataParallelTest, WithEveryEngineDownBothFrontsAnswerUnavailable) {
+  for (auto& injector : injectors_) injector->armed = true;
+  // Each engine fails at its next request (its prefill): the request gets UNAVAILABLE / 503 and
+  // the engine stops. Requests alternate between idle engines, so two of them take both down.
+  const auto first = Generate(1, 4).first;
+  const auto second = Complete(4);
+  EXPECT_EQ(first.error_code(), grpc::StatusCode::UNAVAILABLE) << first.error_message();
+  EXPECT_EQ(second.first, 503) << second.second.dump();
+  ASSERT_EQ(router_->serving_engines(), 0);
+  EXPECT_EQ(every_engine_failed_.load(), 1);
+
+  const auto [code, message] = [this] {
+    const grpc::Status s = Generate(3, 4).first;
+    return std::make_pair(s.error_code(), s.error_message());
+  }();
+  EXPECT_EQ(code, grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(message.find("no GPU of this server can serve"), std::string::npos) << message;
+  const auto [status, body] = Complete(4);
+  EXPECT_EQ(status, 503);
+  EXPECT_NE(body["error"]["message"].get<std::string>().find("no GPU of this server can serve"),
+            std::string::npos);
+  const auto [health_status, health] = Health();
+  EXPECT_EQ(health_status, 503);
+  EXPECT_EQ(health["engines"].size(), 2u);
+  EXPECT_EQ(health["engines"][0]["healthy"], false);
+}
+
+TEST(DataParallelConfig, DevicesFromTheConfig) {
+  ServerConfig c = FillDefaults(RawConfig{});
+  EXPECT_EQ(ServingDevices(c), (std::vector<std::string>{"cpu"}));
+  c.data_parallel_size = 3;
+  EXPECT_EQ(ServingDevices(c), (std::vector<std::string>{"cpu", "cpu", "cpu"}));
+  EXPECT_EQ(GpuLabel("cuda:3", 0), "3");
+  EXPECT_EQ(GpuLabel("cpu", 2), "2");
+  if (!at::hasCUDA()) {
+    c.device = "cuda";
+    c.data_parallel_size = 2;
+    try {
+      ServingDevices(c);
+      ADD_FAILURE() << "two CUDA engines without CUDA";
+    } catch (const ServerConfigError& e) {
+      EXPECT_EQ(e.key_path(), "data_parallel_size");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace vlmgraph::server
