@@ -57,6 +57,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
     dp.world_size = env.world_size;
     dp.store_host = env.master_addr;
     dp.store_port = env.master_port;
+    dp.launcher_store = env.agent_store;
     dp.backend = "nccl";
     dp.device_index = env.local_rank;
     dp.bucket_bytes = bucket_bytes;

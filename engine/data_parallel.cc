@@ -23,6 +23,11 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -45,6 +50,12 @@ struct DataParallelGroup::State {
   c10::intrusive_ptr<c10d::TCPStore> tcp_store;
   c10::intrusive_ptr<c10d::Backend> backend;
   std::vector<c10::intrusive_ptr<c10d::Work>> started;  // StartAllReduceSum .. FinishAllReduces
+  // The step watchdog (ArmStepWatchdog): its thread, started on the first Arm.
+  std::mutex watchdog_mu;
+  std::condition_variable watchdog_cv;
+  std::optional<std::chrono::steady_clock::time_point> armed_at;
+  bool watchdog_stop = false;
+  std::thread watchdog;
 };
 
 bool DataParallelGroup::BackendAvailable(const std::string& backend) {
@@ -56,7 +67,50 @@ bool DataParallelGroup::BackendAvailable(const std::string& backend) {
 DataParallelGroup::DataParallelGroup(DataParallelOptions options)
     : options_(std::move(options)), state_(std::make_unique<State>()) {}
 
-DataParallelGroup::~DataParallelGroup() = default;
+DataParallelGroup::~DataParallelGroup() {
+  {
+    std::lock_guard<std::mutex> lock(state_->watchdog_mu);
+    state_->watchdog_stop = true;
+  }
+  state_->watchdog_cv.notify_all();
+  if (state_->watchdog.joinable()) state_->watchdog.join();
+}
+
+void DataParallelGroup::ArmStepWatchdog() {
+  if (options_.backend != "nccl" || options_.world_size == 1) return;
+  State& st = *state_;
+  std::lock_guard<std::mutex> lock(st.watchdog_mu);
+  st.armed_at = std::chrono::steady_clock::now();
+  if (st.watchdog.joinable()) return;
+  const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(options_.timeout_seconds + 5));
+  st.watchdog = std::thread([&st, limit, rank = options_.rank,
+                             timeout = options_.timeout_seconds] {
+    std::unique_lock<std::mutex> lock(st.watchdog_mu);
+    while (!st.watchdog_stop) {
+      if (!st.armed_at) {
+        st.watchdog_cv.wait(lock);
+        continue;
+      }
+      const auto deadline = *st.armed_at + limit;
+      if (std::chrono::steady_clock::now() < deadline) {
+        st.watchdog_cv.wait_until(lock, deadline);
+        continue;
+      }
+      std::fprintf(stderr,
+                   "data parallel rank %lld: UNAVAILABLE: a step did not finish within "
+                   "timeout_seconds (%g s): a rank died or hangs; ending the process (status %d)\n",
+                   static_cast<long long>(rank), timeout, kHangExitStatus);
+      std::fflush(stderr);
+      std::_Exit(kHangExitStatus);
+    }
+  });
+}
+
+void DataParallelGroup::DisarmStepWatchdog() {
+  std::lock_guard<std::mutex> lock(state_->watchdog_mu);
+  state_->armed_at.reset();
+}
 
 std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOptions& options) {
   if (options.world_size < 1) throw Invalid("data parallel: world_size must be >= 1");
@@ -68,7 +122,7 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     throw Invalid("data parallel: timeout_seconds must be > 0");
   if (options.bucket_bytes <= 0) throw Invalid("data parallel: bucket_bytes must be > 0");
   if (options.store_port < 0 || options.store_port > 65535 ||
-      (options.store_port == 0 && options.rank != 0)) {
+      (options.store_port == 0 && (options.rank != 0 || options.launcher_store))) {
     throw Invalid("data parallel: store_port must lie in [1, 65535] (0 only on rank 0)");
   }
   if (options.backend != "gloo" && options.backend != "nccl")
@@ -89,7 +143,7 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<uint16_t>(options.store_port);
-    so.isServer = options.rank == 0;
+    so.isServer = options.rank == 0 && !options.launcher_store;
     so.numWorkers = static_cast<int>(options.world_size);
     so.waitWorkers = false;  // the backend's rendezvous below waits for every rank
     so.timeout = Millis(options.timeout_seconds);
@@ -245,6 +299,8 @@ LaunchEnvironment ReadLaunchEnvironment() {
     return static_cast<int64_t>(x);
   };
   env.from_launcher = std::getenv("WORLD_SIZE") != nullptr;
+  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE"))
+    env.agent_store = std::string(a) == "True" || std::string(a) == "true" || std::string(a) == "1";
   env.world_size = number("WORLD_SIZE", 1);
   env.rank = number("RANK", 0);
   env.local_rank = number("LOCAL_RANK", env.world_size == 1 ? 0 : env.rank);

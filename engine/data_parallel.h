@@ -54,6 +54,10 @@ struct DataParallelOptions {
   // rank 0 takes any free port (read it back with store_port()).
   std::string store_host = "127.0.0.1";
   int64_t store_port = 29500;
+  // The launcher already serves the store at store_host:store_port (torchrun's agent does, and
+  // says so with TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, connects as a
+  // client.
+  bool launcher_store = false;
   // Store rendezvous and each collective, seconds (> 0). A rank that dies or hangs makes the
   // others fail with kUnavailable after this long.
   double timeout_seconds = 300;
@@ -105,6 +109,19 @@ class DataParallelGroup {
   void StartAllReduceSum(const at::Tensor& tensor);
   void FinishAllReduces();
 
+  // The step watchdog (NCCL groups; no-op for gloo, whose collectives time out and throw by
+  // themselves). A collective whose peer died never completes, and a host thread that then waits
+  // for the device (a synchronisation, or CUDA calls that block behind the hung kernel) never
+  // returns. Arm before a step's work is queued, Disarm once its host synchronisation returned:
+  // a step armed for longer than timeout_seconds + 5 s makes the watchdog's thread log
+  // "data parallel rank R: ... UNAVAILABLE ..." and end the process with kHangExitStatus
+  // (std::_Exit: nothing waits for the hung device), as c10d's NCCL watchdog takes the process
+  // down when a collective times out (TORCH_NCCL_ASYNC_ERROR_HANDLING). The 5 s let a caller that
+  // is not blocked (Trainer: Note [A rank that dies]) report the timeout itself first.
+  static constexpr int kHangExitStatus = 3;
+  void ArmStepWatchdog();
+  void DisarmStepWatchdog();
+
  private:
   struct State;
   explicit DataParallelGroup(DataParallelOptions options);
@@ -123,6 +140,9 @@ struct LaunchEnvironment {
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
   bool from_launcher = false;  // WORLD_SIZE was set
+  // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT
+  // (DataParallelOptions::launcher_store).
+  bool agent_store = false;
 };
 LaunchEnvironment ReadLaunchEnvironment();
 

@@ -751,6 +751,7 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   if (!data_parallel_) CheckSomethingLearns(examples);
   Warmup();
   const auto t0 = Clock::now();
+  if (data_parallel_) options_.data_parallel->ArmStepWatchdog();  // Note [A rank that dies]
   auto step = std::make_unique<PendingStep>();
   const int64_t n = static_cast<int64_t>(examples.size());
   const int64_t max_rows = options_.buckets.train_batch_sizes.back();
@@ -843,7 +844,9 @@ void Trainer::FinishStep() {
   // the process hung), and anything that waits for the device (freeing the graphs' memory,
   // cudaDeviceSynchronize) would hang, so the process must end without waiting for the device:
   // vlmgraph-train prints the error and exits (std::_Exit) at once, as torchrun's agent ends the
-  // job's other ranks.
+  // job's other ranks. A host thread that blocks before it gets here (the CUDA runtime may block
+  // behind the hung kernel) is ended by the group's step watchdog
+  // (DataParallelGroup::ArmStepWatchdog), which takes the process down 5 s later.
   if (data_parallel_ && options_.device.is_cuda()) {
     DeviceEvent done(options_.device);
     done.Record();
@@ -859,6 +862,7 @@ void Trainer::FinishStep() {
   at::Tensor report = at::stack({s.loss_sum.to(at::kDouble), s.optimizer_out.at(0).to(at::kDouble),
                                  s.optimizer_out.at(1).to(at::kDouble)})
                           .cpu();
+  if (data_parallel_) options_.data_parallel->DisarmStepWatchdog();
   ++steps_;
   r.step = steps_;
   const double* v = report.data_ptr<double>();
@@ -903,6 +907,7 @@ TrainStepResult Trainer::StepResult() {
 void Trainer::AbandonStep() {
   if (!pending_) return;
   pending_.reset();
+  if (data_parallel_) options_.data_parallel->DisarmStepWatchdog();
   at::NoGradGuard no_grad;
   if (!master_grads_.empty()) at::_foreach_zero_(master_grads_);
   if (mixed_precision()) {
