@@ -104,8 +104,7 @@ RenderedChat ChatFormat::RenderWithRanges(const std::vector<ChatMessage>& messag
 }
 
 std::vector<RenderedTurn> ChatFormat::RenderTurns(
-    const std::vector<ChatMessage>& messages,
-    const std::vector<std::string>& image_strings) const {
+    const std::vector<ChatMessage>& messages, const std::vector<std::string>& image_strings) const {
   if (messages.empty()) throw ChatFormatError("messages: the conversation is empty");
   std::vector<RenderedTurn> turns;
   if (default_system_ && messages[0].role != "system") {

@@ -83,8 +83,8 @@ struct RenderedTurn {
   std::string role;             // "system", "user" or "assistant"
   bool default_system = false;  // the template's own system message (not one of the messages)
   std::string text;
-  size_t header_bytes = 0;                  // "<|im_start|>" + role + "\n"
-  std::vector<TextRange> content_ranges;    // the message's text parts, in `text`
+  size_t header_bytes = 0;                // "<|im_start|>" + role + "\n"
+  std::vector<TextRange> content_ranges;  // the message's text parts, in `text`
 };
 
 // The messages' text parts, in order (views into `messages`).

@@ -23,7 +23,8 @@ std::string ReadBinary(const std::string& path, const std::string& where) {
 
 std::string StartOf(const std::string& s, size_t n) {
   std::string out;
-  for (size_t i = 0; i < s.size() && i < n; ++i) out += std::tolower(static_cast<unsigned char>(s[i]));
+  for (size_t i = 0; i < s.size() && i < n; ++i)
+    out += std::tolower(static_cast<unsigned char>(s[i]));
   return out;
 }
 
@@ -41,8 +42,9 @@ std::string ImageBytes(const std::string& url, const std::string& base_dir,
     }
   }
   if (head.rfind("http://", 0) == 0 || head.rfind("https://", 0) == 0) {
-    throw DatasetError(where + ": remote image URLs are not fetched; download the image and "
-                               "give its path (relative to the dataset file)");
+    throw DatasetError(where +
+                       ": remote image URLs are not fetched; download the image and "
+                       "give its path (relative to the dataset file)");
   }
   std::string path = head.rfind("file://", 0) == 0 ? url.substr(7) : url;
   if (path.empty()) throw DatasetError(where + ": empty image path");
@@ -156,8 +158,8 @@ TrainExample ChatDataset::Example(int64_t index, const server::TextModel& text,
   const int64_t n = static_cast<int64_t>(p.input_ids.size());
   if (max_tokens > 0 && n > max_tokens) {
     throw DatasetError(where + ": the conversation makes " + std::to_string(n) +
-                       " tokens, more than " + std::to_string(max_tokens) + " (" +
-                       max_tokens_hint + "); shorten it or raise that setting");
+                       " tokens, more than " + std::to_string(max_tokens) + " (" + max_tokens_hint +
+                       "); shorten it or raise that setting");
   }
   const int64_t tiles = p.tiles.defined() ? p.tiles.size(0) : 0;
   if (tiles > max_tiles) {

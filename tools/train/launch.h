@@ -34,9 +34,9 @@ struct RankEnv {
   int64_t local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
-  int64_t store_port = 29500;        // the port our store uses (see the file comment)
+  int64_t store_port = 29500;  // the port our store uses (see the file comment)
   std::string group_name = "vlmgraph-train";
-  std::string source = "single";     // "torchrun", "env", "slurm" or "single"
+  std::string source = "single";  // "torchrun", "env", "slurm" or "single"
 };
 
 RankEnv RankEnvFromEnvironment();

@@ -41,9 +41,8 @@ T Scalar(const YAML::Node& n, const std::string& path, const char* what) {
   try {
     return n.as<T>();
   } catch (const YAML::BadConversion&) {
-    throw ServerConfigError(path,
-                            std::string("must be ") + what + ", got '" + n.Scalar() + "'" +
-                                YamlLine(n));
+    throw ServerConfigError(
+        path, std::string("must be ") + what + ", got '" + n.Scalar() + "'" + YamlLine(n));
   }
 }
 
@@ -190,8 +189,7 @@ const std::vector<Key>& Keys() {
               "constant, or cosine: upstream nanoVLM's get_lr (linear warm-up over 3% of the "
               "steps, cosine decay to 10% of each rate).",
               std::nullopt, std::nullopt, {"constant", "cosine"}),
-      MakeKey("train.weight_decay", &C::weight_decay, "AdamW decoupled weight decay.", 0.0,
-              1.0),
+      MakeKey("train.weight_decay", &C::weight_decay, "AdamW decoupled weight decay.", 0.0, 1.0),
       MakeKey("train.beta1", &C::beta1, "AdamW beta1, in [0, 1).", 0.0, 0.999999999),
       MakeKey("train.beta2", &C::beta2, "AdamW beta2, in [0, 1).", 0.0, 0.999999999),
       MakeKey("train.eps", &C::eps, "AdamW epsilon.", 1e-12, 1.0),
@@ -217,9 +215,8 @@ const std::vector<Key>& Keys() {
               "state, step and data position."),
       MakeKey("train.log_every", &C::log_every,
               "Rank 0 prints a progress line every this many steps.", 1.0),
-      MakeKey("distributed.backend", &C::backend,
-              "\"\" = nccl on CUDA, gloo on CPU.", std::nullopt, std::nullopt,
-              {"", "gloo", "nccl"}),
+      MakeKey("distributed.backend", &C::backend, "\"\" = nccl on CUDA, gloo on CPU.", std::nullopt,
+              std::nullopt, {"", "gloo", "nccl"}),
       MakeKey("distributed.timeout_seconds", &C::timeout_seconds,
               "Rendezvous and every collective, seconds: a rank that dies or hangs ends the job "
               "on the others with UNAVAILABLE after this long.",
@@ -253,7 +250,8 @@ std::string KnownKeys(const std::string& section) {
 
 void ApplyNode(const YAML::Node& root, TrainRunConfig& c) {
   if (!root.IsDefined() || root.IsNull()) return;
-  if (!root.IsMap()) throw ServerConfigError("(file)", "must be a mapping of keys" + YamlLine(root));
+  if (!root.IsMap())
+    throw ServerConfigError("(file)", "must be a mapping of keys" + YamlLine(root));
   for (const auto& item : root) {
     const std::string name = item.first.as<std::string>();
     if (const Key* k = FindKey(name)) {
@@ -265,15 +263,15 @@ void ApplyNode(const YAML::Node& root, TrainRunConfig& c) {
         const std::string full = name + "." + sub.first.as<std::string>();
         const Key* sk = FindKey(full);
         if (!sk) {
-          throw ServerConfigError(full, "unknown key" + YamlLine(sub.first) + "; known keys here: " +
-                                            KnownKeys(name));
+          throw ServerConfigError(
+              full, "unknown key" + YamlLine(sub.first) + "; known keys here: " + KnownKeys(name));
         }
         if (!sub.second.IsNull()) sk->parse(sub.second, c);
       }
       continue;
     }
-    throw ServerConfigError(name, "unknown key" + YamlLine(item.first) +
-                                      "; known keys here: " + KnownKeys(""));
+    throw ServerConfigError(
+        name, "unknown key" + YamlLine(item.first) + "; known keys here: " + KnownKeys(""));
   }
 }
 
@@ -320,7 +318,8 @@ TrainRunConfig LoadTrainRunConfig(
     if (!n.IsNull()) k->parse(n, c);
   }
   for (const Key& k : Keys()) k.check(c);
-  if (c.model.empty()) throw ServerConfigError("model", "required: a checkpoint directory or preset");
+  if (c.model.empty())
+    throw ServerConfigError("model", "required: a checkpoint directory or preset");
   if (c.dataset.empty()) throw ServerConfigError("train.dataset", "required: a JSONL file");
   if (c.save_every_steps > 0 && c.save_dir.empty())
     throw ServerConfigError("train.save_dir", "required when train.save_every_steps is set");

@@ -1,7 +1,8 @@
 // tools/train/train_config.h: vlmgraph-train's YAML settings (docs/training.md lists every key).
 //
 //   TrainRunConfig c = LoadTrainRunConfig("train.yaml", {{"train.steps", "20"}});  // --set
-//   std::cout << TrainRunConfigYaml(c);                                             // --print-config
+//   std::cout << TrainRunConfigYaml(c);                                             //
+//   --print-config
 //
 // Keys: the model, tokenizer, dtype, seed and buckets keys are named as vlmgraph-server's
 // (server/config_schema.cc); the optimizer keys as the Train RPC's TrainConfig fields
@@ -28,7 +29,7 @@ struct TrainRunConfig {
   std::string model;
   std::string tokenizer;  // "" = <model>/tokenizer.json
   bool parse_special_in_content = false;
-  uint64_t seed = 0;  // preset initialisation and the data order
+  uint64_t seed = 0;              // preset initialisation and the data order
   std::string dtype = "float32";  // compute dtype: float32 or bfloat16 (CUDA)
   std::string device;             // "" = cuda:LOCAL_RANK when CUDA is available, else cpu
   bool cuda_graphs = true;        // capture.enabled
@@ -37,7 +38,7 @@ struct TrainRunConfig {
   std::string oversize = "reject";  // an example longer than every train_seq_lens: eager | reject
 
   // train.*
-  std::string dataset;          // JSONL of {"messages": [...]}
+  std::string dataset;            // JSONL of {"messages": [...]}
   int64_t global_batch_size = 8;  // examples per optimizer step over all ranks
   int64_t steps = 0;              // 0 = epochs x (dataset lines / global_batch_size)
   double epochs = 1;
@@ -64,8 +65,8 @@ struct TrainRunConfig {
 // Defaults, then the file (unless `path` is empty), then each override (key path, YAML value) in
 // order; then the ranges. Relative paths in the file (model, tokenizer, dataset, save_dir, resume)
 // are taken relative to the file's directory.
-TrainRunConfig LoadTrainRunConfig(const std::string& path,
-                                  const std::vector<std::pair<std::string, std::string>>& overrides);
+TrainRunConfig LoadTrainRunConfig(
+    const std::string& path, const std::vector<std::pair<std::string, std::string>>& overrides);
 
 // The effective settings as YAML (--print-config).
 std::string TrainRunConfigYaml(const TrainRunConfig& config);

@@ -75,8 +75,8 @@ int main(int argc, char** argv) {
       sets.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
       child_args.push_back("--set=" + kv);
     } else if (is("--nproc-per-node") || is("--nproc_per_node")) {
-      const std::string v = value(a.rfind("--nproc_per_node", 0) == 0 ? "--nproc_per_node"
-                                                                         : "--nproc-per-node");
+      const std::string v =
+          value(a.rfind("--nproc_per_node", 0) == 0 ? "--nproc_per_node" : "--nproc-per-node");
       try {
         nproc = std::stoll(v);
       } catch (const std::exception&) {

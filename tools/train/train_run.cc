@@ -1,6 +1,7 @@
 #include "tools/train/train_run.h"
 
 #include <ATen/ATen.h>
+#include <sys/stat.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -13,7 +14,6 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
-#include <sys/stat.h>
 
 #include "engine/data_parallel.h"
 #include "engine/trainer.h"
@@ -152,8 +152,9 @@ std::unique_ptr<server::TextModel> LoadText(const TrainRunConfig& c, const VlmCo
 }
 
 int64_t MaxTokens(const TrainRunConfig& c) {
-  return c.oversize == "reject" ? *std::max_element(c.train_seq_lens.begin(), c.train_seq_lens.end())
-                                : 0;
+  return c.oversize == "reject"
+             ? *std::max_element(c.train_seq_lens.begin(), c.train_seq_lens.end())
+             : 0;
 }
 
 struct JobState {
@@ -246,8 +247,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       try {
         return server::BuildModel(ModelServerConfig(c, source));
       } catch (const ServerConfigError& e) {
-        throw SetupError(c.resume.empty() ? e.what()
-                                          : "train.resume: " + std::string(e.what()));
+        throw SetupError(c.resume.empty() ? e.what() : "train.resume: " + std::string(e.what()));
       }
     }();
     cfg = model->cfg;
@@ -262,9 +262,10 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
                        " must be a multiple of the number of ranks (" +
                        std::to_string(env.world_size) + ")");
     }
-    total_steps = c.steps > 0 ? c.steps
-                              : static_cast<int64_t>(std::floor(c.epochs * data->size() /
-                                                                c.global_batch_size));
+    total_steps =
+        c.steps > 0
+            ? c.steps
+            : static_cast<int64_t>(std::floor(c.epochs * data->size() / c.global_batch_size));
     if (total_steps < 1) {
       throw SetupError("train.steps: the dataset's " + std::to_string(data->size()) +
                        " examples make no step of train.global_batch_size " +
@@ -331,7 +332,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   } catch (const SetupError& e) {
     fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
   } catch (const EngineError& e) {
-    if (e.code() == EngineError::Code::kUnavailable) fail(kExitUnavailable, "UNAVAILABLE", e.what());
+    if (e.code() == EngineError::Code::kUnavailable)
+      fail(kExitUnavailable, "UNAVAILABLE", e.what());
     fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
          e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
          e.what());
@@ -344,7 +346,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     trainer->SaveCheckpoint(dir);
     // The tokenizer beside the weights: the directory serves text with vlmgraph-server --model.
     const std::string tok = TokenizerPath(c);
-    const std::string tok_dir = tok.substr(0, tok.rfind('/') == std::string::npos ? 0 : tok.rfind('/'));
+    const std::string tok_dir =
+        tok.substr(0, tok.rfind('/') == std::string::npos ? 0 : tok.rfind('/'));
     for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
       const std::string from = (std::string(name) == "tokenizer.json") ? tok : tok_dir + "/" + name;
       const std::string to = dir + "/" + name;
@@ -387,7 +390,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
           fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
         }
       }
-      if (c.lr_schedule == "cosine") trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
+      if (c.lr_schedule == "cosine")
+        trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
       const TrainStepResult r = trainer->Step(examples);
       position += c.global_batch_size;
       last_loss = r.loss;
@@ -404,18 +408,18 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
         if (tty) {
           const int width = 24;
           const int filled = static_cast<int>(width * r.step / total_steps);
-          std::snprintf(line, sizeof(line),
-                        "\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  ETA %s   ",
+          std::snprintf(line, sizeof(line), "\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  ETA %s   ",
                         std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                        static_cast<long long>(r.step), static_cast<long long>(total_steps),
-                        r.loss, tokens_per_second, Duration(eta).c_str());
+                        static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
+                        tokens_per_second, Duration(eta).c_str());
           std::cout << line << (r.step == total_steps ? "\n" : "") << std::flush;
         } else {
-          std::snprintf(line, sizeof(line),
-                        "step %lld/%lld loss %.6f grad_norm %.4g tokens/s %.0f step_s %.3f eta %s%s",
-                        static_cast<long long>(r.step), static_cast<long long>(total_steps),
-                        r.loss, r.grad_norm, tokens_per_second, step_seconds,
-                        Duration(eta).c_str(), r.skipped ? " skipped" : "");
+          std::snprintf(
+              line, sizeof(line),
+              "step %lld/%lld loss %.6f grad_norm %.4g tokens/s %.0f step_s %.3f eta %s%s",
+              static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
+              r.grad_norm, tokens_per_second, step_seconds, Duration(eta).c_str(),
+              r.skipped ? " skipped" : "");
           std::cout << line << std::endl;
         }
       }
@@ -428,7 +432,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     // Every rank ends together: no rank leaves while another still needs it.
     if (group) group->Barrier();
   } catch (const EngineError& e) {
-    if (e.code() == EngineError::Code::kUnavailable) fail(kExitUnavailable, "UNAVAILABLE", e.what());
+    if (e.code() == EngineError::Code::kUnavailable)
+      fail(kExitUnavailable, "UNAVAILABLE", e.what());
     fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
          e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
          e.what());
