@@ -85,12 +85,36 @@ std::string ChatFormat::Render(const std::vector<ChatMessage>& messages,
 RenderedChat ChatFormat::RenderWithRanges(const std::vector<ChatMessage>& messages,
                                           const std::vector<std::string>& image_strings,
                                           bool add_generation_prompt) const {
-  if (messages.empty()) throw ChatFormatError("messages: the conversation is empty");
   RenderedChat rendered;
   std::string& out = rendered.text;
   std::vector<TextRange>& ranges = rendered.content_ranges;
+  for (const RenderedTurn& turn : RenderTurns(messages, image_strings)) {
+    for (const TextRange& r : turn.content_ranges) {
+      const TextRange shifted{out.size() + r.begin, out.size() + r.end};
+      if (!ranges.empty() && ranges.back().end == shifted.begin) {
+        ranges.back().end = shifted.end;
+      } else {
+        ranges.push_back(shifted);
+      }
+    }
+    out += turn.text;
+  }
+  if (add_generation_prompt) out += begin_of_turn_ + "assistant\n";
+  return rendered;
+}
+
+std::vector<RenderedTurn> ChatFormat::RenderTurns(
+    const std::vector<ChatMessage>& messages, const std::vector<std::string>& image_strings) const {
+  if (messages.empty()) throw ChatFormatError("messages: the conversation is empty");
+  std::vector<RenderedTurn> turns;
   if (default_system_ && messages[0].role != "system") {
-    out += begin_of_turn_ + "system\n" + *default_system_ + end_of_turn_ + "\n";
+    RenderedTurn t;
+    t.role = "system";
+    t.default_system = true;
+    t.text = begin_of_turn_ + "system\n";
+    t.header_bytes = t.text.size();
+    t.text += *default_system_ + end_of_turn_ + "\n";
+    turns.push_back(std::move(t));
   }
   size_t image = 0;
   for (size_t i = 0; i < messages.size(); ++i) {
@@ -103,7 +127,12 @@ RenderedChat ChatFormat::RenderWithRanges(const std::vector<ChatMessage>& messag
     if (msg.role == "system" && i > 0) {
       throw ChatFormatError(where + ": a system message may only come first");
     }
-    out += begin_of_turn_ + msg.role + "\n";
+    RenderedTurn turn;
+    turn.role = msg.role;
+    std::string& out = turn.text;
+    std::vector<TextRange>& ranges = turn.content_ranges;
+    out = begin_of_turn_ + msg.role + "\n";
+    turn.header_bytes = out.size();
     for (const ChatContentPart& part : msg.content) {
       if (part.type == ChatContentPart::Type::kText) {
         if (part.text.empty()) continue;
@@ -121,13 +150,70 @@ RenderedChat ChatFormat::RenderWithRanges(const std::vector<ChatMessage>& messag
       out += image_strings[image++];
     }
     out += end_of_turn_ + "\n";
+    turns.push_back(std::move(turn));
   }
   if (image != image_strings.size()) {
     throw ChatFormatError("messages: " + std::to_string(image) + " image parts for " +
                           std::to_string(image_strings.size()) + " images");
   }
-  if (add_generation_prompt) out += begin_of_turn_ + "assistant\n";
-  return rendered;
+  return turns;
+}
+
+// Note [Assistant-turn loss]: upstream nanoVLM (data/datasets.py, BaseDataset) tokenizes the whole
+// conversation with apply_chat_template, then walks the messages: each message's own rendering
+// ("<|im_start|>role\ncontent<|im_end|>\n") is tokenized alone for its length, and for an assistant
+// message the positions from prefix_len to the end of its segment get mask 1, where prefix_len is
+// the token count of the template's text before the content of an assistant message
+// ("<|im_start|>assistant\n"). So an assistant turn's content tokens, its "<|im_end|>" and the "\n"
+// after it count; the header does not. Labels are the ids where the mask is 1, else -100, shifted
+// left by one (labels[i] = ids[i + 1]), the last -100: position i learns the token after it.
+// Here each turn is tokenized alone and the ids joined. This gives the ids of the whole text
+// because every turn starts with "<|im_start|>", a special token, which the tokenizer matches
+// before pre-tokenization, so no token spans two turns; that is also what upstream's segment
+// lengths assume. The template's default system message (SmolLM2's) is a system turn: no loss.
+// tests/e2e/test_train_entry.py checks ids and targets against upstream's code run on
+// transformers' apply_chat_template.
+ChatTrainingTokens TokenizeForTraining(const ChatFormat& chat, const Tokenizer& tokenizer,
+                                       const std::vector<ChatMessage>& messages,
+                                       const std::vector<std::string>& image_strings,
+                                       bool parse_special_in_content) {
+  bool has_assistant = false;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (messages[i].role != "assistant") continue;
+    has_assistant = true;
+    for (const ChatContentPart& part : messages[i].content) {
+      if (part.type == ChatContentPart::Type::kImage) {
+        throw ChatFormatError("messages[" + std::to_string(i) +
+                              "]: an assistant message has an image part; images belong in "
+                              "user messages (the loss covers the assistant's text)");
+      }
+    }
+  }
+  const std::vector<RenderedTurn> turns = chat.RenderTurns(messages, image_strings);
+  if (!has_assistant) {
+    throw ChatFormatError(
+        "messages: no assistant message; the loss covers the assistant turns only, so a "
+        "training example needs at least one");
+  }
+  const int64_t prefix_tokens =
+      static_cast<int64_t>(tokenizer.Encode(chat.begin_of_turn() + "assistant\n").size());
+  ChatTrainingTokens out;
+  std::vector<bool> counts;
+  for (const RenderedTurn& turn : turns) {
+    EncodeOptions options;
+    if (!parse_special_in_content) options.plain_ranges = turn.content_ranges;
+    const std::vector<int64_t> ids = tokenizer.Encode(turn.text, options);
+    const bool assistant = turn.role == "assistant";
+    for (size_t k = 0; k < ids.size(); ++k) {
+      out.input_ids.push_back(ids[k]);
+      counts.push_back(assistant && static_cast<int64_t>(k) >= prefix_tokens);
+    }
+  }
+  out.targets.assign(out.input_ids.size(), -100);
+  for (size_t i = 0; i + 1 < out.input_ids.size(); ++i) {
+    if (counts[i + 1]) out.targets[i] = out.input_ids[i + 1];
+  }
+  return out;
 }
 
 std::string ImageString(const VlmConfig& cfg, const ImageGrid& grid) {

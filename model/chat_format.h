@@ -29,6 +29,12 @@
 // [Special tokens as plain text] in model/tokenizer.cc); the template's own text and the image
 // strings lie outside them.
 //
+// Training (TokenizeForTraining): the conversation's token ids and per-position targets, the loss
+// on the assistant turns only, as upstream nanoVLM's datasets mask it (Note [Assistant-turn loss]
+// in chat_format.cc): each assistant turn's content, its "<|im_end|>" and the "\n" after it count;
+// the template's "<|im_start|>assistant\n", system and user turns (and the default system message)
+// do not.
+//
 // Errors: ChatFormatError (std::invalid_argument) saying what is wrong or what to change.
 // Thread rules: ChatFormat is an immutable value; every function is safe from any thread.
 #pragma once
@@ -72,6 +78,15 @@ struct RenderedChat {
   std::vector<TextRange> content_ranges;
 };
 
+// One turn of a rendered conversation: "<|im_start|>" + role + "\n" + content + "<|im_end|>\n".
+struct RenderedTurn {
+  std::string role;             // "system", "user" or "assistant"
+  bool default_system = false;  // the template's own system message (not one of the messages)
+  std::string text;
+  size_t header_bytes = 0;                // "<|im_start|>" + role + "\n"
+  std::vector<TextRange> content_ranges;  // the message's text parts, in `text`
+};
+
 // The messages' text parts, in order (views into `messages`).
 std::vector<std::string_view> ContentTexts(const std::vector<ChatMessage>& messages);
 
@@ -99,6 +114,11 @@ class ChatFormat {
   RenderedChat RenderWithRanges(const std::vector<ChatMessage>& messages,
                                 const std::vector<std::string>& image_strings,
                                 bool add_generation_prompt) const;
+  // The conversation turn by turn (the default system message first, when the template inserts
+  // one); their texts joined are Render(..., add_generation_prompt = false). Same errors.
+  std::vector<RenderedTurn> RenderTurns(const std::vector<ChatMessage>& messages,
+                                        const std::vector<std::string>& image_strings) const;
+  const std::string& begin_of_turn() const { return begin_of_turn_; }
 
  private:
   std::string name_ = "chatml";
@@ -106,6 +126,23 @@ class ChatFormat {
   std::string end_of_turn_ = "<|im_end|>";
   std::optional<std::string> default_system_;
 };
+
+// A conversation ready for training: input_ids with one target per position (the id that should
+// follow it, or -100 = no loss), as upstream nanoVLM's VQADataset builds its labels.
+struct ChatTrainingTokens {
+  std::vector<int64_t> input_ids;
+  std::vector<int64_t> targets;
+};
+
+// `messages` rendered with `chat` (image parts replaced by image_strings, as Render) and tokenized
+// with `tokenizer`, the targets on the assistant turns only (Note [Assistant-turn loss]). The
+// message text is plain text unless `parse_special_in_content` (TextModelOptions). Throws
+// ChatFormatError for what Render refuses, a conversation without an assistant message (nothing to
+// learn) and an image part in an assistant message; TokenizerError for text that is not UTF-8.
+ChatTrainingTokens TokenizeForTraining(const ChatFormat& chat, const Tokenizer& tokenizer,
+                                       const std::vector<ChatMessage>& messages,
+                                       const std::vector<std::string>& image_strings,
+                                       bool parse_special_in_content);
 
 // How one image was cut (ImageTiles::grid_rows / grid_cols).
 struct ImageGrid {

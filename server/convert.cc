@@ -381,7 +381,8 @@ ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfi
 }
 
 std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
-                                       const Limits& limits, int64_t max_tokens) {
+                                       const Limits& limits, int64_t max_tokens,
+                                       const TextModel* text_model) {
   if (batch.examples_size() == 0)
     throw InvalidArgument("batch.examples: is empty; send at least one example");
   if (batch.examples_size() > limits.max_train_batch_examples) {
@@ -390,34 +391,75 @@ std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmCon
                           " (limits.max_train_batch_examples)");
   }
   // The padded step: examples x the longest example. A step larger than every train bucket runs
-  // eagerly and holds the GPU thread (every Generate waits) for its whole length: bounded here.
+  // eagerly and holds the GPU thread (every Generate waits) for its whole length: bounded here,
+  // from the ids before any work, and again once chat examples are tokenized.
+  auto check_step_tokens = [&](int64_t longest) {
+    const int64_t step_tokens = longest * batch.examples_size();
+    if (limits.max_train_batch_tokens > 0 && step_tokens > limits.max_train_batch_tokens) {
+      throw InvalidArgument(
+          "batch: " + std::to_string(batch.examples_size()) + " examples of up to " +
+          std::to_string(longest) + " tokens make a step of " + std::to_string(step_tokens) +
+          " tokens; at most " + std::to_string(limits.max_train_batch_tokens) +
+          " (limits.max_train_batch_tokens, by default the largest train bucket): send smaller "
+          "batches or shorter examples");
+    }
+  };
   int64_t longest = 0;
   for (const v1::TrainExample& ex : batch.examples())
     longest = std::max<int64_t>(longest, ex.input_ids_size());
-  const int64_t step_tokens = longest * batch.examples_size();
-  if (limits.max_train_batch_tokens > 0 && step_tokens > limits.max_train_batch_tokens) {
-    throw InvalidArgument(
-        "batch: " + std::to_string(batch.examples_size()) + " examples of up to " +
-        std::to_string(longest) + " tokens make a step of " + std::to_string(step_tokens) +
-        " tokens; at most " + std::to_string(limits.max_train_batch_tokens) +
-        " (limits.max_train_batch_tokens, by default the largest train bucket): send smaller "
-        "batches");
-  }
+  check_step_tokens(longest);
   std::vector<TrainExample> out;
   int64_t counted = 0;
   for (int i = 0; i < batch.examples_size(); ++i) {
     const v1::TrainExample& ex = batch.examples(i);
     const std::string f = Index("batch.examples", i);
     TrainExample d;
-    d.input_ids.assign(ex.input_ids().begin(), ex.input_ids().end());
-    d.targets.assign(ex.target_ids().begin(), ex.target_ids().end());
-    d.tiles = ImagesToTiles(ex.images(), cfg, limits, f + ".images");
-    CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".input_ids");
-    const std::string error = CheckTargetIds(cfg, d.targets, d.input_ids.size(), f + ".target_ids");
-    if (!error.empty()) throw InvalidArgument(error);
+    if (ex.messages_size() > 0) {
+      if (ex.input_ids_size() > 0 || ex.target_ids_size() > 0 || ex.images_size() > 0) {
+        throw InvalidArgument(f +
+                              ": set either messages or input_ids + target_ids (+ images), not "
+                              "both; a chat example carries its images in its messages");
+      }
+      if (text_model == nullptr) {
+        throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                          f + ".messages: this model has no tokenizer, so examples must be "
+                              "input_ids + target_ids (serve a checkpoint with a tokenizer.json, "
+                              "or set the config key tokenizer)");
+      }
+      TrainingPrompt p = [&] {
+        try {
+          std::vector<std::string_view> texts;
+          for (const v1::ChatMessage& m : ex.messages()) {
+            for (const v1::ContentPart& part : m.content()) {
+              if (part.has_text()) texts.push_back(part.text());
+            }
+          }
+          text_model->CheckTextLength(texts, "messages");
+          std::vector<ImageTiles> tiles;
+          const std::vector<ChatMessage> chat = ToChatMessages(ex.messages(), cfg, limits, &tiles);
+          return text_model->BuildTrainingChat(chat, tiles);
+        } catch (const ServerError& e) {
+          throw ServerError(e.code(), f + "." + e.what());
+        }
+      }();
+      d.input_ids = std::move(p.input_ids);
+      d.targets = std::move(p.targets);
+      d.tiles = std::move(p.tiles);
+      CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".messages");
+    } else {
+      d.input_ids.assign(ex.input_ids().begin(), ex.input_ids().end());
+      d.targets.assign(ex.target_ids().begin(), ex.target_ids().end());
+      d.tiles = ImagesToTiles(ex.images(), cfg, limits, f + ".images");
+      CheckPrompt(d.input_ids, d.tiles, cfg, max_tokens, f + ".input_ids");
+      const std::string error =
+          CheckTargetIds(cfg, d.targets, d.input_ids.size(), f + ".target_ids");
+      if (!error.empty()) throw InvalidArgument(error);
+    }
     for (int64_t t : d.targets) counted += t != -100;
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(d.input_ids.size()));
     out.push_back(std::move(d));
   }
+  check_step_tokens(longest);
   if (counted == 0)
     throw InvalidArgument("batch: no target id other than -100; nothing to learn from");
   return out;

@@ -81,8 +81,11 @@ ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfi
 // The batch's training examples (engine/trainer.h), checked: ids and targets in the vocabulary
 // (targets may be -100), same length, image tokens matching the tiles ((N, 3, S, S) float32 CPU
 // or undefined). `max_tokens`: the longest example accepted (the engine's longest context).
+// Chat examples (TrainExample.messages) are built by text_model->BuildTrainingChat (the loss on
+// the assistant turns); FAILED_PRECONDITION for one when `text_model` is null.
 std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
-                                       const Limits& limits, int64_t max_tokens);
+                                       const Limits& limits, int64_t max_tokens,
+                                       const TextModel* text_model = nullptr);
 
 // Checks a prompt before any work: 1 .. max_tokens ids, each inside the vocabulary, and as many
 // image tokens as the tiles give embeddings; `field` names the ids in messages. Generate gets the

@@ -204,6 +204,30 @@ Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
   return p;
 }
 
+TrainingPrompt TextModel::BuildTrainingChat(const std::vector<ChatMessage>& messages,
+                                            const std::vector<ImageTiles>& images) const {
+  CheckTextLength(ContentTexts(messages), "messages");
+  std::vector<std::string> image_strings;
+  const bool numbered = images.size() > 1;
+  for (size_t i = 0; i < images.size(); ++i) {
+    image_strings.push_back(ImageString(model_, {images[i].grid_rows, images[i].grid_cols},
+                                        static_cast<int64_t>(i), numbered));
+  }
+  TrainingPrompt p;
+  try {
+    ChatTrainingTokens t = TokenizeForTraining(chat_, tokenizer_, messages, image_strings,
+                                               options_.parse_special_in_content);
+    p.input_ids = std::move(t.input_ids);
+    p.targets = std::move(t.targets);
+  } catch (const ChatFormatError& e) {
+    throw InvalidArgument(e.what());
+  } catch (const TokenizerError& e) {
+    throw InvalidArgument(std::string("messages: ") + e.what());
+  }
+  p.tiles = JoinTiles(images);
+  return p;
+}
+
 Prompt TextModel::BuildText(const std::string& text, const std::vector<ImageTiles>& images) const {
   CheckTextLength({text}, "prompt");
   std::string full;

@@ -79,6 +79,13 @@ struct Prompt {
   at::Tensor tiles;                // (N, 3, S, S) float32 CPU, or undefined without images
 };
 
+// A training example built from chat messages (TextModel::BuildTrainingChat).
+struct TrainingPrompt {
+  std::vector<int64_t> input_ids;  // image tokens included
+  std::vector<int64_t> targets;    // one per id: the next id on assistant turns, else -100
+  at::Tensor tiles;                // (N, 3, S, S) float32 CPU, or undefined without images
+};
+
 struct TextModelOptions {
   // The longest context, tokens: a text sure to make more tokens is refused before tokenizing.
   // 0 = no limit.
@@ -115,6 +122,12 @@ class TextModel {
   // Chat messages -> prompt. The k-th image part of the conversation takes images[k].
   Prompt BuildChat(const std::vector<ChatMessage>& messages, const std::vector<ImageTiles>& images,
                    bool add_generation_prompt) const;
+  // Chat messages -> a training example: the conversation without a reply prompt, the loss on the
+  // assistant turns only (model/chat_format.h TokenizeForTraining, upstream nanoVLM's masking).
+  // Throws as BuildChat, and INVALID_ARGUMENT for a conversation without an assistant message or
+  // with an image in one.
+  TrainingPrompt BuildTrainingChat(const std::vector<ChatMessage>& messages,
+                                   const std::vector<ImageTiles>& images) const;
   // Plain text -> prompt, tokenized as it is (special tokens in it are recognised); the image
   // strings of `images` come first, as upstream nanoVLM's generate puts them.
   Prompt BuildText(const std::string& text, const std::vector<ImageTiles>& images) const;

@@ -417,8 +417,9 @@ void VlmGraphService::RunTrain(
     bool autosave_now = false;
     switch (message.kind_case()) {
       case v1::TrainRequest::kBatch: {
-        std::vector<TrainExample> batch = ToTrainBatch(message.batch(), engine_->model_config(),
-                                                       config_.limits, engine_->max_context());
+        std::vector<TrainExample> batch =
+            ToTrainBatch(message.batch(), engine_->model_config(), config_.limits,
+                         engine_->max_context(), text_);
         TrainStepResult stats;
         double queue_seconds = 0;
         bool begun = false;

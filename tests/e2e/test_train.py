@@ -1,15 +1,19 @@
 """End to end: a training stream whose loss goes down, on image + text examples; the trained weights
 serve Forward at once; a checkpoint saved in nanoVLM's format loads into a fresh server with the
-same loss; protocol errors and a second concurrent job are refused."""
+same loss; protocol errors and a second concurrent job are refused; chat examples (messages) are
+tokenized by the server with the loss on the assistant turns, by the RPC and the CLI."""
+import json
 import os
 import queue
 import random
 import shutil
+import subprocess
+import sys
 import unittest
 
 import grpc
 
-from e2e_util import DEVICE, Server, chelsea, scratch_dir
+from e2e_util import DEVICE, ROOT, Server, chelsea, scratch_dir
 from vlmgraph_client import build_prompt, image_tiles
 from vlmgraph_client.cli import next_token_targets
 
@@ -246,6 +250,124 @@ class SaveFailureTest(unittest.TestCase):
             self.assertEqual(server.stop(), 0)
         finally:
             server.cleanup()
+
+
+class ChatTrainTest(unittest.TestCase):
+    """TrainExample.messages on the tiny checkpoint with a byte-level tokenizer
+    (tests/train/tiny_text_model.py): ids 0..255 are bytes, so an assistant turn "42" has the
+    targets '4', '2', <|im_end|>, '\\n' (upstream nanoVLM's mask: content, end of turn, newline)."""
+
+    @classmethod
+    def setUpClass(cls):
+        sys.path.insert(0, os.path.join(ROOT, "tests", "train"))
+        from tiny_text_model import make_tiny_text_model
+        cls.model_dir = make_tiny_text_model(os.path.join(scratch_dir("tiny-text"), "model"), max_img_size=64)
+        cls.server = Server({"model": cls.model_dir}, name="train-chat").start()
+        cls.client = cls.server.client()
+        cls.image = chelsea()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.finish(cls.client)
+        shutil.rmtree(os.path.dirname(cls.model_dir), ignore_errors=True)
+
+    def chat(self, i, image=False):
+        user = [self.image, f"What is {i} + {i}?"] if image else f"What is {i} + {i}?"
+        return [{"role": "user", "content": user}, {"role": "assistant", "content": str(2 * i)},
+                {"role": "user", "content": "And doubled?"}, {"role": "assistant", "content": str(4 * i)}]
+
+    def test_chat_examples_train_on_the_assistant_turns(self):
+        c = self.client
+        examples = [{"messages": self.chat(i, image=i % 2 == 0)} for i in range(10, 14)]
+        # The first step's loss is the loss before any update: Forward of the same conversation with
+        # the targets of the assistant turns built here must give it.
+        first = examples[0]["messages"]
+        ids = list(c.forward(messages=first).input_ids)
+        im_start, im_end, newline = 256, 257, 10
+        header = [im_start] + list(b"assistant\n")
+        counted = [False] * len(ids)
+        k = 0
+        while k < len(ids):
+            if ids[k:k + len(header)] == header:
+                end = ids.index(im_end, k)
+                for j in range(k + len(header), end + 2):
+                    counted[j] = True
+                k = end
+            k += 1
+        targets = [ids[j + 1] if j + 1 < len(ids) and counted[j + 1] else -100 for j in range(len(ids))]
+        expected = c.forward(ids, [self.image], target_ids=targets)
+        self.assertEqual(expected.loss_tokens, len("20") + 2 + len("40") + 2)
+        cfg = c.train_config(language_learning_rate=1e-3, vision_learning_rate=1e-3, projector_learning_rate=1e-3)
+        steps = [r.step for r in c.train(cfg, iter([c.train_batch(examples[:1])] + [c.train_batch(examples)] * 6))]
+        self.assertEqual(steps[0].loss_tokens, expected.loss_tokens)
+        self.assertAlmostEqual(steps[0].loss, expected.loss, places=4)
+        # Every assistant turn "2i" / "4i" (two digits) counts 2 + 2 tokens.
+        self.assertEqual(steps[1].loss_tokens, 4 * 2 * (2 + 2))
+        self.assertLess(steps[-1].loss, steps[1].loss)
+
+    def test_bad_chat_examples_are_refused(self):
+        c = self.client
+        t = c.pb.train_pb2
+        INVALID = grpc.StatusCode.INVALID_ARGUMENT
+        cfg = t.TrainRequest(config=c.train_config(language_learning_rate=1e-3))
+
+        def refused(example, text, code=INVALID):
+            with self.assertRaises(grpc.RpcError) as ctx:
+                list(c.stub.Train(iter([cfg, c.train_batch([{"input_ids": [1], "target_ids": [1]}, example])]),
+                                  timeout=60))
+            self.assertEqual(ctx.exception.code(), code, ctx.exception.details())
+            self.assertIn(text, ctx.exception.details())
+
+        refused({"messages": [{"role": "user", "content": "Hi"}]},
+                "batch.examples[1].messages: no assistant message")
+        refused({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [self.image]}]},
+                "batch.examples[1].messages[1]: an assistant message has an image part")
+        refused({"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
+                "batch.examples[1].messages[0].role: 'tool' is not supported")
+        long_text = "x" * (self.client.model_info().max_context + 10)
+        refused({"messages": [{"role": "user", "content": long_text}, {"role": "assistant", "content": "y"}]},
+                "batch.examples[1].messages")
+        both = t.TrainExample(input_ids=[1], target_ids=[1], messages=[])
+        both.messages.add(role="user").content.add(text="Hi")
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(c.stub.Train(iter([cfg, t.TrainRequest(batch=t.TrainBatch(examples=[both]))]), timeout=60))
+        self.assertEqual(ctx.exception.code(), INVALID)
+        self.assertIn("set either messages or input_ids", ctx.exception.details())
+
+    def test_chat_needs_a_tokenizer(self):
+        server = Server({}, name="train-notok").start()
+        try:
+            client = server.client()
+            t = client.pb.train_pb2
+            job = [t.TrainRequest(config=client.train_config(language_learning_rate=1e-3)),
+                   client.train_batch([{"messages": self.chat(1)}])]
+            with self.assertRaises(grpc.RpcError) as ctx:
+                list(client.stub.Train(iter(job), timeout=60))
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("no tokenizer", ctx.exception.details())
+            client.close()
+            self.assertEqual(server.stop(), 0)
+        finally:
+            server.cleanup()
+
+    def test_cli_trains_on_a_chat_jsonl(self):
+        d = scratch_dir("chat-jsonl")
+        with open(os.path.join(d, "cat.png"), "wb") as fh:
+            fh.write(self.image)
+        with open(os.path.join(d, "data.jsonl"), "w") as fh:
+            for i in range(4):
+                content = [{"type": "image_url", "image_url": {"url": "cat.png"}}, {"type": "text", "text": "Name?"}]
+                fh.write(json.dumps({"messages": [{"role": "user", "content": content},
+                                                  {"role": "assistant", "content": f"Cat {i}"}]}) + "\n")
+            fh.write(json.dumps({"input_ids": [1, 2, 3], "target_ids": [2, 3, -100]}) + "\n")
+        out = subprocess.run([sys.executable, "-m", "vlmgraph_client", "--address", self.server.address, "train",
+                              "--file", os.path.join(d, "data.jsonl"), "--batch-size", "5"],
+                             capture_output=True, text=True, timeout=120)
+        shutil.rmtree(d, ignore_errors=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        # 4 chats x ("Cat i" = 5 bytes + <|im_end|> + newline) + the id example's 2 targets.
+        self.assertIn("step 1: loss", out.stdout)
+        self.assertIn(f"({4 * 7 + 2} tokens)", out.stdout)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,16 @@
                                            Debian's chelsea.png photo (python3-skimage)
     score --ids 5,6,7,8 [--image F]        loss of the prompt (next-token targets unless --targets)
     train --file data.jsonl                stream a training job; one line per example:
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+                      {"type": "text", "text": "What is this?"}]}, {"role": "assistant", "content": "A cat."}]}
+                                           a chat (OpenAI format; image paths relative to the file or
+                                           data URLs), tokenized by the server, loss on the assistant
         {"text_ids": [...], "images": ["a.png"]}           prompt + next-token targets built for you
         {"input_ids": [...], "target_ids": [...], "images": [...]}   or exactly these
     rollback                               serve the weights from before the last publish
 """
 import argparse
+import base64
 import json
 import os
 import sys
@@ -117,12 +122,53 @@ def cmd_score(client, args):
     print(json.dumps(out))
 
 
+def _image_url_bytes(url, base_dir, where):
+    """An image_url's bytes: a data URL, a file:// URL or a path relative to `base_dir`."""
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            sys.exit(f"{where}: the data URL must be base64-encoded (data:image/png;base64,...)")
+        return base64.b64decode(data)
+    if url.startswith(("http://", "https://")):
+        sys.exit(f"{where}: remote image URLs are not fetched; give a path relative to the file")
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return _read(os.path.join(base_dir, path))
+
+
+def chat_example_messages(messages, base_dir, where):
+    """OpenAI-format messages -> the client's message dicts (text parts as str, images as bytes)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content", "")
+        if isinstance(content, str):
+            parts = [content]
+        else:
+            parts = []
+            for k, part in enumerate(content):
+                if part.get("type") == "text":
+                    parts.append(part["text"])
+                elif part.get("type") == "image_url":
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                    parts.append(_image_url_bytes(url, base_dir, f"{where}: messages[{i}].content[{k}]"))
+                else:
+                    sys.exit(f"{where}: messages[{i}].content[{k}].type: use text or image_url")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": parts})
+    return out
+
+
 def _examples(client, info, path):
+    base_dir = os.path.dirname(os.path.abspath(path))
     with open(path) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             e = json.loads(line)
+            if "messages" in e:
+                messages = chat_example_messages(e["messages"], base_dir, f"{path}:{n}")
+                images = [p for m in messages for p in m["content"] if isinstance(p, bytes)]
+                yield {"messages": messages, "images": images}
+                continue
             images = [_read(p) for p in e.get("images", [])]
             if "text_ids" in e:
                 ids = build_prompt(info, [image_tiles(img, info) for img in images], e["text_ids"])
@@ -130,7 +176,7 @@ def _examples(client, info, path):
             elif "input_ids" in e and "target_ids" in e:
                 yield {"input_ids": e["input_ids"], "target_ids": e["target_ids"], "images": images}
             else:
-                sys.exit(f"{path}:{n}: needs text_ids, or input_ids and target_ids")
+                sys.exit(f"{path}:{n}: needs messages, text_ids, or input_ids and target_ids")
 
 
 def cmd_train(client, args):

@@ -201,12 +201,18 @@ class VlmGraphClient:
         return cfg
 
     def train_batch(self, examples):
-        """A TrainRequest{batch} from dicts {input_ids, target_ids, images (bytes or Image)}."""
+        """A TrainRequest{batch} from dicts {input_ids, target_ids, images (bytes or Image)}, or
+        chat examples {messages: [{"role": ..., "content": str | [str | bytes | Image, ...]}]}
+        (the server tokenizes them; the loss covers the assistant turns)."""
         t = self.pb.train_pb2
-        batch = t.TrainBatch(examples=[
-            t.TrainExample(input_ids=list(e["input_ids"]), target_ids=list(e["target_ids"]),
-                           images=_as_images(e.get("images"))) for e in examples])
-        return t.TrainRequest(batch=batch)
+
+        def example(e):
+            if "messages" in e:
+                return t.TrainExample(messages=chat_messages(e["messages"]))
+            return t.TrainExample(input_ids=list(e["input_ids"]), target_ids=list(e["target_ids"]),
+                                  images=_as_images(e.get("images")))
+
+        return t.TrainRequest(batch=t.TrainBatch(examples=[example(e) for e in examples]))
 
     def train_save(self, directory):
         t = self.pb.train_pb2

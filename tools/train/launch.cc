@@ -1,0 +1,198 @@
+#include "tools/train/launch.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <stdexcept>
+#include <thread>
+
+namespace vlmgraph::train {
+namespace {
+
+const char* Get(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+int64_t IntVar(const char* name, const char* value, int64_t min) {
+  try {
+    size_t used = 0;
+    const int64_t v = std::stoll(value, &used);
+    if (used == std::strlen(value) && v >= min) return v;
+  } catch (const std::exception&) {
+  }
+  throw std::invalid_argument(std::string("environment variable ") + name + "='" + value +
+                              "': must be an integer >= " + std::to_string(min));
+}
+
+// A free TCP port on loopback (the kernel's choice; a race with another process is possible but
+// the store then fails to bind and says so).
+int64_t FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  int64_t port = 29500;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) ::close(fd);
+  return port;
+}
+
+volatile sig_atomic_t g_forward_signal = 0;
+void OnSignal(int sig) { g_forward_signal = sig; }
+
+}  // namespace
+
+RankEnv RankEnvFromEnvironment() {
+  RankEnv env;
+  const char* rank = Get("RANK");
+  const char* world = Get("WORLD_SIZE");
+  const char* local = Get("LOCAL_RANK");
+  if (rank == nullptr && world == nullptr && Get("SLURM_PROCID") && Get("SLURM_NTASKS")) {
+    env.source = "slurm";
+    rank = Get("SLURM_PROCID");
+    world = Get("SLURM_NTASKS");
+    local = Get("SLURM_LOCALID");
+  } else if (rank != nullptr || world != nullptr) {
+    env.source = Get("TORCHELASTIC_RUN_ID") ? "torchrun" : "env";
+  }
+  if ((rank == nullptr) != (world == nullptr)) {
+    throw std::invalid_argument(
+        "environment: RANK and WORLD_SIZE must be set together (torchrun sets both)");
+  }
+  if (world != nullptr) {
+    env.world_size = IntVar("WORLD_SIZE", world, 1);
+    env.rank = IntVar("RANK", rank, 0);
+    if (env.rank >= env.world_size) {
+      throw std::invalid_argument("environment: RANK=" + std::to_string(env.rank) +
+                                  " must be < WORLD_SIZE=" + std::to_string(env.world_size));
+    }
+    env.local_rank = local ? IntVar("LOCAL_RANK", local, 0) : 0;
+  }
+  if (const char* a = Get("MASTER_ADDR")) env.master_addr = a;
+  if (const char* p = Get("MASTER_PORT")) env.master_port = IntVar("MASTER_PORT", p, 0);
+  if (env.world_size > 1 && env.source == "slurm" && !Get("MASTER_ADDR")) {
+    throw std::invalid_argument(
+        "environment: under srun, export MASTER_ADDR (the first node's host name) and "
+        "MASTER_PORT");
+  }
+  env.store_port = env.master_port;
+  const char* agent_store = Get("TORCHELASTIC_USE_AGENT_STORE");
+  if (agent_store != nullptr && std::string(agent_store) == "True") {
+    env.store_port = env.master_port + 1;  // the agent serves MASTER_PORT itself
+  }
+  if (const char* attempt = Get("TORCHELASTIC_RESTART_COUNT"))
+    env.group_name += "/attempt_" + std::string(attempt);
+  return env;
+}
+
+int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double grace_seconds) {
+  if (nproc < 1) throw std::invalid_argument("--nproc-per-node: must be >= 1");
+  const std::string master_addr = Get("MASTER_ADDR") ? Get("MASTER_ADDR") : "127.0.0.1";
+  const std::string master_port =
+      Get("MASTER_PORT") ? Get("MASTER_PORT") : std::to_string(FreePort());
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  const std::string program = n > 0 ? std::string(exe, n) : argv.at(0);
+
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<pid_t> children;
+  for (int64_t i = 0; i < nproc; ++i) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      std::perror("vlmgraph-train: fork");
+      for (pid_t c : children) ::kill(c, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(i).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(i).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", master_port.c_str(), 1);
+      ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+      std::vector<char*> args;
+      args.push_back(const_cast<char*>(program.c_str()));
+      for (size_t k = 1; k < argv.size(); ++k) args.push_back(const_cast<char*>(argv[k].c_str()));
+      args.push_back(nullptr);
+      ::execv(program.c_str(), args.data());
+      std::perror("vlmgraph-train: exec");
+      ::_exit(127);
+    }
+    children.push_back(pid);
+  }
+
+  // Wait for every child; the first failure ends the others (SIGTERM, then SIGKILL).
+  int status_out = 0;
+  int64_t alive = nproc;
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  std::vector<bool> done(children.size(), false);
+  auto stop_others = [&](int sig) {
+    for (size_t k = 0; k < children.size(); ++k) {
+      if (!done[k]) ::kill(children[k], sig);
+    }
+  };
+  while (alive > 0) {
+    if (g_forward_signal != 0 && !stopping) {
+      stopping = true;
+      status_out = 128 + g_forward_signal;
+      stop_others(g_forward_signal);
+      stop_deadline = std::chrono::steady_clock::now() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(grace_seconds));
+    }
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (size_t k = 0; k < children.size(); ++k) {
+        if (children[k] != pid || done[k]) continue;
+        done[k] = true;
+        --alive;
+        const int code = WIFEXITED(status)     ? WEXITSTATUS(status)
+                         : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
+                                               : 1;
+        if (code != 0 && !stopping) {
+          std::cerr << "vlmgraph-train: launcher: rank " << k << " (pid " << pid << ") "
+                    << (WIFSIGNALED(status)
+                            ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                            : "exited with status " + std::to_string(code))
+                    << "; stopping the other ranks" << std::endl;
+          status_out = code;
+          stopping = true;
+          stop_others(SIGTERM);
+          stop_deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(grace_seconds));
+        }
+      }
+      continue;
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      stop_others(SIGKILL);
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return status_out;
+}
+
+}  // namespace vlmgraph::train

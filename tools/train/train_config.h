@@ -1,0 +1,77 @@
+// tools/train/train_config.h: vlmgraph-train's YAML settings (docs/training.md lists every key).
+//
+//   TrainRunConfig c = LoadTrainRunConfig("train.yaml", {{"train.steps", "20"}});  // --set
+//   std::cout << TrainRunConfigYaml(c);                                             //
+//   --print-config
+//
+// Keys: the model, tokenizer, dtype, seed and buckets keys are named as vlmgraph-server's
+// (server/config_schema.cc); the optimizer keys as the Train RPC's TrainConfig fields
+// (proto/vlmgraph/v1/train.proto) with their defaults and ranges; the rest (dataset, batch size,
+// steps, checkpoints, the group's timeout) are the entry point's own. Every key is described once,
+// in the table of train_config.cc (name, default, range, documentation).
+//
+// Errors: ServerConfigError "<key path>: <what is wrong>" for unknown keys, wrong types and values
+// outside their ranges; a YAML syntax error names the line. Thread rules: values and pure
+// functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/config.h"
+
+namespace vlmgraph::train {
+
+struct TrainRunConfig {
+  // The model: a checkpoint directory (config.json + model.safetensors) or a preset.
+  std::string model;
+  std::string tokenizer;  // "" = <model>/tokenizer.json
+  bool parse_special_in_content = false;
+  uint64_t seed = 0;              // preset initialisation and the data order
+  std::string dtype = "float32";  // compute dtype: float32 or bfloat16 (CUDA)
+  std::string device;             // "" = cuda:LOCAL_RANK when CUDA is available, else cpu
+  bool cuda_graphs = true;        // capture.enabled
+  std::vector<int64_t> train_batch_sizes = {1, 2, 4, 8};
+  std::vector<int64_t> train_seq_lens = {64, 128, 256, 512};
+  std::string oversize = "reject";  // an example longer than every train_seq_lens: eager | reject
+
+  // train.*
+  std::string dataset;            // JSONL of {"messages": [...]}
+  int64_t global_batch_size = 8;  // examples per optimizer step over all ranks
+  int64_t steps = 0;              // 0 = epochs x (dataset lines / global_batch_size)
+  double epochs = 1;
+  bool shuffle = true;
+  double language_learning_rate = 5e-5, vision_learning_rate = 5e-5,
+         projector_learning_rate = 5.12e-3;
+  std::string lr_schedule = "constant";  // constant | cosine (upstream nanoVLM's get_lr)
+  double weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 1.0;
+  int64_t grad_accum_steps = 1;
+  int64_t max_tiles_per_example = 1;
+  bool recompute_vision = false, recompute_language = false;
+  std::string save_dir;  // "" = no checkpoints
+  int64_t save_every_steps = 0;
+  std::string resume;  // a checkpoint directory written by vlmgraph-train
+  int64_t log_every = 1;
+
+  // distributed.*
+  std::string backend;  // "" = nccl on CUDA, gloo on CPU
+  double timeout_seconds = 300;
+  int64_t bucket_bytes = 25 * 1024 * 1024;
+};
+
+// Defaults, then the file (unless `path` is empty), then each override (key path, YAML value) in
+// order; then the ranges. Relative paths in the file (model, tokenizer, dataset, save_dir, resume)
+// are taken relative to the file's directory.
+TrainRunConfig LoadTrainRunConfig(
+    const std::string& path, const std::vector<std::pair<std::string, std::string>>& overrides);
+
+// The effective settings as YAML (--print-config).
+std::string TrainRunConfigYaml(const TrainRunConfig& config);
+
+// Every key with its default and documentation, as YAML comments (--help-config).
+std::string TrainRunConfigDocumented();
+
+}  // namespace vlmgraph::train

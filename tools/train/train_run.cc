@@ -1,0 +1,453 @@
+#include "tools/train/train_run.h"
+
+#include <ATen/ATen.h>
+#include <sys/stat.h>
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <sstream>
+
+#include "engine/data_parallel.h"
+#include "engine/trainer.h"
+#include "model/atomic_file.h"
+#include "model/checkpoint.h"
+#include "server/engine_from_config.h"
+#include "server/text_prompt.h"
+#include "tools/train/dataset.h"
+
+namespace vlmgraph::train {
+namespace {
+
+using nlohmann::json;
+using server::ServerConfigError;
+
+// A bad setting found while starting (exit kExitBadConfig).
+class SetupError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// splitmix64 (Steele et al. 2014): the data order's generator, the same on every rank and build.
+uint64_t SplitMix(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Note [Data order]: the examples are read as one stream over the epochs; stream position p is
+// example order(p / N)[p % N] of the N dataset lines, where order(e) is the identity or, with
+// train.shuffle, a Fisher-Yates permutation drawn from splitmix64 seeded by (seed, e). Step k
+// takes positions [k * G, (k + 1) * G) (G = global_batch_size, a batch may straddle two epochs),
+// and each rank its ShardForRank of them, so every rank agrees on the batch without talking, and
+// a resumed job continues at trainer_state.json's position.
+class DataOrder {
+ public:
+  DataOrder(int64_t n, uint64_t seed, bool shuffle) : n_(n), seed_(seed), shuffle_(shuffle) {}
+  int64_t At(int64_t position) {
+    const int64_t epoch = position / n_;
+    if (epoch != epoch_) {
+      order_.resize(n_);
+      std::iota(order_.begin(), order_.end(), 0);
+      if (shuffle_) {
+        uint64_t state = seed_ * 0x100000001B3ull + static_cast<uint64_t>(epoch);
+        for (int64_t i = n_ - 1; i > 0; --i) {
+          const int64_t j = static_cast<int64_t>(SplitMix(state) % static_cast<uint64_t>(i + 1));
+          std::swap(order_[i], order_[j]);
+        }
+      }
+      epoch_ = epoch;
+    }
+    return order_[position % n_];
+  }
+
+ private:
+  int64_t n_;
+  uint64_t seed_;
+  bool shuffle_;
+  int64_t epoch_ = -1;
+  std::vector<int64_t> order_;
+};
+
+// Upstream nanoVLM's get_lr (train.py) as a factor of each group's rate: linear warm-up over 3%
+// of the steps, then cosine decay to 10%.
+double CosineScale(int64_t it, int64_t max_steps) {
+  const double min_scale = 0.1;
+  const double warmup = max_steps * 0.03;
+  if (it < warmup) return (it + 1) / warmup;
+  if (it > max_steps) return min_scale;
+  const double ratio = (it - warmup) / (max_steps - warmup);
+  const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
+  return min_scale + coeff * (1 - min_scale);
+}
+
+std::string Duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  char text[32];
+  if (s >= 3600) {
+    std::snprintf(text, sizeof(text), "%lldh%02lldm", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60));
+  } else {
+    std::snprintf(text, sizeof(text), "%lldm%02llds", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  }
+  return text;
+}
+
+bool IsFile(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void WriteText(const std::string& path, const std::string& text) {
+  AtomicFile out(path);
+  out.Write(text.data(), text.size());
+  out.Commit();
+}
+
+server::ServerConfig ModelServerConfig(const TrainRunConfig& c, const std::string& model) {
+  server::ServerConfig s;
+  s.model = model;
+  s.seed = c.seed;
+  s.tokenizer = c.tokenizer;
+  s.parse_special_in_content = c.parse_special_in_content;
+  return s;  // buckets.context_lens empty: no text-length bound before tokenizing
+}
+
+// The tokenizer.json of the job (the configured one, or the model's).
+std::string TokenizerPath(const TrainRunConfig& c) {
+  if (!c.tokenizer.empty()) return c.tokenizer;
+  return server::IsPresetModel(c.model) ? "" : c.model + "/tokenizer.json";
+}
+
+std::unique_ptr<server::TextModel> LoadText(const TrainRunConfig& c, const VlmConfig& cfg) {
+  std::unique_ptr<server::TextModel> text;
+  try {
+    text = server::TextModel::Load(ModelServerConfig(c, c.model), cfg);
+  } catch (const ServerConfigError& e) {
+    throw SetupError(e.what());
+  }
+  if (!text) {
+    throw SetupError(
+        "tokenizer: the model has no tokenizer.json; set tokenizer: to the model's "
+        "tokenizer.json (chat examples are tokenized by vlmgraph-train)");
+  }
+  return text;
+}
+
+int64_t MaxTokens(const TrainRunConfig& c) {
+  return c.oversize == "reject"
+             ? *std::max_element(c.train_seq_lens.begin(), c.train_seq_lens.end())
+             : 0;
+}
+
+struct JobState {
+  int64_t step = 0;
+  int64_t position = 0;
+};
+
+JobState ReadJobState(const std::string& dir) {
+  const std::string path = dir + "/trainer_state.json";
+  if (!IsFile(path)) {
+    throw SetupError("train.resume: " + path +
+                     " is missing; resume from a directory that vlmgraph-train saved");
+  }
+  try {
+    const json j = json::parse(ReadText(path));
+    return {j.at("step").get<int64_t>(), j.at("position").get<int64_t>()};
+  } catch (const json::exception& e) {
+    throw SetupError("train.resume: " + path + " is not a trainer state: " + e.what());
+  }
+}
+
+// Failures end the process at once (_exit): destroying a group whose peer died can block in the
+// backend's teardown, and the job is over anyway.
+[[noreturn]] void Fail(const std::string& who, int status, const std::string& code,
+                       const std::string& message) {
+  std::cout.flush();
+  std::cerr << who << code << ": " << message << std::endl;
+  std::cerr.flush();
+  ::_exit(status);
+}
+
+}  // namespace
+
+int DumpExamples(const TrainRunConfig& c, std::ostream& out) {
+  try {
+    const VlmConfig cfg = server::BuildModelConfig(ModelServerConfig(c, c.model));
+    const std::unique_ptr<server::TextModel> text = LoadText(c, cfg);
+    const ChatDataset data = ChatDataset::Open(c.dataset);
+    for (int64_t i = 0; i < data.size(); ++i) {
+      const TrainExample e = data.Example(i, *text, cfg, MaxTokens(c), "buckets.train_seq_lens",
+                                          c.max_tiles_per_example);
+      json j;
+      j["index"] = i;
+      j["input_ids"] = e.input_ids;
+      j["targets"] = e.targets;
+      j["tiles"] = e.tiles.defined() ? e.tiles.size(0) : 0;
+      out << j.dump() << "\n";
+    }
+    out.flush();
+    return kExitOk;
+  } catch (const std::exception& e) {
+    std::cerr << "vlmgraph-train: " << e.what() << std::endl;
+    return kExitBadConfig;
+  }
+}
+
+int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
+  const std::string who = "vlmgraph-train: rank " + std::to_string(env.rank) + ": ";
+  const bool main_rank = env.rank == 0;
+  auto fail = [&who](int status, const std::string& code, const std::string& message) {
+    Fail(who, status, code, message);
+  };
+  std::unique_ptr<Trainer> trainer;
+  std::unique_ptr<server::TextModel> text;
+  std::unique_ptr<ChatDataset> data;
+  VlmConfig cfg;
+  JobState state;
+  int64_t total_steps = 0;
+  std::shared_ptr<DataParallelGroup> group;
+  at::Device device(at::kCPU);
+  try {
+    // Device: one per rank.
+    std::string dev = c.device;
+    if (dev.empty()) dev = torch::cuda::is_available() ? "cuda" : "cpu";
+    if (dev == "cuda") dev = "cuda:" + std::to_string(env.local_rank);
+    if (dev != "cpu") {
+      if (!torch::cuda::is_available())
+        throw SetupError("device: '" + dev + "' requested but no CUDA device is available");
+      device = at::Device(dev);
+      if (device.index() >= static_cast<int>(torch::cuda::device_count())) {
+        throw SetupError("device: '" + dev + "' does not exist; this machine has " +
+                         std::to_string(torch::cuda::device_count()) +
+                         " CUDA device(s) (LOCAL_RANK picks cuda:LOCAL_RANK)");
+      }
+    }
+    const std::string backend = !c.backend.empty() ? c.backend : device.is_cuda() ? "nccl" : "gloo";
+
+    const std::string source = c.resume.empty() ? c.model : c.resume;
+    VisionLanguageModel model = [&] {
+      try {
+        return server::BuildModel(ModelServerConfig(c, source));
+      } catch (const ServerConfigError& e) {
+        throw SetupError(c.resume.empty() ? e.what() : "train.resume: " + std::string(e.what()));
+      }
+    }();
+    cfg = model->cfg;
+    text = LoadText(c, cfg);
+    try {
+      data = std::make_unique<ChatDataset>(ChatDataset::Open(c.dataset));
+    } catch (const DatasetError& e) {
+      throw SetupError(std::string("train.dataset: ") + e.what());
+    }
+    if (c.global_batch_size % env.world_size != 0) {
+      throw SetupError("train.global_batch_size: " + std::to_string(c.global_batch_size) +
+                       " must be a multiple of the number of ranks (" +
+                       std::to_string(env.world_size) + ")");
+    }
+    total_steps =
+        c.steps > 0
+            ? c.steps
+            : static_cast<int64_t>(std::floor(c.epochs * data->size() / c.global_batch_size));
+    if (total_steps < 1) {
+      throw SetupError("train.steps: the dataset's " + std::to_string(data->size()) +
+                       " examples make no step of train.global_batch_size " +
+                       std::to_string(c.global_batch_size) + " in train.epochs " +
+                       std::to_string(c.epochs) + "; set train.steps or more epochs");
+    }
+    if (!c.resume.empty()) state = ReadJobState(c.resume);
+
+    if (env.world_size > 1) {
+      DataParallelOptions o;
+      o.rank = env.rank;
+      o.world_size = env.world_size;
+      o.store_host = env.master_addr;
+      o.store_port = env.store_port;
+      o.timeout_seconds = c.timeout_seconds;
+      o.backend = backend;
+      o.device_index = device.is_cuda() ? device.index() : 0;
+      o.bucket_bytes = c.bucket_bytes;
+      o.group_name = env.group_name;
+      group = DataParallelGroup::Join(o);
+    }
+
+    TrainOptions t;
+    t.device = device;
+    t.compute_dtype = c.dtype == "bfloat16" && device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    t.lr = c.language_learning_rate;
+    t.lr_language = c.language_learning_rate;
+    t.lr_vision = c.vision_learning_rate;
+    t.lr_projector = c.projector_learning_rate;
+    t.train_language = c.language_learning_rate > 0;
+    t.train_vision = c.vision_learning_rate > 0;
+    t.train_projector = c.projector_learning_rate > 0;
+    t.beta1 = c.beta1;
+    t.beta2 = c.beta2;
+    t.eps = c.eps;
+    t.weight_decay = c.weight_decay;
+    t.max_grad_norm = c.max_grad_norm;
+    t.grad_accum_steps = c.grad_accum_steps;
+    t.max_tiles_per_example = c.max_tiles_per_example;
+    t.cuda_graphs = c.cuda_graphs;
+    t.buckets.train_batch_sizes = c.train_batch_sizes;
+    t.buckets.train_seq_lens = c.train_seq_lens;
+    std::sort(t.buckets.train_batch_sizes.begin(), t.buckets.train_batch_sizes.end());
+    std::sort(t.buckets.train_seq_lens.begin(), t.buckets.train_seq_lens.end());
+    t.buckets.oversize = c.oversize == "reject" ? OversizePolicy::kReject : OversizePolicy::kEager;
+    t.recompute_vision = c.recompute_vision;
+    t.recompute_language = c.recompute_language;
+    t.log_captures = main_rank;
+    t.data_parallel = group;
+    trainer = std::make_unique<Trainer>(model, t);
+    if (!c.resume.empty()) {
+      try {
+        trainer->LoadOptimizerState(c.resume + "/optimizer.safetensors");
+      } catch (const std::exception& e) {
+        throw SetupError("train.resume: cannot load " + c.resume + "/optimizer.safetensors: " +
+                         e.what() + " (resume with the learning rates of the saved job)");
+      }
+      if (trainer->steps() != state.step) {
+        throw SetupError("train.resume: trainer_state.json says step " +
+                         std::to_string(state.step) + ", optimizer.safetensors " +
+                         std::to_string(trainer->steps()));
+      }
+    }
+  } catch (const SetupError& e) {
+    fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
+  } catch (const EngineError& e) {
+    if (e.code() == EngineError::Code::kUnavailable)
+      fail(kExitUnavailable, "UNAVAILABLE", e.what());
+    fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
+         e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
+         e.what());
+  } catch (const std::exception& e) {
+    fail(kExitFailed, "INTERNAL", e.what());
+  }
+
+  const bool tty = main_rank && ::isatty(STDOUT_FILENO);
+  auto save = [&](const std::string& dir, int64_t position) {
+    trainer->SaveCheckpoint(dir);
+    // The tokenizer beside the weights: the directory serves text with vlmgraph-server --model.
+    const std::string tok = TokenizerPath(c);
+    const std::string tok_dir =
+        tok.substr(0, tok.rfind('/') == std::string::npos ? 0 : tok.rfind('/'));
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+      const std::string from = (std::string(name) == "tokenizer.json") ? tok : tok_dir + "/" + name;
+      const std::string to = dir + "/" + name;
+      if (!from.empty() && IsFile(from) && from != to) WriteText(to, ReadText(from));
+    }
+    json s;
+    s["step"] = trainer->steps();
+    s["position"] = position;
+    s["global_batch_size"] = c.global_batch_size;
+    s["world_size"] = env.world_size;
+    s["seed"] = c.seed;
+    s["shuffle"] = c.shuffle;
+    s["dataset"] = c.dataset;
+    s["dataset_examples"] = data->size();
+    WriteText(dir + "/trainer_state.json", s.dump(2) + "\n");
+  };
+
+  DataOrder order(data->size(), c.seed, c.shuffle);
+  int64_t position = state.position;
+  const auto started = std::chrono::steady_clock::now();
+  const int64_t first_step = trainer->steps();
+  double last_loss = 0;
+  if (main_rank && first_step >= total_steps) {
+    std::cout << "vlmgraph-train: nothing to do: step " << first_step << " of " << total_steps
+              << std::endl;
+  }
+  try {
+    while (trainer->steps() < total_steps) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<int64_t> batch;
+      for (int64_t k = 0; k < c.global_batch_size; ++k) batch.push_back(order.At(position + k));
+      const std::vector<int64_t> shard = ShardForRank(batch, env.rank, env.world_size);
+      std::vector<TrainExample> examples;
+      for (int64_t index : shard) {
+        try {
+          examples.push_back(data->Example(index, *text, cfg, MaxTokens(c),
+                                           "buckets.train_seq_lens, with buckets.oversize reject",
+                                           c.max_tiles_per_example));
+        } catch (const DatasetError& e) {
+          fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
+        }
+      }
+      if (c.lr_schedule == "cosine")
+        trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
+      const TrainStepResult r = trainer->Step(examples);
+      position += c.global_batch_size;
+      last_loss = r.loss;
+      const double step_seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (main_rank && (r.step % c.log_every == 0 || r.step == total_steps)) {
+        const double elapsed =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        const double per_step = elapsed / static_cast<double>(r.step - first_step);
+        const double eta = per_step * static_cast<double>(total_steps - r.step);
+        const double tokens_per_second =
+            static_cast<double>(r.real_tokens * env.world_size) / std::max(step_seconds, 1e-9);
+        char line[256];
+        if (tty) {
+          const int width = 24;
+          const int filled = static_cast<int>(width * r.step / total_steps);
+          std::snprintf(line, sizeof(line), "\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  ETA %s   ",
+                        std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                        static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
+                        tokens_per_second, Duration(eta).c_str());
+          std::cout << line << (r.step == total_steps ? "\n" : "") << std::flush;
+        } else {
+          std::snprintf(
+              line, sizeof(line),
+              "step %lld/%lld loss %.6f grad_norm %.4g tokens/s %.0f step_s %.3f eta %s%s",
+              static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
+              r.grad_norm, tokens_per_second, step_seconds, Duration(eta).c_str(),
+              r.skipped ? " skipped" : "");
+          std::cout << line << std::endl;
+        }
+      }
+      if (main_rank && !c.save_dir.empty() && c.save_every_steps > 0 &&
+          r.step % c.save_every_steps == 0 && r.step != total_steps) {
+        save(c.save_dir, position);
+      }
+    }
+    if (main_rank && !c.save_dir.empty()) save(c.save_dir, position);
+    // Every rank ends together: no rank leaves while another still needs it.
+    if (group) group->Barrier();
+  } catch (const EngineError& e) {
+    if (e.code() == EngineError::Code::kUnavailable)
+      fail(kExitUnavailable, "UNAVAILABLE", e.what());
+    fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
+         e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
+         e.what());
+  } catch (const std::exception& e) {
+    fail(kExitFailed, "INTERNAL", e.what());
+  }
+  if (main_rank) {
+    char line[256];
+    std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, final loss %.9g%s%s",
+                  static_cast<long long>(trainer->steps()), last_loss,
+                  c.save_dir.empty() ? "" : ", saved to ", c.save_dir.c_str());
+    std::cout << line << std::endl;
+  }
+  return kExitOk;
+}
+
+}  // namespace vlmgraph::train
