@@ -40,6 +40,12 @@ EngineError Invalid(const std::string& message) {
   return EngineError(EngineError::Code::kInvalidArgument, message);
 }
 
+std::string LogSeconds(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g s", seconds);
+  return buf;
+}
+
 std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
 }
@@ -56,7 +62,22 @@ struct DataParallelGroup::State {
   std::optional<std::chrono::steady_clock::time_point> armed_at;
   bool watchdog_stop = false;
   std::thread watchdog;
+  // Heartbeats (Note [Heartbeats]): their own store client and thread.
+  c10::intrusive_ptr<c10d::Store> heartbeat_store;
+  std::thread heartbeat;
+  mutable std::mutex lost_mu;
+  std::string lost_peer;
 };
+
+// Note [Heartbeats]: a rank killed with SIGKILL says nothing to the others. Gloo notices when the
+// next collective's socket fails; NCCL may not notice at all (a kernel waits for the dead peer's
+// data for ever; once c10d aborts the communicator, a replayed graph's collectives return at once
+// without reducing, so training would go on with local gradients only). So, as torchrun's agents
+// keep heartbeats, each rank's thread bumps "<group>/heartbeat/<rank>" in the store every
+// heartbeat_seconds and reads every other rank's counter; one that has not moved for
+// timeout_seconds, or a store that fails (rank 0, which serves it, died), marks the peer lost.
+// The Trainer checks LostPeer before and after every step; an NCCL group also ends the process as
+// its step watchdog does (the device may be running a collective that never completes).
 
 bool DataParallelGroup::BackendAvailable(const std::string& backend) {
   if (backend == "gloo") return VLMGRAPH_HAVE_GLOO != 0;
@@ -67,13 +88,91 @@ bool DataParallelGroup::BackendAvailable(const std::string& backend) {
 DataParallelGroup::DataParallelGroup(DataParallelOptions options)
     : options_(std::move(options)), state_(std::make_unique<State>()) {}
 
-DataParallelGroup::~DataParallelGroup() {
+DataParallelGroup::~DataParallelGroup() { Leave(); }
+
+void DataParallelGroup::Leave() {
   {
     std::lock_guard<std::mutex> lock(state_->watchdog_mu);
     state_->watchdog_stop = true;
   }
   state_->watchdog_cv.notify_all();
   if (state_->watchdog.joinable()) state_->watchdog.join();
+  if (state_->heartbeat.joinable()) state_->heartbeat.join();
+}
+
+std::string DataParallelGroup::LostPeer() const {
+  std::lock_guard<std::mutex> lock(state_->lost_mu);
+  return state_->lost_peer;
+}
+
+void DataParallelGroup::StartHeartbeats() {
+  State& st = *state_;
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(store_port());
+  so.isServer = false;
+  so.numWorkers = static_cast<int>(options_.world_size);
+  so.waitWorkers = false;
+  so.timeout = Millis(options_.timeout_seconds);
+  st.heartbeat_store = c10::make_intrusive<c10d::PrefixStore>(
+      options_.group_name + "/heartbeat",
+      c10::make_intrusive<c10d::TCPStore>(options_.store_host, so));
+  st.heartbeat = std::thread([this, &st] {
+    using Clock = std::chrono::steady_clock;
+    const auto period = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(options_.heartbeat_seconds));
+    const auto limit = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(options_.timeout_seconds));
+    std::vector<int64_t> seen(options_.world_size, -1);
+    std::vector<Clock::time_point> moved(options_.world_size, Clock::now());
+    int store_failures = 0;
+    std::unique_lock<std::mutex> lock(st.watchdog_mu);
+    while (!st.watchdog_stop) {
+      lock.unlock();
+      std::string lost;
+      try {
+        st.heartbeat_store->add(std::to_string(options_.rank), 1);
+        store_failures = 0;
+        const auto now = Clock::now();
+        for (int64_t r = 0; r < options_.world_size && lost.empty(); ++r) {
+          if (r == options_.rank) continue;
+          const int64_t count = st.heartbeat_store->add(std::to_string(r), 0);
+          if (count != seen[r]) {
+            seen[r] = count;
+            moved[r] = now;
+          } else if (now - moved[r] > limit) {
+            lost = "rank " + std::to_string(r) + " sent no heartbeat for " +
+                   LogSeconds(options_.timeout_seconds) + " (it died or hangs)";
+          }
+        }
+      } catch (const std::exception& e) {
+        // A store that fails twice in a row: one failure may be rank 0 leaving at the end of a
+        // job while this rank is about to Leave too.
+        if (++store_failures >= 2) {
+          lost = "the store at " + options_.store_host + ":" + std::to_string(store_port()) +
+                 " failed (rank 0 died?): " + e.what();
+        }
+      }
+      if (!lost.empty()) {
+        lock.lock();
+        if (st.watchdog_stop) return;  // Leave() came first: the job ended
+        lock.unlock();
+        {
+          std::lock_guard<std::mutex> l(st.lost_mu);
+          st.lost_peer = lost;
+        }
+        if (options_.backend == "nccl") {
+          std::fprintf(stderr, "data parallel rank %lld: UNAVAILABLE: %s; ending the process "
+                       "(status %d)\n", static_cast<long long>(options_.rank), lost.c_str(),
+                       kHangExitStatus);
+          std::fflush(stderr);
+          std::_Exit(kHangExitStatus);
+        }
+        return;
+      }
+      lock.lock();
+      st.watchdog_cv.wait_for(lock, period);
+    }
+  });
 }
 
 void DataParallelGroup::ArmStepWatchdog() {
@@ -176,6 +275,7 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     }
 #endif
     group->Barrier();  // every rank has joined (or the timeout threw)
+    if (options.world_size > 1) group->StartHeartbeats();
   } catch (const EngineError&) {
     throw;
   } catch (const c10::Error& e) {

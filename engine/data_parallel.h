@@ -67,6 +67,8 @@ struct DataParallelOptions {
   int64_t bucket_bytes = 25 * 1024 * 1024;
   // Prefix of every store key, so several groups (jobs) can share one store.
   std::string group_name = "vlmgraph";
+  // Peer liveness heartbeat period, seconds (> 0); see DataParallelGroup::LostPeer.
+  double heartbeat_seconds = 1;
 };
 
 class DataParallelGroup {
@@ -122,9 +124,22 @@ class DataParallelGroup {
   void ArmStepWatchdog();
   void DisarmStepWatchdog();
 
+  // Peer liveness (Note [Heartbeats] in data_parallel.cc): every rank bumps its counter in the
+  // store every heartbeat_seconds from a thread of its own and reads the others'; a rank whose
+  // counter has not moved for timeout_seconds, or a store that cannot be reached, is a lost peer.
+  // A collective with a lost peer may hang, or (NCCL, once its communicator is aborted) return
+  // without reducing anything, so a step must not trust it. Empty while every peer is alive, else
+  // a message naming the lost rank. Thread-safe.
+  std::string LostPeer() const;
+  // Stops the heartbeat and the step watchdog: call it once every rank is done (after a final
+  // Barrier), before the process exits, so that a rank that leaves first (rank 0 takes the store
+  // with it) is not taken for a lost one. The destructor calls it. Collectives still work.
+  void Leave();
+
  private:
   struct State;
   explicit DataParallelGroup(DataParallelOptions options);
+  void StartHeartbeats();
   DataParallelOptions options_;
   std::unique_ptr<State> state_;
 };

@@ -258,6 +258,14 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
       });
 }
 
+void Trainer::CheckPeers() const {
+  const std::string lost = options_.data_parallel->LostPeer();
+  if (lost.empty()) return;
+  throw EngineError(EngineError::Code::kUnavailable,
+                    "data parallel rank " + std::to_string(options_.data_parallel->rank()) +
+                        ": a peer was lost: " + lost + "; the job ends");
+}
+
 void Trainer::BuildReducer() {
   reducer_ = std::make_unique<Reducer>();
   Reducer& r = *reducer_;
@@ -751,7 +759,10 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   if (!data_parallel_) CheckSomethingLearns(examples);
   Warmup();
   const auto t0 = Clock::now();
-  if (data_parallel_) options_.data_parallel->ArmStepWatchdog();  // Note [A rank that dies]
+  if (data_parallel_) {  // Note [A rank that dies]
+    CheckPeers();
+    options_.data_parallel->ArmStepWatchdog();
+  }
   auto step = std::make_unique<PendingStep>();
   const int64_t n = static_cast<int64_t>(examples.size());
   const int64_t max_rows = options_.buckets.train_batch_sizes.back();
@@ -862,7 +873,12 @@ void Trainer::FinishStep() {
   at::Tensor report = at::stack({s.loss_sum.to(at::kDouble), s.optimizer_out.at(0).to(at::kDouble),
                                  s.optimizer_out.at(1).to(at::kDouble)})
                           .cpu();
-  if (data_parallel_) options_.data_parallel->DisarmStepWatchdog();
+  if (data_parallel_) {
+    options_.data_parallel->DisarmStepWatchdog();
+    // A collective whose peer was lost may have returned without reducing (Note [Heartbeats] in
+    // engine/data_parallel.cc): such a step must not count.
+    CheckPeers();
+  }
   ++steps_;
   r.step = steps_;
   const double* v = report.data_ptr<double>();

@@ -268,6 +268,8 @@ class Trainer {
   // Data parallel (Note [Overlapped all-reduce]): the accumulators become views of per-bucket
   // flat buffers and a gradient hook goes on every trained parameter.
   void BuildReducer();
+  // Data parallel: EngineError(kUnavailable) when the group lost a peer (LostPeer).
+  void CheckPeers() const;
   // The hook: parameter i's gradient of the backward in progress.
   void OnGradient(size_t i, const at::Tensor& grad);
   // Accumulates (and with the backward's `reduce`, starts the all-reduce of) every bucket whose

@@ -90,9 +90,7 @@ RankEnv RankEnvFromEnvironment() {
   }
   env.store_port = env.master_port;
   const char* agent_store = Get("TORCHELASTIC_USE_AGENT_STORE");
-  if (agent_store != nullptr && std::string(agent_store) == "True") {
-    env.store_port = env.master_port + 1;  // the agent serves MASTER_PORT itself
-  }
+  env.agent_store = agent_store != nullptr && std::string(agent_store) == "True";
   if (const char* attempt = Get("TORCHELASTIC_RESTART_COUNT"))
     env.group_name += "/attempt_" + std::string(attempt);
   return env;

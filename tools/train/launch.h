@@ -6,9 +6,9 @@
 //   SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID stand for RANK, WORLD_SIZE and LOCAL_RANK
 //   (MASTER_ADDR and MASTER_PORT must still be exported). None set: one rank (rank 0 of 1).
 // The store (engine/data_parallel.h's TCPStore) lives on MASTER_ADDR:MASTER_PORT, served by
-// rank 0. Under torchrun, whose agent already serves its own store on MASTER_PORT
-// (TORCHELASTIC_USE_AGENT_STORE=True), ours is on MASTER_PORT + 1, and its keys carry
-// TORCHELASTIC_RESTART_COUNT so a restarted job does not read the old one's.
+// rank 0. Under torchrun, whose agent already serves that store (TORCHELASTIC_USE_AGENT_STORE=True),
+// every rank joins the agent's store as a client, as torch.distributed's env:// init does, and
+// its keys carry TORCHELASTIC_RESTART_COUNT so a restarted job does not read the old one's.
 //
 //   RankEnv env = RankEnvFromEnvironment();
 //   int status = LaunchLocalRanks(argv_without_the_flag, 4);  // forks 4 ranks, waits for them
@@ -34,7 +34,8 @@ struct RankEnv {
   int64_t local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int64_t master_port = 29500;
-  int64_t store_port = 29500;  // the port our store uses (see the file comment)
+  int64_t store_port = 29500;  // the store's port: MASTER_PORT
+  bool agent_store = false;    // torchrun's agent serves the store (see the file comment)
   std::string group_name = "vlmgraph-train";
   std::string source = "single";  // "torchrun", "env", "slurm" or "single"
 };

@@ -280,6 +280,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       o.world_size = env.world_size;
       o.store_host = env.master_addr;
       o.store_port = env.store_port;
+      o.launcher_store = env.agent_store;
       o.timeout_seconds = c.timeout_seconds;
       o.backend = backend;
       o.device_index = device.is_cuda() ? device.index() : 0;
@@ -430,7 +431,10 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     }
     if (main_rank && !c.save_dir.empty()) save(c.save_dir, position);
     // Every rank ends together: no rank leaves while another still needs it.
-    if (group) group->Barrier();
+    if (group) {
+      group->Barrier();
+      group->Leave();  // no rank takes the first to leave for a lost one
+    }
   } catch (const EngineError& e) {
     if (e.code() == EngineError::Code::kUnavailable)
       fail(kExitUnavailable, "UNAVAILABLE", e.what());
