@@ -115,6 +115,10 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   else if (!profile_trace.empty()) {  // the other ranks take the same steps, untraced
     for (int i = 0; i < 3; ++i) step();
   }
+  if (o.data_parallel) {  // every rank done before any leaves (Note [Heartbeats])
+    o.data_parallel->Barrier();
+    o.data_parallel->Leave();
+  }
   const auto mem = vlmgraph::DeviceMemory(device);
   const double median_ms = ms[ms.size() / 2];
   return {{"world_size", env.world_size},

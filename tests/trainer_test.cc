@@ -1162,6 +1162,10 @@ TEST(DataParallel, ProcessRank) {
   std::map<std::string, at::Tensor> out = Masters(t);
   out["__losses__"] = at::tensor(losses, at::kDouble);
   WriteSafetensors(std::getenv("VLMGRAPH_TEST_DP_OUT"), out);
+  if (o.data_parallel) {  // every rank done before any leaves (Note [Heartbeats])
+    o.data_parallel->Barrier();
+    o.data_parallel->Leave();
+  }
 }
 
 // Runs DataParallel.ProcessRank as `world` child processes (ranks 0 .. world - 1) writing
