@@ -10,7 +10,7 @@
 //   [--timeout-seconds 300]         (data parallel: a step longer than this ends the job)
 //
 // Data parallel: started by torchrun (or anything that sets its RANK, WORLD_SIZE, LOCAL_RANK,
-// MASTER_ADDR, MASTER_PORT), each rank trains its own batch x seq on cuda:LOCAL_RANK with NCCL
+// MASTER_ADDR, MASTER_PORT; read as vlmgraph-train reads them, tools/train/launch.h), each rank trains its own batch x seq on cuda:LOCAL_RANK with NCCL
 // (the per-GPU batch is fixed, as upstream's DDP runs); rank 0 prints and writes the figures,
 // with tokens/s per GPU:
 //   torchrun --nproc_per_node=2 --no-python vlmgraph-train-bench --mode graph --batch 8 --seq 1024
@@ -34,13 +34,14 @@
 #include "bench/synthetic.h"
 #include "engine/device.h"
 #include "engine/trainer.h"
+#include "tools/train/launch.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
                    const std::string& profile_trace, const std::string& recompute,
-                   bool fused_optimizer, const vlmgraph::LaunchEnvironment& env,
+                   bool fused_optimizer, const vlmgraph::train::RankEnv& env,
                    int64_t bucket_bytes, double timeout_seconds) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   at::manual_seed(0);
@@ -56,7 +57,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
     dp.rank = env.rank;
     dp.world_size = env.world_size;
     dp.store_host = env.master_addr;
-    dp.store_port = env.master_port;
+    dp.store_port = env.store_port;
     dp.launcher_store = env.agent_store;
     dp.backend = "nccl";
     dp.device_index = env.local_rank;
@@ -169,7 +170,7 @@ int Main(int argc, char** argv) {
     else if (k == "--timeout-seconds")
       timeout_seconds = std::stod(v);
   }
-  const vlmgraph::LaunchEnvironment env = vlmgraph::ReadLaunchEnvironment();
+  const vlmgraph::train::RankEnv env = vlmgraph::train::RankEnvFromEnvironment();
   if (env.world_size > 1) c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "needs a CUDA device\n");
@@ -214,5 +215,8 @@ int main(int argc, char** argv) {
                  e.code() == vlmgraph::EngineError::Code::kUnavailable ? "UNAVAILABLE" : "error",
                  e.what());
     return e.code() == vlmgraph::EngineError::Code::kUnavailable ? 3 : 1;
+  } catch (const std::exception& e) {  // e.g. a malformed RANK / WORLD_SIZE
+    std::fprintf(stderr, "vlmgraph-train-bench: %s\n", e.what());
+    return 2;
   }
 }

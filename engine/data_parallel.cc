@@ -21,7 +21,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -384,36 +383,6 @@ void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_
 void DataParallelGroup::Barrier() {
   if (!state_->backend) return;
   Wait("barrier", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->barrier(); });
-}
-
-LaunchEnvironment ReadLaunchEnvironment() {
-  LaunchEnvironment env;
-  auto number = [](const char* name, int64_t fallback) -> int64_t {
-    const char* v = std::getenv(name);
-    if (v == nullptr || *v == '\0') return fallback;
-    char* end = nullptr;
-    errno = 0;
-    const long long x = std::strtoll(v, &end, 10);
-    if (errno != 0 || end == v || *end != '\0')
-      throw Invalid(std::string(name) + "=\"" + v + "\" is not an integer (torchrun's variables)");
-    return static_cast<int64_t>(x);
-  };
-  env.from_launcher = std::getenv("WORLD_SIZE") != nullptr;
-  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE"))
-    env.agent_store = std::string(a) == "True" || std::string(a) == "true" || std::string(a) == "1";
-  env.world_size = number("WORLD_SIZE", 1);
-  env.rank = number("RANK", 0);
-  env.local_rank = number("LOCAL_RANK", env.world_size == 1 ? 0 : env.rank);
-  env.master_port = number("MASTER_PORT", 29500);
-  if (const char* a = std::getenv("MASTER_ADDR"); a != nullptr && *a != '\0') env.master_addr = a;
-  if (env.world_size < 1) throw Invalid("WORLD_SIZE must be >= 1");
-  if (env.rank < 0 || env.rank >= env.world_size)
-    throw Invalid("RANK=" + std::to_string(env.rank) + " must lie in [0, WORLD_SIZE=" +
-                  std::to_string(env.world_size) + ")");
-  if (env.local_rank < 0) throw Invalid("LOCAL_RANK must be >= 0");
-  if (env.master_port < 1 || env.master_port > 65535)
-    throw Invalid("MASTER_PORT must lie in [1, 65535]");
-  return env;
 }
 
 void DataParallelGroup::StartAllReduceSum(const at::Tensor& tensor) {

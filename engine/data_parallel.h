@@ -144,23 +144,6 @@ class DataParallelGroup {
   std::unique_ptr<State> state_;
 };
 
-// Where a rank learns its place: torchrun's environment, as torch.distributed's env:// init reads
-// it (torch/distributed/rendezvous.py; torchrun, `srun` with these exported, and a Kubernetes
-// PyTorchJob all set them). Absent variables: one rank (RANK 0, WORLD_SIZE 1, LOCAL_RANK 0),
-// MASTER_ADDR 127.0.0.1, MASTER_PORT 29500. Throws EngineError(kInvalidArgument) naming the
-// variable when one is not a number or out of range (RANK outside [0, WORLD_SIZE), a port outside
-// [1, 65535]).
-struct LaunchEnvironment {
-  int64_t rank = 0, world_size = 1, local_rank = 0;
-  std::string master_addr = "127.0.0.1";
-  int64_t master_port = 29500;
-  bool from_launcher = false;  // WORLD_SIZE was set
-  // TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT
-  // (DataParallelOptions::launcher_store).
-  bool agent_store = false;
-};
-LaunchEnvironment ReadLaunchEnvironment();
-
 // The contiguous shard of a global batch that `rank` of `world_size` trains: elements
 // [rank * p, min((rank + 1) * p, n)) with p = ceil(n / world_size), the split Trainer::Step uses
 // for gradient-accumulation micro-batches, so world_size ranks with grad_accum_steps a take the
