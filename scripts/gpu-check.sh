@@ -8,6 +8,11 @@
 #         by tools/convert_gguf.py; transformers parity in bfloat16; vlmgraph-bench on it; and
 #         bench/serving_bench.py (HTTP + gRPC, concurrency 1 / 8 / 64) against the server in bf16
 #   soak: scripts/soak.py against nanovlm-460m bf16 on the GPU (see the part below)
+#   dptrain, dpserve: data-parallel training and serving on every GPU of the host
+#         (scripts/gpu/multi_gpu.sh: NCCL parity, scaling at 1/2/4/8 GPUs with the overlap trace,
+#         vlmgraph-train under torchrun and a rank killed mid-job; serving 1..N GPUs behind one
+#         endpoint over HTTP and gRPC); $VLMGRAPH_TOKENIZER names a SmolLM2 tokenizer.json
+#         (the entry-point and serving checks need it), $HTTP_LOAD the HTTP load generator
 #
 # BUILD_DIR is a build tree of this repository (scripts/test.sh's `build`, or any CMake build with
 # VLMGRAPH_WITH_CUDA, which a CPU machine with the CUDA toolkit makes, as CI does): only its
@@ -128,6 +133,9 @@ for p in $PARTS; do
         --server-arg=--dtype --server-arg=bfloat16 "${tok_args[@]}" \
         --duration "${VLMGRAPH_SOAK_SECONDS:-480}" --concurrency 16 --json "$OUT/soak.json" \
         --server-log "$OUT/soak_server.log"
+      ;;
+    dptrain | dpserve)
+      part "$p" scripts/gpu/multi_gpu.sh "$BIN" "$OUT" "$p"
       ;;
     *) echo "unknown part $p" && failed=$((failed + 1)) ;;
   esac
