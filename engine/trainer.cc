@@ -139,6 +139,15 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     throw Invalid(e.what());
   }
   if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
+  // The model has no dropout layers (upstream nanoVLM's configs set both rates to 0): a checkpoint
+  // asking for dropout would silently train without it.
+  if (source->cfg.vit_dropout != 0 || source->cfg.lm_dropout != 0) {
+    throw Invalid("the model's config.json asks for dropout (vit_dropout " +
+                  LogFormat("%g", source->cfg.vit_dropout) + ", lm_dropout " +
+                  LogFormat("%g", source->cfg.lm_dropout) +
+                  "), which the trainer does not apply: set both to 0 in config.json to train "
+                  "this checkpoint (serving ignores them, as evaluation mode does)");
+  }
   if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
     throw Invalid("compute_dtype must be float32 or bfloat16");
   model_->vision_encoder->recompute_blocks = options_.recompute_vision;

@@ -67,7 +67,8 @@
 //   and its gradient is produced in bf16 instead of through a cast's float32 backward.
 //
 // Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
-// Errors: EngineError(kInvalidArgument) for bad examples (ids out of range, image-token count not
+// Errors: EngineError(kInvalidArgument) at construction for a model whose config asks for dropout
+// (vit_dropout or lm_dropout not 0: the model has no dropout layers); for bad examples (ids out of range, image-token count not
 // matching tiles, targets length) and for a batch that no trained parameter can learn from (the
 // language model is not trained and no example has an image); std::runtime_error for I/O
 // (std::system_error naming the file and errno when a checkpoint cannot be written).

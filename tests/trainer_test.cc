@@ -1262,6 +1262,22 @@ namespace {
 
 // Each group takes the rate configured for it (a group without one takes `lr`), the step reports
 // the rates it took, and a schedule's scale multiplies every group's configured rate.
+// The model has no dropout layers: a config that asks for dropout is refused, not trained without.
+TEST(Trainer, RefusesAModelThatAsksForDropout) {
+  for (const char* field : {"vit_dropout", "lm_dropout"}) {
+    VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+    (std::string(field) == "vit_dropout" ? m->cfg.vit_dropout : m->cfg.lm_dropout) = 0.1;
+    try {
+      Trainer t(m, FixtureOptions(at::kCPU, false));
+      ADD_FAILURE() << field << " 0.1 accepted";
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("set both to 0"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Trainer, StepReportsTheRateEachGroupTook) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCPU, false);
