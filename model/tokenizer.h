@@ -67,12 +67,9 @@
 #include <string_view>
 #include <vector>
 
-namespace vlmgraph {
+#include "model/tokenizer_error.h"
 
-class TokenizerError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+namespace vlmgraph {
 
 // One entry of tokenizer.json's "added_tokens" (tokenizers' AddedToken).
 struct AddedToken {

@@ -4,7 +4,7 @@
 #include <functional>
 #include <queue>
 
-#include "model/tokenizer.h"
+#include "model/tokenizer_error.h"
 #include "model/tokenizer_unicode.h"
 
 namespace vlmgraph::tokenizer_detail {

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "model/tokenizer.h"
+#include "model/tokenizer_error.h"
 #include "model/tokenizer_unicode.h"
 
 namespace vlmgraph::tokenizer_detail {

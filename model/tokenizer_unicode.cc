@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "model/tokenizer.h"
+#include "model/tokenizer_error.h"
 
 namespace vlmgraph::tokenizer_detail {
 namespace {
