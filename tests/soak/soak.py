@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Soak test of vlmgraph-server: a bounded mixed load for a fixed time, with a PASS/FAIL verdict.
 
-    python3 scripts/soak.py --duration 1800 --json /tmp/soak-cpu.json          # start a server
-    python3 scripts/soak.py --server-arg=--model --server-arg=DIR ...           # a checkpoint
-    python3 scripts/soak.py --grpc H:P --http H:P --metrics H:P --pid PID ...   # attach to one
-    python3 scripts/soak.py --ops train,forward --duration 600 ...              # part of the mix
+    python3 tests/soak/soak.py --duration 1800 --json /tmp/soak-cpu.json          # start a server
+    python3 tests/soak/soak.py --server-arg=--model --server-arg=DIR ...           # a checkpoint
+    python3 tests/soak/soak.py --grpc H:P --http H:P --metrics H:P --pid PID ...   # attach to one
+    python3 tests/soak/soak.py --ops train,forward --duration 600 ...              # part of the mix
 
 It starts `--server` (default build/server/vlmgraph-server, the built-in nanovlm-tiny model on the
 CPU unless --server-arg says otherwise) on free loopback ports and reads its ready line, or
@@ -82,7 +82,7 @@ import time
 import traceback
 import zlib
 
-ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 
 import grpc  # noqa: E402
