@@ -378,6 +378,44 @@ TEST(ServerConfig, AnEmptyFlagValueIsTheEmptyString) {
   EXPECT_THROW(FromArgs({"--set", "batching.max_queue_size="}), ServerConfigError);
 }
 
+TEST(ServerConfig, AddressesTakeEveryFormFromYamlAndFlags) {
+  const ServerConfig c = FromYaml(
+      "server:\n  grpc_address: '[::1]:0'\n  metrics_address: \"[::]:9464\"\n"
+      "  http_address: localhost:8000\n");
+  EXPECT_EQ(c.server.grpc_address, ListenAddress::Parse("[::1]:0"));
+  EXPECT_EQ(c.server.metrics_address.host(), "::");
+  EXPECT_EQ(c.server.http_address.host(), "localhost");
+  // Printed and read back unchanged (an IPv6 address is quoted in the YAML).
+  EXPECT_EQ(FromYaml(ConfigToYaml(c)).server.grpc_address, c.server.grpc_address);
+  // Flags take the text as is: YAML would read [::1]:0 as a list.
+  const ServerConfig f = FromArgs({"--grpc-address", "[::1]:0", "--metrics-address=[::1]:0",
+                                   "--set", "server.http_address=[::1]:0"});
+  EXPECT_EQ(f.server.grpc_address.ToString(), "[::1]:0");
+  EXPECT_EQ(f.server.metrics_address.ToString(), "[::1]:0");
+  EXPECT_EQ(f.server.http_address.ToString(), "[::1]:0");
+  EXPECT_EQ(FromArgs({"--set", "server.grpc_address=~"}).server.grpc_address.ToString(),
+            "127.0.0.1:50051");
+}
+
+TEST(ServerConfig, AddressErrorsNameTheKeyAndTheLine) {
+  const std::string bad = ErrorMessage("server:\n  http_address: '::1:8000'\n");
+  EXPECT_EQ(bad.rfind("server.http_address: '::1:8000' has an IPv6 address without brackets", 0),
+            0u)
+      << bad;
+  EXPECT_NE(bad.find("line 2"), std::string::npos) << bad;
+  // Unquoted brackets are a YAML list: the message says to quote the address.
+  const std::string unquoted = ErrorMessage("server:\n  grpc_address: [::1]\n");
+  EXPECT_NE(unquoted.find("server.grpc_address: "), std::string::npos) << unquoted;
+  EXPECT_NE(unquoted.find("\"[::1]:8000\""), std::string::npos) << unquoted;
+  EXPECT_NE(ErrorMessage("server: {metrics_address: ':9464'}\n").find("server.metrics_address"),
+            std::string::npos);
+  EXPECT_NE(
+      ErrorMessage("server: {grpc_address: ''}\n").find("server.grpc_address: must not be empty"),
+      std::string::npos);
+  EXPECT_THROW(FromArgs({"--http-address", "[::1]"}), ServerConfigError);
+  EXPECT_TRUE(FromYaml("server: {http_address: ''}\n").server.http_address.empty());
+}
+
 TEST(ServerConfig, BadFlagsAreErrors) {
   EXPECT_THROW(FromArgs({"--no-such-flag"}), ServerConfigError);
   EXPECT_THROW(FromArgs({"--model"}), ServerConfigError);  // needs a value

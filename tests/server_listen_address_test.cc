@@ -1,7 +1,7 @@
 // Listen addresses (server/listen_address.h): the one parser of server.grpc_address,
 // server.metrics_address and server.http_address (good and bad forms, IPv6 brackets, the port
-// range, the messages), the config and flags that carry them, the exposure rule's loopback test,
-// and the three listeners (gRPC, HTTP, metrics) on [::1]:0.
+// range, the messages), the exposure rule's loopback test, and the three listeners (gRPC, HTTP,
+// metrics) on [::1]:0. The config and flags that carry addresses: tests/server_config_test.cc.
 #include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
@@ -10,7 +10,6 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
-#include <yaml-cpp/yaml.h>
 
 #include <stdexcept>
 #include <string>
@@ -18,7 +17,6 @@
 
 #include "server/auth.h"
 #include "server/config.h"
-#include "server/flags.h"
 #include "server/grpc_server.h"
 #include "server/http_server.h"
 #include "server/listen_address.h"
@@ -116,66 +114,8 @@ TEST(ListenAddress, LoopbackIs127Slash8AndColonColon1) {
   EXPECT_FALSE(ListenAddress::Parse("[::1]:1").IsWildcard());
 }
 
-ServerConfig FromYaml(const std::string& text) {
-  ServerConfig c = FillDefaults(ParseConfig(LoadYaml(text, "test.yaml")));
-  ValidateConfig(c);
-  return c;
-}
-
-std::string YamlError(const std::string& text) {
-  try {
-    FromYaml(text);
-  } catch (const ServerConfigError& e) {
-    return e.what();
-  }
-  return "";
-}
-
-ServerConfig FromArgs(std::vector<const char*> args) {
-  args.insert(args.begin(), "vlmgraph-server");
-  return LoadServerConfig(ParseCommandLine(static_cast<int>(args.size()), args.data()));
-}
-
-TEST(ListenAddress, ConfigAndFlagsTakeEveryForm) {
-  const ServerConfig c = FromYaml(
-      "server:\n  grpc_address: '[::1]:0'\n  metrics_address: \"[::]:9464\"\n"
-      "  http_address: localhost:8000\n");
-  EXPECT_EQ(c.server.grpc_address, ListenAddress::Parse("[::1]:0"));
-  EXPECT_EQ(c.server.metrics_address.host(), "::");
-  EXPECT_EQ(c.server.http_address.host(), "localhost");
-  // Printed and read back unchanged (an IPv6 address is quoted in the YAML).
-  EXPECT_EQ(FromYaml(ConfigToYaml(c)).server.grpc_address, c.server.grpc_address);
-  // Flags take the text as is: YAML would read [::1]:0 as a list.
-  const ServerConfig f = FromArgs({"--grpc-address", "[::1]:0", "--metrics-address=[::1]:0",
-                                   "--set", "server.http_address=[::1]:0"});
-  EXPECT_EQ(f.server.grpc_address.ToString(), "[::1]:0");
-  EXPECT_EQ(f.server.metrics_address.ToString(), "[::1]:0");
-  EXPECT_EQ(f.server.http_address.ToString(), "[::1]:0");
-  EXPECT_EQ(FromArgs({"--set", "server.grpc_address=~"}).server.grpc_address.ToString(),
-            "127.0.0.1:50051");
-}
-
-TEST(ListenAddress, ConfigErrorsNameTheKeyAndTheLine) {
-  const std::string bad = YamlError("server:\n  http_address: '::1:8000'\n");
-  EXPECT_EQ(bad.rfind("server.http_address: '::1:8000' has an IPv6 address without brackets", 0),
-            0u)
-      << bad;
-  EXPECT_NE(bad.find("line 2"), std::string::npos) << bad;
-  // Unquoted brackets are a YAML list: the message says to quote the address.
-  const std::string unquoted = YamlError("server:\n  grpc_address: [::1]\n");
-  EXPECT_NE(unquoted.find("server.grpc_address: "), std::string::npos) << unquoted;
-  EXPECT_NE(unquoted.find("\"[::1]:8000\""), std::string::npos) << unquoted;
-  EXPECT_NE(YamlError("server: {metrics_address: ':9464'}\n").find("server.metrics_address"),
-            std::string::npos);
-  EXPECT_NE(
-      YamlError("server: {grpc_address: ''}\n").find("server.grpc_address: must not be empty"),
-      std::string::npos);
-  EXPECT_THROW(FromArgs({"--http-address", "[::1]"}), ServerConfigError);
-  EXPECT_TRUE(FromYaml("server: {http_address: ''}\n").server.http_address.empty());
-}
-
 TEST(ListenAddress, ExposureRuleTreatsEveryLoopbackAlike) {
-  ServerConfig c = FromYaml("");
+  ServerConfig c = FillDefaults(RawConfig{});
   const ApiKeys no_keys;
   for (const char* grpc : {"127.0.0.1:0", "127.8.9.10:0", "[::1]:0", "localhost:0"}) {
     for (const char* http : {"", "[::1]:0", "127.0.0.2:0"}) {
@@ -235,8 +175,11 @@ std::string GetOverIpv6(int port, const std::string& path) {
 
 TEST(ListenAddress, EveryListenerServesOnIpv6Loopback) {
   if (!HasIpv6Loopback()) GTEST_SKIP() << "no IPv6 loopback on this machine";
-  const ServerConfig config = FromArgs(
-      {"--grpc-address", "[::1]:0", "--metrics-address", "[::1]:0", "--http-address", "[::1]:0"});
+  ServerConfig config = FillDefaults(RawConfig{});
+  for (ListenAddress* a :
+       {&config.server.grpc_address, &config.server.metrics_address, &config.server.http_address}) {
+    *a = ListenAddress::Parse("[::1]:0");
+  }
 
   // gRPC: a call reaches the service (its methods are unimplemented) over ::1.
   v1::VlmGraph::Service unimplemented;
