@@ -13,20 +13,36 @@ constexpr const char* kForms =
     "write HOST:PORT or [IPV6]:PORT, like 127.0.0.1:8000, 0.0.0.0:8000 (every IPv4 address), "
     "[::1]:8000 or [::]:8000 (every address); port 0 picks a free port";
 
+// `text` in quotes, a byte outside printable ASCII as \xNN (a message is a C string).
+std::string Quoted(std::string_view text) {
+  std::string out = "'";
+  for (char c : text) {
+    if (c >= ' ' && c <= '~') {
+      out += c;
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      const auto byte = static_cast<unsigned char>(c);
+      out += std::string("\\x") + kHex[byte >> 4] + kHex[byte & 15];
+    }
+  }
+  return out + "'";
+}
+
 [[noreturn]] void Fail(std::string_view text, const std::string& what) {
-  throw std::invalid_argument("'" + std::string(text) + "' " + what + ": " + kForms);
+  throw std::invalid_argument(Quoted(text) + " " + what + ": " + kForms);
 }
 
 bool IsHostNameChar(char c) {
   return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
 }
 
+// inet_pton reads up to a NUL: a host with one inside is no address.
 bool ParseIpv4(const std::string& host, in_addr* out) {
-  return inet_pton(AF_INET, host.c_str(), out) == 1;
+  return host.find('\0') == std::string::npos && inet_pton(AF_INET, host.c_str(), out) == 1;
 }
 
 bool ParseIpv6(const std::string& host, in6_addr* out) {
-  return inet_pton(AF_INET6, host.c_str(), out) == 1;
+  return host.find('\0') == std::string::npos && inet_pton(AF_INET6, host.c_str(), out) == 1;
 }
 
 }  // namespace
@@ -44,7 +60,7 @@ ListenAddress ListenAddress::Parse(std::string_view text) {
     if (host.empty() || !ParseIpv6(host, &v6)) {
       in_addr v4{};
       if (ParseIpv4(host, &v4)) Fail(text, "puts an IPv4 address in brackets, which are for IPv6");
-      Fail(text, "has '" + host + "' in brackets, which is not an IPv6 address");
+      Fail(text, "has " + Quoted(host) + " in brackets, which is not an IPv6 address");
     }
   } else {
     const size_t colon = text.rfind(':');
@@ -64,7 +80,7 @@ ListenAddress ListenAddress::Parse(std::string_view text) {
       Fail(text, "has more than one ':' outside brackets");
     }
     for (char c : host) {
-      if (!IsHostNameChar(c)) Fail(text, "has a host with '" + std::string(1, c) + "' in it");
+      if (!IsHostNameChar(c)) Fail(text, "has a host with " + Quoted({&c, 1}) + " in it");
     }
     bool dotted_digits = true;
     for (char c : host)
@@ -77,11 +93,11 @@ ListenAddress ListenAddress::Parse(std::string_view text) {
   const std::string_view port_text = rest.substr(1);
   if (port_text.empty()) Fail(text, "has no port after ':'");
   if (port_text.size() > 5)
-    Fail(text, "has port '" + std::string(port_text) + "', not a number from 0 to 65535");
+    Fail(text, "has port " + Quoted(port_text) + ", not a number from 0 to 65535");
   int port = 0;
   for (char c : port_text) {
     if (!std::isdigit(static_cast<unsigned char>(c)))
-      Fail(text, "has port '" + std::string(port_text) + "', not a number from 0 to 65535");
+      Fail(text, "has port " + Quoted(port_text) + ", not a number from 0 to 65535");
     port = port * 10 + (c - '0');
     if (port > 65535) Fail(text, "has port " + std::string(port_text) + ", beyond 65535");
   }

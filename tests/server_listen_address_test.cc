@@ -98,6 +98,14 @@ TEST(ListenAddress, RefusesMalformedFormsSayingWhatToWrite) {
     EXPECT_NE(message.find("'" + text + "'"), std::string::npos) << message;
     EXPECT_NE(message.find("write HOST:PORT or [IPV6]:PORT"), std::string::npos) << message;
   }
+  // A byte outside printable ASCII is written as \xNN (inet_pton would stop at a NUL).
+  EXPECT_EQ(
+      ParseError(std::string("[::1\0x]:80", 10))
+          .rfind("'[::1\\x00x]:80' has '::1\\x00x' in brackets, which is not an IPv6 address", 0),
+      0u)
+      << ParseError(std::string("[::1\0x]:80", 10));
+  EXPECT_NE(ParseError("h\tost:80").find("'h\\x09ost:80' has a host with '\\x09' in it"),
+            std::string::npos);
 }
 
 TEST(ListenAddress, LoopbackIs127Slash8AndColonColon1) {
