@@ -1,7 +1,5 @@
 #include "server/auth.h"
 
-#include <arpa/inet.h>
-
 #include <fstream>
 #include <sstream>
 
@@ -41,11 +39,6 @@ unsigned ParseScopes(const std::string& text, const std::string& where) {
   }
   if (scopes == 0) throw ServerConfigError(where, "no scope given");
   return scopes;
-}
-
-std::string HostOf(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
 }
 
 }  // namespace
@@ -145,18 +138,6 @@ void ApiKeys::Authorize(std::string_view authorization, Scope scope,
   }
 }
 
-bool IsLoopbackHost(const std::string& host_in) {
-  std::string host = host_in;
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  if (host == "localhost") return true;
-  in_addr v4{};
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6{};
-  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
-  return false;
-}
-
 std::string ReadPemFile(const std::string& path, const std::string& key_path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ServerConfigError(key_path, "cannot read '" + path + "'");
@@ -179,11 +160,11 @@ void CheckExposure(const ServerConfig& config, const ApiKeys& keys) {
   }
   if (keys.enabled() || config.auth.allow_unauthenticated) return;
   for (const auto& [key, address] :
-       {std::pair<const char*, std::string>{"server.grpc_address", config.server.grpc_address},
+       {std::pair<const char*, ListenAddress>{"server.grpc_address", config.server.grpc_address},
         {"server.http_address", config.server.http_address}}) {
-    if (address.empty() || IsLoopbackHost(HostOf(address))) continue;
+    if (address.empty() || address.IsLoopback()) continue;
     throw ServerConfigError(
-        key, "listens on " + address +
+        key, "listens on " + address.ToString() +
                  ", which is not a loopback address, and no API key is configured: anyone who "
                  "reaches it could generate, train and save. Set auth.api_keys_file (or "
                  "VLMGRAPH_API_KEY), or set auth.allow_unauthenticated: true if the server is "

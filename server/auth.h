@@ -21,11 +21,12 @@
 // /health), reflection and /metrics never need a key. Keys are compared in constant time per key;
 // no key or part of one is ever logged.
 //
-// Note [Exposure rule]: a server whose gRPC or HTTP address is not a loopback address (127.0.0.0/8,
-// ::1, localhost) refuses to start without keys unless auth.allow_unauthenticated is true, so a
-// published port is never open by accident. TLS (tls.cert_file + tls.key_file, both PEM) covers
-// gRPC and HTTP; tls.client_ca_file additionally requires every client to present a certificate
-// signed by that CA (mutual TLS).
+// Note [Exposure rule]: a server whose gRPC or HTTP address is not a loopback address
+// (ListenAddress::IsLoopback: 127.0.0.0/8, ::1 and its IPv4-mapped form, localhost) refuses to
+// start without keys unless auth.allow_unauthenticated is true, so a published port is never open
+// by accident. TLS (tls.cert_file + tls.key_file, both PEM) covers gRPC and HTTP;
+// tls.client_ca_file additionally requires every client to present a certificate signed by that CA
+// (mutual TLS).
 //
 // Thread rules: an ApiKeys is immutable after Load; Authorize is safe from any thread.
 // Errors: Load and CheckExposure throw ServerConfigError (naming the key path or file line);
@@ -73,9 +74,6 @@ class ApiKeys {
   };
   std::vector<Key> keys_;
 };
-
-// True for 127.0.0.0/8, ::1, [::1] and localhost; false for 0.0.0.0, :: and every other host.
-bool IsLoopbackHost(const std::string& host);
 
 // The exposure rule (Note [Exposure rule]) and the TLS files' presence: ServerConfigError naming
 // the key to set.

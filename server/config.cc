@@ -55,18 +55,6 @@ void CheckKeys(const YAML::Node& map, const std::string& section) {
   }
 }
 
-void CheckAddress(const std::string& address, const std::string& path) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    throw ServerConfigError(path, "must be host:port, like 127.0.0.1:50051, got '" + address + "'");
-  }
-  const std::string port = address.substr(colon + 1);
-  if (!std::all_of(port.begin(), port.end(), ::isdigit) || port.size() > 5 ||
-      std::stol(port) > 65535) {
-    throw ServerConfigError(path, "port must be a number in [0, 65535], got '" + port + "'");
-  }
-}
-
 // A key's value as one line of YAML: "[1, 2, 4]", "0.0.0.0:50051", "\"\"".
 std::string ValueText(const ConfigKey& key, const ServerConfig& config) {
   YAML::Emitter out;
@@ -224,9 +212,6 @@ void ValidateConfig(const ServerConfig& c) {
                                 ") exceeds the largest buckets.context_lens entry (" +
                                 std::to_string(max_ctx) + "): a prompt must fit the KV cache");
   }
-  CheckAddress(c.server.grpc_address, "server.grpc_address");
-  CheckAddress(c.server.metrics_address, "server.metrics_address");
-  if (!c.server.http_address.empty()) CheckAddress(c.server.http_address, "server.http_address");
   if (!c.tokenizer.empty() && c.tokenizer != "none" &&
       !std::filesystem::is_regular_file(c.tokenizer, ec)) {
     throw ServerConfigError("tokenizer", "'" + c.tokenizer +

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/bucket.h"
+#include "server/listen_address.h"
 
 namespace YAML {
 class Node;
@@ -81,9 +82,10 @@ struct ServerConfig {
   } batching;
 
   struct Endpoints {
-    std::string grpc_address;     // host:port of the gRPC API (port 0 = any free port)
-    std::string metrics_address;  // host:port of the Prometheus /metrics endpoint (port 0 = any)
-    std::string http_address;     // host:port of the OpenAI-compatible HTTP API; "" = off
+    // Listen addresses (server/listen_address.h: HOST:PORT or [IPV6]:PORT; port 0 = any free port).
+    ListenAddress grpc_address;     // the gRPC API
+    ListenAddress metrics_address;  // the Prometheus /metrics endpoint
+    ListenAddress http_address;     // the OpenAI-compatible HTTP API; empty ("") = off
     // One API key with every scope (server/auth.h), required as `authorization: Bearer <key>`
     // by gRPC and HTTP when not empty. The environment variable VLMGRAPH_API_KEY overrides it
     // (keeps the key out of files).
@@ -149,9 +151,10 @@ struct RawConfig {
   ServerConfig values;             // their parsed values; the fields of other keys are not read
 };
 
-// Step 1: reads the known keys with their types (a null value counts as unset). A null or missing
-// root gives an empty RawConfig. Throws ServerConfigError on a wrong type (with the line) or an
-// unknown key (with the keys known at that level).
+// Step 1: reads the known keys with their types (a null value counts as unset); addresses are
+// parsed here (server/listen_address.h). A null or missing root gives an empty RawConfig. Throws
+// ServerConfigError on a wrong type or a malformed address (with the line) or an unknown key (with
+// the keys known at that level).
 RawConfig ParseConfig(const YAML::Node& root);
 
 // Step 2: unset keys take their defaults, in table order: constants, or values derived from keys
@@ -159,7 +162,7 @@ RawConfig ParseConfig(const YAML::Node& root);
 ServerConfig FillDefaults(const RawConfig& raw);
 
 // Step 3: the ranges of the table, then consistency: `model` names a preset or a directory with a
-// config.json, device syntax, addresses, seq_lens vs context_lens, default_max_new_tokens vs
+// config.json, device syntax, seq_lens vs context_lens, default_max_new_tokens vs
 // max_new_tokens, batch_sizes [] on CUDA only and max_prefill_batch vs batch_sizes, the tokenizer
 // file. Does not check that a CUDA device exists (main does, when building the engine).
 void ValidateConfig(const ServerConfig& config);

@@ -83,6 +83,23 @@ IntList ParseIntList(const YAML::Node& n, const std::string& path) {
   return out;
 }
 
+// A listen address: a string in one of ListenAddress's forms, "" for none. An unquoted IPv6 form
+// reads as a YAML list ([::1]:8000), so that mistake gets its own message.
+ListenAddress ParseAddress(const YAML::Node& n, const std::string& path) {
+  if (!n.IsScalar()) {
+    throw ServerConfigError(path,
+                            "must be a string HOST:PORT or [IPV6]:PORT; quote an IPv6 one "
+                            "in YAML: \"[::1]:8000\"" +
+                                YamlLine(n));
+  }
+  if (n.Scalar().empty()) return ListenAddress();
+  try {
+    return ListenAddress::Parse(n.Scalar());
+  } catch (const std::invalid_argument& e) {
+    throw ServerConfigError(path, e.what() + YamlLine(n));
+  }
+}
+
 // A default computed from keys earlier in the table, and how, in words.
 template <typename T>
 struct Derivation {
@@ -171,6 +188,7 @@ class KeyBuilder {
     if constexpr (std::is_same_v<T, uint64_t>) return ConfigType::kUnsigned;
     if constexpr (std::is_same_v<T, double>) return ConfigType::kSeconds;
     if constexpr (std::is_same_v<T, IntList>) return ConfigType::kIntegerList;
+    if constexpr (std::is_same_v<T, ListenAddress>) return ConfigType::kAddress;
     return ConfigType::kString;
   }
 
@@ -186,6 +204,8 @@ class KeyBuilder {
       if (v < 0)
         throw ServerConfigError(name_, "must be >= 0, got " + std::to_string(v) + YamlLine(n));
       return static_cast<uint64_t>(v);
+    } else if constexpr (std::is_same_v<T, ListenAddress>) {
+      return ParseAddress(n, name_);
     } else if constexpr (std::is_same_v<T, double>) {
       const bool seconds = name_.size() > 8 && name_.compare(name_.size() - 8, 8, "_seconds") == 0;
       return ScalarAs<double>(n, name_, seconds ? "a number of seconds" : "a number");
@@ -213,6 +233,9 @@ class KeyBuilder {
     } else if constexpr (std::is_arithmetic_v<T> && !std::is_same_v<T, bool>) {
       if (!InRange(v, min_, max_))
         throw ServerConfigError(name_, RangeMessage(min_, max_, NumberText(v)));
+    } else if constexpr (std::is_same_v<T, ListenAddress>) {
+      if (non_empty_ && v.empty())
+        throw ServerConfigError(name_, "must not be empty: write HOST:PORT or [IPV6]:PORT");
     } else if constexpr (std::is_same_v<T, std::string>) {
       if (non_empty_ && v.empty()) throw ServerConfigError(name_, "must not be empty");
       const auto allowed = AllowedNames();
@@ -235,6 +258,8 @@ class KeyBuilder {
       throw std::logic_error("config key " + name_ + ": a value without a name");
     } else if constexpr (std::is_same_v<T, std::string>) {
       out << (secret_ && !v.empty() ? std::string("<set>") : v);
+    } else if constexpr (std::is_same_v<T, ListenAddress>) {
+      out << v.ToString();
     } else if constexpr (std::is_same_v<T, double>) {
       out << YAML::DoublePrecision(15) << v;  // 0.9, not 0.90000000000000002
     } else {
@@ -516,18 +541,21 @@ std::vector<ConfigKey> BuildKeys() {
           .Range(1, 1000000),
 
       Key("server.grpc_address", &SC::server, &SC::Endpoints::grpc_address)
-          .Doc("gRPC API (vlmgraph.v1.VlmGraph, grpc.health.v1.Health, reflection), host:port. "
-               "Port 0 picks a free port (printed at start). In a container use 0.0.0.0.")
-          .Default("127.0.0.1:50051"),
+          .Doc("gRPC API (vlmgraph.v1.VlmGraph, grpc.health.v1.Health, reflection), HOST:PORT or "
+               "[IPV6]:PORT (quoted in YAML, like \"[::1]:50051\"). Port 0 picks a free port "
+               "(printed at start). In a container use 0.0.0.0, or [::] for every address.")
+          .Default(ListenAddress::Parse("127.0.0.1:50051"))
+          .NonEmpty(),
       Key("server.metrics_address", &SC::server, &SC::Endpoints::metrics_address)
-          .Doc("Prometheus /metrics (docs/metrics.md), host:port, its own port (0 picks a free "
-               "one).")
-          .Default("127.0.0.1:9464"),
+          .Doc("Prometheus /metrics (docs/metrics.md), HOST:PORT or [IPV6]:PORT, its own port (0 "
+               "picks a free one).")
+          .Default(ListenAddress::Parse("127.0.0.1:9464"))
+          .NonEmpty(),
       Key("server.http_address", &SC::server, &SC::Endpoints::http_address)
           .Doc("OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
-               "/tokenize, /detokenize, /health), host:port (port 0 picks a free one); \"\" turns "
-               "it off.")
-          .Default("127.0.0.1:8000"),
+               "/tokenize, /detokenize, /health), HOST:PORT or [IPV6]:PORT (port 0 picks a free "
+               "one); \"\" turns it off.")
+          .Default(ListenAddress::Parse("127.0.0.1:8000")),
       Key("server.api_key", &SC::server, &SC::Endpoints::api_key)
           .Doc("One API key with every scope, required as `authorization: Bearer KEY` by gRPC "
                "and HTTP when set; \"\" = none. Prefer auth.api_keys_file, or the "

@@ -33,6 +33,7 @@ enum class ConfigType {
   kSeconds,      // a number (double): seconds, or the unit the key's name or doc gives
   kIntegerList,  // a sequence of int64, like [1, 2, 4]
   kEnum,         // one of `allowed`
+  kAddress,      // a listen address, HOST:PORT or [IPV6]:PORT (server/listen_address.h); "" = none
 };
 
 struct ConfigKey {
@@ -47,7 +48,7 @@ struct ConfigKey {
   std::string default_text;
 
   // Range, checked by ValidateConfig: numbers lie in [min, max]; list entries too; strings and
-  // lists with `non_empty` must not be empty; an enum is one of `allowed`.
+  // lists and addresses with `non_empty` must not be empty; an enum is one of `allowed`.
   std::optional<double> min, max;
   bool non_empty = false;
   std::vector<std::string> allowed;

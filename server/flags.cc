@@ -11,6 +11,8 @@
 #include <map>
 #include <sstream>
 
+#include "server/config_schema.h"
+
 namespace vlmgraph::server {
 namespace {
 
@@ -31,12 +33,14 @@ const std::map<std::string, FlagSpec>& Flags() {
       {"--dtype", {"dtype", nullptr, "float32 or bfloat16"}},
       {"--seed", {"seed", nullptr, "random-init seed of preset models"}},
       {"--grpc-address",
-       {"server.grpc_address", nullptr, "host:port of the gRPC API (port 0: any free port)"}},
+       {"server.grpc_address", nullptr,
+        "HOST:PORT or [IPV6]:PORT of the gRPC API (port 0: any free port)"}},
       {"--metrics-address",
-       {"server.metrics_address", nullptr, "host:port of /metrics (port 0: any free port)"}},
+       {"server.metrics_address", nullptr,
+        "HOST:PORT or [IPV6]:PORT of /metrics (port 0: any free port)"}},
       {"--http-address",
        {"server.http_address", nullptr,
-        "host:port of the OpenAI-compatible HTTP API (port 0: any free port; '' = off)"}},
+        "HOST:PORT or [IPV6]:PORT of the OpenAI-compatible HTTP API ('' = off)"}},
       {"--tokenizer", {"tokenizer", nullptr, "tokenizer.json of the model, or 'none'"}},
       {"--served-model-name",
        {"served_model_name", nullptr, "model id of GetModelInfo and /v1/models"}},
@@ -59,6 +63,15 @@ const std::map<std::string, FlagSpec>& Flags() {
       {"--log-level", {"log_level", nullptr, "error, warn, info or debug"}},
   };
   return flags;
+}
+
+// Whether `path` names a listen-address key: its value is the text as given, since YAML reads
+// [::1]:8000 as a list.
+bool IsAddressKey(const std::string& path) {
+  for (const ConfigKey& key : ConfigKeys()) {
+    if (key.name == path) return key.type == ConfigType::kAddress;
+  }
+  return false;
 }
 
 // Sets `value` at the dotted `path` of `root`, creating maps on the way.
@@ -164,9 +177,9 @@ ConfigSource ReadServerConfig(const CommandLine& cl) {
   }
   for (const auto& [path, value] : cl.overrides) {
     // An empty value is the empty string (`--set server.http_address=` turns HTTP off), not YAML's
-    // null, which would mean "the default"; `~` still means that.
-    SetPath(root, path,
-            value.empty() ? YAML::Node(std::string()) : LoadYaml(value, "--set " + path));
+    // null, which would mean "the default"; `~` still means that. An address is its text.
+    const bool text = value.empty() || (IsAddressKey(path) && value != "~");
+    SetPath(root, path, text ? YAML::Node(value) : LoadYaml(value, "--set " + path));
   }
   source.raw = ParseConfig(root);
   return source;

@@ -17,19 +17,15 @@
 namespace vlmgraph::server {
 namespace {
 
-// Why `address` ("host:port", "[v6]:port") cannot be bound: the error of a plain TCP bind to it
-// ("Address already in use"), for a start-up message that says what to do.
-std::string BindError(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
-  const std::string port = colon == std::string::npos ? address : address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
+// Why `address` cannot be bound: the error of a plain TCP bind to it ("Address already in use"),
+// for a start-up message that says what to do.
+std::string BindError(const ListenAddress& address) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
   addrinfo* found = nullptr;
-  const int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found);
+  const std::string port = std::to_string(address.port());
+  const int rc = ::getaddrinfo(address.host().c_str(), port.c_str(), &hints, &found);
   if (rc != 0) return std::string("cannot resolve it (") + ::gai_strerror(rc) + ")";
   std::string error = "gRPC could not bind it (see its log above)";
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
@@ -68,12 +64,12 @@ std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerConfig& config)
 }  // namespace
 
 GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
-  const std::string& address = config.server.grpc_address;
-  host_ = address.substr(0, address.rfind(':'));
+  const ListenAddress& address = config.server.grpc_address;
+  address_ = address;
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(address, Credentials(config), &port_);
+  builder.AddListeningPort(address.ToString(), Credentials(config), &port_);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.limits.max_request_bytes));
   // gRPC sets SO_REUSEPORT by default: a second server on the same address would then start and
@@ -81,7 +77,7 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {
-    throw std::runtime_error("server.grpc_address: cannot listen on " + address + ": " +
+    throw std::runtime_error("server.grpc_address: cannot listen on " + address.ToString() + ": " +
                              BindError(address));
   }
   SetServing(false);  // until main() says warm-up is over
@@ -89,7 +85,7 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
 
 GrpcServer::~GrpcServer() { Shutdown(0); }
 
-std::string GrpcServer::address() const { return host_ + ":" + std::to_string(port_); }
+std::string GrpcServer::address() const { return address_.WithPort(port_).ToString(); }
 
 void GrpcServer::SetServing(bool serving) {
   if (auto* health = server_->GetHealthCheckService()) {

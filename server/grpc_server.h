@@ -36,7 +36,7 @@ class GrpcServer {
   GrpcServer(const GrpcServer&) = delete;
   GrpcServer& operator=(const GrpcServer&) = delete;
 
-  // The bound port (resolves port 0) and "host:port" with it.
+  // The bound port (resolves port 0) and the address with it: "127.0.0.1:50051", "[::1]:50051".
   int port() const { return port_; }
   std::string address() const;
 
@@ -48,7 +48,7 @@ class GrpcServer {
   static constexpr const char* kServiceName = "vlmgraph.v1.VlmGraph";
 
  private:
-  std::string host_;
+  ListenAddress address_;  // as configured (port 0 = any)
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
   bool shut_down_ = false;

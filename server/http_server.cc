@@ -67,26 +67,6 @@ std::string HttpRequest::Header(std::string_view name) const {
   return "";
 }
 
-std::pair<std::string, int> SplitHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  std::string host = colon == std::string::npos ? "" : address.substr(0, colon);
-  const std::string port_text = colon == std::string::npos ? address : address.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
-    host = host.substr(1, host.size() - 2);
-  if (host == "*") host.clear();
-  size_t used = 0;
-  int port = -1;
-  try {
-    port = std::stoi(port_text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != port_text.size() || port < 0 || port > 65535) {
-    throw std::runtime_error(address + ": the port is not a number from 0 to 65535");
-  }
-  return {host, port};
-}
-
 // ---------------------------------------------------------------------------------------------
 // The connection: one per accepted socket, every handler on its strand.
 
@@ -764,12 +744,13 @@ HttpServer::HttpServer(HttpServerOptions options, HttpHandlers handlers)
                                                    " (not a matching PEM certificate and key?)");
     }
   }
-  const auto [host, port] = SplitHostPort(o.address);
+  const std::string& host = o.address.host();
+  const int port = o.address.port();
+  const std::string address_text = o.address.ToString();
+  if (o.address.empty()) throw std::runtime_error("no address to listen on");
   beast::error_code ec;
   net::ip::address bind_address;
-  if (host.empty()) {
-    bind_address = net::ip::address_v6::any();
-  } else if (host == "localhost") {
+  if (host == "localhost") {
     bind_address = net::ip::make_address("127.0.0.1");
   } else {
     bind_address = net::ip::make_address(host, ec);
@@ -777,19 +758,21 @@ HttpServer::HttpServer(HttpServerOptions options, HttpHandlers handlers)
       tcp::resolver resolver(m.ioc);
       auto results = resolver.resolve(host, std::to_string(port), ec);
       if (ec || results.empty()) {
-        throw std::runtime_error(o.address + ": cannot resolve host " + host);
+        throw std::runtime_error(address_text + ": cannot resolve host " + host);
       }
       bind_address = results.begin()->endpoint().address();
     }
   }
   const tcp::endpoint endpoint(bind_address, static_cast<unsigned short>(port));
   m.acceptor.open(endpoint.protocol(), ec);
-  if (!ec && host.empty()) m.acceptor.set_option(net::ip::v6_only(false), ec);
+  // [::] takes IPv4 clients too, as gRPC's does.
+  if (!ec && bind_address.is_v6() && bind_address.is_unspecified())
+    m.acceptor.set_option(net::ip::v6_only(false), ec);
   // SO_REUSEADDR only: a second server on the same port must fail, not share it.
   if (!ec) m.acceptor.set_option(net::socket_base::reuse_address(true), ec);
   if (!ec) m.acceptor.bind(endpoint, ec);
   if (!ec) m.acceptor.listen(net::socket_base::max_listen_connections, ec);
-  if (ec) throw std::runtime_error("cannot listen on " + o.address + ": " + ec.message());
+  if (ec) throw std::runtime_error("cannot listen on " + address_text + ": " + ec.message());
   m.port = m.acceptor.local_endpoint().port();
   m.work.emplace(m.ioc.get_executor());
   m.Accept();

@@ -3,7 +3,7 @@
 // connection; no thread waits on a client, so idle, slow and streaming clients cost memory, not
 // threads.
 //
-//   HttpServerOptions options;  options.address = "127.0.0.1:8000";
+//   HttpServerOptions options;  options.address = ListenAddress::Parse("127.0.0.1:8000");
 //   HttpHandlers handlers;
 //   handlers.on_head = [](const HttpRequest& head) { return HeadVerdict::Accept(1 << 20); };
 //   handlers.on_request = [](std::shared_ptr<HttpExchange> x) {      // on an I/O thread: post
@@ -58,10 +58,14 @@
 #include <utility>
 #include <vector>
 
+#include "server/listen_address.h"
+
 namespace vlmgraph::server {
 
 struct HttpServerOptions {
-  std::string address;  // "host:port", "[::1]:port"; port 0: any free port
+  // 127.0.0.1:8000, [::1]:8000, [::]:8000 (every address, IPv4 too); port 0: any free port.
+  // A host name binds its first resolved address; localhost binds 127.0.0.1.
+  ListenAddress address;
   int io_threads = 2;
   // TLS when tls_cert_file is set (PEM); tls_client_ca_file additionally requires client
   // certificates signed by that CA (mutual TLS).
@@ -196,9 +200,5 @@ class HttpServer {
   // be held after Stop).
   std::shared_ptr<HttpServerImpl> impl_;
 };
-
-// "host:port" -> (host, port) for binding: "" and "*" hosts mean every address; "[::1]:80" ->
-// ("::1", 80). Throws std::runtime_error naming `address` when the port is not a number.
-std::pair<std::string, int> SplitHostPort(const std::string& address);
 
 }  // namespace vlmgraph::server

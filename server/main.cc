@@ -52,8 +52,6 @@ constexpr const char* kUsage =
     "metrics on a separate port. With no flags: the built-in nanovlm-tiny model on "
     "CPU.\n\nflags:\n";
 
-std::string Host(const std::string& address) { return address.substr(0, address.rfind(':')); }
-
 int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals) {
   using namespace vlmgraph;
   using namespace vlmgraph::server;
@@ -145,7 +143,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
     });
   }
   const std::string metrics_address =
-      Host(config.server.metrics_address) + ":" + std::to_string(metrics.port());
+      config.server.metrics_address.WithPort(metrics.port()).ToString();
   std::string engines;
   for (size_t i = 0; i < router.size(); ++i) engines += (i ? "," : "") + router.slot(i).device;
   LogInfo(std::string("serving on ") + std::to_string(router.size()) + " engine(s) (" + engines +

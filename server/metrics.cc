@@ -54,7 +54,7 @@ std::string ReasonLabel(const std::string& reason) {
 
 }  // namespace
 
-Metrics::Metrics(const std::string& metrics_address)
+Metrics::Metrics(const ListenAddress& metrics_address)
     : registry_(std::make_shared<prometheus::Registry>()) {
   auto& r = *registry_;
   captures_ =

@@ -9,7 +9,7 @@
 // RPC and status code, HTTP requests by endpoint and status, training). `/metrics` is served on
 // its own port by MetricsHttpServer (Note [Own metrics endpoint], server/metrics_http.h).
 //
-//   Metrics metrics("127.0.0.1:9464");   // "" = no HTTP endpoint (tests read Render())
+//   Metrics metrics(config.server.metrics_address);  // Metrics() = no endpoint (tests: Render())
 //   EngineMetrics& gpu0 = metrics.ForGpu("0");
 //   engine.SetObserver(&gpu0);           // vlmgraph_graph_replays_total{gpu="0",...}
 //   metrics.ObserveRequest("Generate", grpc::StatusCode::OK, 0.8);
@@ -104,7 +104,8 @@ class EngineMetrics : public EngineObserver {
 
 class Metrics : public EngineObserver {
  public:
-  explicit Metrics(const std::string& metrics_address);
+  // Serves /metrics on `metrics_address`; the empty address (the default) serves none.
+  explicit Metrics(const ListenAddress& metrics_address = ListenAddress());
   ~Metrics() override;
   Metrics(const Metrics&) = delete;
   Metrics& operator=(const Metrics&) = delete;

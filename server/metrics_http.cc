@@ -6,7 +6,7 @@
 
 namespace vlmgraph::server {
 
-MetricsHttpServer::MetricsHttpServer(const std::string& address,
+MetricsHttpServer::MetricsHttpServer(const ListenAddress& address,
                                      std::function<std::string()> render) {
   HttpServerOptions o;
   o.address = address;

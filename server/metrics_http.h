@@ -7,8 +7,8 @@
 // I/O thread is an ordinary std::thread. GET /metrics -> 200 with the exposition; another method
 // -> 405, any other path -> 404.
 //
-//   MetricsHttpServer http("127.0.0.1:9464", [&] { return metrics.Render(); });
-//   http.port();   // the bound port (resolves port 0)
+//   MetricsHttpServer http(ListenAddress::Parse("127.0.0.1:9464"), [&] { return metrics.Render();
+//   }); http.port();   // the bound port (resolves port 0)
 //
 // Thread rules: construct and destroy on one thread; `render` is called on the endpoint's I/O
 // thread and must be thread-safe. Errors: the constructor throws std::runtime_error naming the
@@ -19,11 +19,13 @@
 #include <memory>
 #include <string>
 
+#include "server/listen_address.h"
+
 namespace vlmgraph::server {
 
 class MetricsHttpServer {
  public:
-  MetricsHttpServer(const std::string& address, std::function<std::string()> render);
+  MetricsHttpServer(const ListenAddress& address, std::function<std::string()> render);
   ~MetricsHttpServer();
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;

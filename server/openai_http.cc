@@ -629,8 +629,7 @@ int64_t OpenAiHttpServer::in_flight() const {
 HttpServerStats OpenAiHttpServer::stats() const { return impl_->http->stats(); }
 
 std::string OpenAiHttpServer::address() const {
-  const std::string& address = impl_->config.server.http_address;
-  return address.substr(0, address.rfind(':')) + ":" + std::to_string(port());
+  return impl_->config.server.http_address.WithPort(port()).ToString();
 }
 
 void OpenAiHttpServer::StopAccepting() {

@@ -60,6 +60,7 @@ std::string ReadFile(const std::filesystem::path& path) {
 }
 
 std::string Text(const std::string& v) { return v; }
+std::string Text(const ListenAddress& v) { return v.ToString(); }
 std::string Text(bool v) { return v ? "true" : "false"; }
 std::string Text(int64_t v) { return std::to_string(v); }
 std::string Text(uint64_t v) { return std::to_string(v); }
@@ -179,9 +180,9 @@ ServerConfig NonDefaultConfig() {
   c.capture.programmatic_dependent_launch = false;
   c.batching.max_queue_delay_us = 123;
   c.batching.max_queue_size = 45;
-  c.server.grpc_address = "127.0.0.1:1";
-  c.server.metrics_address = "127.0.0.1:2";
-  c.server.http_address = "";
+  c.server.grpc_address = ListenAddress::Parse("127.0.0.1:1");
+  c.server.metrics_address = ListenAddress::Parse("[::1]:2");
+  c.server.http_address = ListenAddress();
   c.server.api_key = "k";
   c.http.io_threads = 3;
   c.http.workers = 5;
@@ -229,7 +230,7 @@ TEST(ServerConfig, EmptyFileIsTheCpuQuickStart) {
   EXPECT_EQ(c.buckets.batch_sizes, (std::vector<int64_t>{1, 2, 4, 8}));
   EXPECT_EQ(c.buckets.oversize, OversizePolicy::kEager);
   EXPECT_EQ(c.batching.max_queue_delay_us, 2000);
-  EXPECT_EQ(c.server.grpc_address, "127.0.0.1:50051");
+  EXPECT_EQ(c.server.grpc_address.ToString(), "127.0.0.1:50051");
   EXPECT_LE(c.limits.default_max_new_tokens, c.limits.max_new_tokens);
 }
 
@@ -360,20 +361,59 @@ TEST(ServerConfig, FlagsOverrideTheFile) {
   EXPECT_EQ(c.batching.max_queue_size, 9);        // flag wins
   EXPECT_EQ(c.batching.max_queue_delay_us, 100);  // file kept
   EXPECT_FALSE(c.capture.enabled);
-  EXPECT_EQ(c.server.grpc_address, "127.0.0.1:0");
+  EXPECT_EQ(c.server.grpc_address.ToString(), "127.0.0.1:0");
   EXPECT_EQ(c.buckets.seq_lens, (std::vector<int64_t>{16, 32}));
   std::filesystem::remove(path);
 }
 
 TEST(ServerConfig, AnEmptyFlagValueIsTheEmptyString) {
   // "" turns the HTTP API off, as documented; an empty value must not fall back to the default.
-  EXPECT_EQ(FromArgs({}).server.http_address, "127.0.0.1:8000");
-  EXPECT_EQ(FromArgs({"--set", "server.http_address="}).server.http_address, "");
-  EXPECT_EQ(FromArgs({"--http-address="}).server.http_address, "");
-  EXPECT_EQ(FromArgs({"--http-address", ""}).server.http_address, "");
-  EXPECT_EQ(FromArgs({"--set", "server.http_address=~"}).server.http_address, "127.0.0.1:8000");
+  EXPECT_EQ(FromArgs({}).server.http_address.ToString(), "127.0.0.1:8000");
+  EXPECT_TRUE(FromArgs({"--set", "server.http_address="}).server.http_address.empty());
+  EXPECT_TRUE(FromArgs({"--http-address="}).server.http_address.empty());
+  EXPECT_TRUE(FromArgs({"--http-address", ""}).server.http_address.empty());
+  EXPECT_EQ(FromArgs({"--set", "server.http_address=~"}).server.http_address.ToString(),
+            "127.0.0.1:8000");
   // A key that is not a string says so instead of taking its default.
   EXPECT_THROW(FromArgs({"--set", "batching.max_queue_size="}), ServerConfigError);
+}
+
+TEST(ServerConfig, AddressesTakeEveryFormFromYamlAndFlags) {
+  const ServerConfig c = FromYaml(
+      "server:\n  grpc_address: '[::1]:0'\n  metrics_address: \"[::]:9464\"\n"
+      "  http_address: localhost:8000\n");
+  EXPECT_EQ(c.server.grpc_address, ListenAddress::Parse("[::1]:0"));
+  EXPECT_EQ(c.server.metrics_address.host(), "::");
+  EXPECT_EQ(c.server.http_address.host(), "localhost");
+  // Printed and read back unchanged (an IPv6 address is quoted in the YAML).
+  EXPECT_EQ(FromYaml(ConfigToYaml(c)).server.grpc_address, c.server.grpc_address);
+  // Flags take the text as is: YAML would read [::1]:0 as a list.
+  const ServerConfig f = FromArgs({"--grpc-address", "[::1]:0", "--metrics-address=[::1]:0",
+                                   "--set", "server.http_address=[::1]:0"});
+  EXPECT_EQ(f.server.grpc_address.ToString(), "[::1]:0");
+  EXPECT_EQ(f.server.metrics_address.ToString(), "[::1]:0");
+  EXPECT_EQ(f.server.http_address.ToString(), "[::1]:0");
+  EXPECT_EQ(FromArgs({"--set", "server.grpc_address=~"}).server.grpc_address.ToString(),
+            "127.0.0.1:50051");
+}
+
+TEST(ServerConfig, AddressErrorsNameTheKeyAndTheLine) {
+  const std::string bad = ErrorMessage("server:\n  http_address: '::1:8000'\n");
+  EXPECT_EQ(bad.rfind("server.http_address: '::1:8000' has an IPv6 address without brackets", 0),
+            0u)
+      << bad;
+  EXPECT_NE(bad.find("line 2"), std::string::npos) << bad;
+  // Unquoted brackets are a YAML list: the message says to quote the address.
+  const std::string unquoted = ErrorMessage("server:\n  grpc_address: [::1]\n");
+  EXPECT_NE(unquoted.find("server.grpc_address: "), std::string::npos) << unquoted;
+  EXPECT_NE(unquoted.find("\"[::1]:8000\""), std::string::npos) << unquoted;
+  EXPECT_NE(ErrorMessage("server: {metrics_address: ':9464'}\n").find("server.metrics_address"),
+            std::string::npos);
+  EXPECT_NE(
+      ErrorMessage("server: {grpc_address: ''}\n").find("server.grpc_address: must not be empty"),
+      std::string::npos);
+  EXPECT_THROW(FromArgs({"--http-address", "[::1]"}), ServerConfigError);
+  EXPECT_TRUE(FromYaml("server: {http_address: ''}\n").server.http_address.empty());
 }
 
 TEST(ServerConfig, BadFlagsAreErrors) {

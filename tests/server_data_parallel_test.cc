@@ -114,9 +114,10 @@ class DataParallelTest : public ::testing::Test {
     config_ = FillDefaults(RawConfig{});
     config_.data_parallel_size = 2;
     config_.tokenizer = (dir_ / "tokenizer.json").string();
-    config_.server.grpc_address = "127.0.0.1:0";
-    config_.server.http_address = "127.0.0.1:0";
-    config_.server.metrics_address = "127.0.0.1:0";  // validated only: metrics_ has no endpoint
+    config_.server.grpc_address = ListenAddress::Parse("127.0.0.1:0");
+    config_.server.http_address = ListenAddress::Parse("127.0.0.1:0");
+    config_.server.metrics_address =
+        ListenAddress::Parse("127.0.0.1:0");  // validated only: metrics_ has no endpoint
     config_.batching.max_queue_delay_us = 0;
     ValidateConfig(config_);
     text_ = TextModel::Load(config_, BuildModelConfig(config_));
@@ -211,7 +212,7 @@ class DataParallelTest : public ::testing::Test {
   fs::path dir_;
   ServerConfig config_;
   std::unique_ptr<TextModel> text_;
-  Metrics metrics_{""};
+  Metrics metrics_;
   std::unique_ptr<FaultInjector> injectors_[2];
   std::atomic<Engine*> engines_[2] = {nullptr, nullptr};
   std::atomic<int> every_engine_failed_{0};

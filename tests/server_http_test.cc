@@ -149,7 +149,7 @@ struct Fixture {
   }
   static HttpServerOptions Options() {
     HttpServerOptions o;
-    o.address = "127.0.0.1:0";
+    o.address = ListenAddress::Parse("127.0.0.1:0");
     o.io_threads = 2;
     o.request_head_timeout_seconds = 0.5;
     o.request_body_timeout_seconds = 0.5;
@@ -391,14 +391,6 @@ TEST(HttpServer, StopClosesEverythingAndReportsPendingExchangesGone) {
   EXPECT_TRUE(c.WaitClosed(milliseconds(2000)));
   std::lock_guard<std::mutex> lock(f.mu);
   f.held.reset();
-}
-
-TEST(HttpServer, SplitHostPort) {
-  EXPECT_EQ(SplitHostPort("127.0.0.1:80"), (std::pair<std::string, int>{"127.0.0.1", 80}));
-  EXPECT_EQ(SplitHostPort("[::1]:8000"), (std::pair<std::string, int>{"::1", 8000}));
-  EXPECT_EQ(SplitHostPort(":0"), (std::pair<std::string, int>{"", 0}));
-  EXPECT_THROW(SplitHostPort("host:http"), std::runtime_error);
-  EXPECT_THROW(SplitHostPort("host:70000"), std::runtime_error);
 }
 
 }  // namespace

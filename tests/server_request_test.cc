@@ -356,7 +356,7 @@ std::set<std::string> DocumentedMetrics() {
 }
 
 TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
-  Metrics metrics("");
+  Metrics metrics;
   // One observation of everything, so every labelled family has a series.
   EngineMetrics& gpu = metrics.ForGpu("0");
   const BucketKey prefill{Region::kPrefill, 2, 64, 0};
@@ -421,7 +421,7 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
 }
 
 TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {
-  Metrics metrics("");
+  Metrics metrics;
   BucketSpec spec;
   spec.batch_sizes = {1, 2};
   spec.seq_lens = {16};
@@ -446,7 +446,7 @@ TEST(ServerMetrics, ConfiguredBucketsStartAtZero) {
 TEST(ServerMetrics, ExactShapesShareOneSeries) {
   // Runs at shapes that are not configured buckets (oversize prompts of any length) must not add
   // a series each: a long-running server would grow without bound.
-  Metrics metrics("");
+  Metrics metrics;
   BucketSpec spec;
   spec.batch_sizes = {1, 2};
   spec.seq_lens = {16};
@@ -490,7 +490,7 @@ std::string HttpGet(int port, const std::string& path) {
 }
 
 TEST(ServerMetrics, ServesMetricsOverHttp) {
-  Metrics metrics("127.0.0.1:0");
+  Metrics metrics(ListenAddress::Parse("127.0.0.1:0"));
   ASSERT_GT(metrics.port(), 0);
   metrics.AddGeneratedTokens(3);
   const std::string ok = HttpGet(metrics.port(), "/metrics");
@@ -500,7 +500,7 @@ TEST(ServerMetrics, ServesMetricsOverHttp) {
   EXPECT_EQ(HttpGet(metrics.port(), "/other").rfind("HTTP/1.1 404", 0), 0u);
   // A second endpoint on the same port fails with the address in the message.
   try {
-    Metrics clash("127.0.0.1:" + std::to_string(metrics.port()));
+    Metrics clash(ListenAddress::Parse("127.0.0.1:" + std::to_string(metrics.port())));
     FAIL() << "bound a port twice";
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("server.metrics_address"), std::string::npos);
