@@ -302,8 +302,7 @@ void Engine::ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& t
   if (TileCount(tiles) > options_.max_tiles_per_request) {
     throw EngineError("tiles", "tiles: request has " + std::to_string(TileCount(tiles)) +
                                    " image tiles; at most " +
-                                   std::to_string(options_.max_tiles_per_request) +
-                                   " are allowed");
+                                   std::to_string(options_.max_tiles_per_request) + " are allowed");
   }
   const int64_t len = static_cast<int64_t>(ids.size());
   if (len > options_.buckets.max_seq() && options_.buckets.oversize == OversizePolicy::kReject) {
@@ -319,19 +318,18 @@ ValidatedRequest Engine::Validate(GenerateRequest request) const {
   const int64_t len = static_cast<int64_t>(request.input_ids.size());
   const std::string max_new = "sampling.max_new_tokens";
   if (len >= max_context()) {  // the prompt alone leaves no room for a new token
-    throw EngineError(
-        "input_ids",
-        "input_ids: prompt of " + std::to_string(len) +
-            " tokens leaves no room for a new token in the longest context bucket (" +
-            std::to_string(max_context()) + " tokens); shorten it by at least " +
-            std::to_string(len - max_context() + 1) +
-            (len == max_context() ? " token" : " tokens") + " or raise buckets.context_lens",
-        ContextOverflow{len, 0, max_context()});
+    throw EngineError("input_ids",
+                      "input_ids: prompt of " + std::to_string(len) +
+                          " tokens leaves no room for a new token in the longest context bucket (" +
+                          std::to_string(max_context()) + " tokens); shorten it by at least " +
+                          std::to_string(len - max_context() + 1) +
+                          (len == max_context() ? " token" : " tokens") +
+                          " or raise buckets.context_lens",
+                      ContextOverflow{len, 0, max_context()});
   }
   ValidateTokens(request.input_ids, request.tiles);
   if (s.max_new_tokens < 1) {
-    throw EngineError(max_new,
-                      max_new + ": must be >= 1, got " + std::to_string(s.max_new_tokens));
+    throw EngineError(max_new, max_new + ": must be >= 1, got " + std::to_string(s.max_new_tokens));
   }
   const int64_t limit = options_.max_new_tokens_limit;
   if (limit > 0 && s.max_new_tokens > limit) {
@@ -343,16 +341,14 @@ ValidatedRequest Engine::Validate(GenerateRequest request) const {
     throw EngineError(max_new,
                       max_new + ": prompt (" + std::to_string(len) + " tokens) + max_new_tokens (" +
                           std::to_string(s.max_new_tokens) +
-                          ") exceeds the longest context bucket (" +
-                          std::to_string(max_context()) +
+                          ") exceeds the longest context bucket (" + std::to_string(max_context()) +
                           " tokens); lower max_new_tokens to at most " +
                           std::to_string(max_context() - len) + " or raise buckets.context_lens",
                       ContextOverflow{len, s.max_new_tokens, max_context()});
   }
   if (!s.greedy) {
     if (!(s.temperature > 0) || !std::isfinite(s.temperature)) {
-      throw EngineError("sampling.temperature",
-                        "sampling.temperature: must be > 0 when sampling");
+      throw EngineError("sampling.temperature", "sampling.temperature: must be > 0 when sampling");
     }
     if (!(s.top_p > 0 && s.top_p <= 1))
       throw EngineError("sampling.top_p", "sampling.top_p: must lie in (0, 1]");

@@ -52,7 +52,7 @@ struct EngineOptions {
   // wide, model/fused_ops.h): set by the constructor, before any capture.
   bool programmatic_dependent_launch = true;
   int64_t max_tiles_per_request =
-      0;                     // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
+      0;  // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
   // The most new tokens one request may ask for (the server's limits.max_new_tokens); 0 = only
   // the context bounds them.
   int64_t max_new_tokens_limit = 0;

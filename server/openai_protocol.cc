@@ -164,16 +164,14 @@ std::optional<int64_t> OptInt(const json& obj, const char* key, const std::strin
   return ToInt(*f, param);
 }
 
+// Integers only: whether they are token ids of the vocabulary is for Engine::Validate (prompt,
+// stop_token_ids) or the tokenizer (/detokenize) to say.
 std::vector<int64_t> IntList(const json& v, const std::string& param) {
   if (!v.is_array()) throw WrongType(param, "a list of integers", v);
   std::vector<int64_t> out;
   out.reserve(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const std::string p = param + "[" + std::to_string(i) + "]";
-    const int64_t id = ToInt(v[i], p);
-    if (id < 0) throw BadRequest(p + ": token ids must be >= 0, got " + std::to_string(id), p);
-    out.push_back(id);
-  }
+  for (size_t i = 0; i < v.size(); ++i)
+    out.push_back(ToInt(v[i], param + "[" + std::to_string(i) + "]"));
   return out;
 }
 
@@ -734,10 +732,10 @@ ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g) {
   for (const Name& n : names) {
     if (field != n.engine) continue;
     // what() is "<field>: <problem>" (EngineError); the problem after the engine's name.
-    const std::string problem =
-        n.problem                                         ? std::string(n.problem)
-        : message.compare(0, field.size(), field) == 0 ? message.substr(field.size())
-                                                          : ": " + message;
+    const std::string problem = n.problem ? std::string(n.problem)
+                                : message.compare(0, field.size(), field) == 0
+                                    ? message.substr(field.size())
+                                    : ": " + message;
     return BadRequest(n.api + problem, n.api);
   }
   return BadRequest(message);

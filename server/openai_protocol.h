@@ -36,7 +36,8 @@
 //   max_completion_tokens / max_tokens   >= 1, <= limits.max_new_tokens; default
 //                         limits.default_max_new_tokens, capped to the context left
 //   temperature           [0, 2], default 1 (sampling); below 1e-5 = greedy (as vLLM)
-//   top_p (0, 1] when sampling, top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
+//   top_p                 (0, 1], checked when sampling
+//   top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
 //   stop                  a string or up to 4 strings; the text ends before the first match
 //   stop_token_ids        (vLLM) extra stop tokens; ignore_eos (vLLM) drops the default ones
 //   n                     1 only; stream; stream_options.include_usage (stream only)
@@ -134,7 +135,7 @@ struct RequestContext {
 struct GenerationParams {
   std::optional<int64_t> max_tokens;  // max_completion_tokens, else max_tokens; nullopt = default
   std::string max_tokens_param = "max_tokens";  // the field max_tokens came from
-  double temperature = 1.0;           // < kGreedyTemperature = greedy
+  double temperature = 1.0;                     // < kGreedyTemperature = greedy
   double top_p = 1.0;
   int64_t top_k = 0;                    // 0 = off (the request's -1 too)
   std::optional<uint64_t> seed;         // nullopt = a fresh random seed per request

@@ -755,8 +755,7 @@ TEST(Engine, ValidateExplainsBadRequests) {
   r.sampling.max_new_tokens = 100;
   auto [error, o] = overflow(r);
   EXPECT_EQ(error.field(), "sampling.max_new_tokens");
-  EXPECT_NE(std::string(error.what()).find("lower max_new_tokens to at most 48"),
-            std::string::npos)
+  EXPECT_NE(std::string(error.what()).find("lower max_new_tokens to at most 48"), std::string::npos)
       << error.what();
   EXPECT_EQ(o.prompt_tokens, len);
   EXPECT_EQ(o.max_new_tokens, 100);
@@ -785,8 +784,9 @@ TEST(Engine, ValidateRefusesMaxNewTokensAboveTheLimit) {
     FAIL() << "accepted";
   } catch (const EngineError& e) {
     EXPECT_EQ(e.field(), "sampling.max_new_tokens");
-    EXPECT_EQ(std::string(e.what()),
-              "sampling.max_new_tokens: 9 exceeds this server's limit of 8 (limits.max_new_tokens)");
+    EXPECT_EQ(
+        std::string(e.what()),
+        "sampling.max_new_tokens: 9 exceeds this server's limit of 8 (limits.max_new_tokens)");
   }
   r.sampling.max_new_tokens = 8;
   EXPECT_NO_THROW(limited.Validate(r));

@@ -351,7 +351,7 @@ TEST(OpenAiProtocol, CompletionPrompts) {
            {R"({"prompt": ""})", "prompt", "must not be empty"},
            {R"({"prompt": []})", "prompt", "non-empty"},
            {R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
-           {R"({"prompt": [1, -2]})", "prompt[1]", ">= 0"},
+           {R"({"prompt": [1, 2.5]})", "prompt[1]", "an integer"},
            {R"({"prompt": "x", "echo": true})", "echo", "not supported"},
            {R"({"prompt": "x", "logprobs": 2})", "logprobs", "not supported"},
            {R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
@@ -525,12 +525,16 @@ TEST(OpenAiProtocol, EngineValidateDecidesAndErrorsNameTheOpenAiFields) {
        "tokens. Please reduce the length of the prompt.",
        "context_length_exceeded"},
       {"{" + hi + R"(, "top_p": 0})", true, "top_p", "top_p: must lie in (0, 1]", ""},
-      {"{" + hi + R"(, "top_k": -2})", true, "top_k", "top_k: must be >= 1, or 0 or -1 to disable it",
-       ""},
+      {"{" + hi + R"(, "top_k": -2})", true, "top_k",
+       "top_k: must be >= 1, or 0 or -1 to disable it", ""},
       {"{" + hi + R"(, "stop_token_ids": [99999]})", true, "stop_token_ids",
        "stop_token_ids: stop token id 99999 is outside the vocabulary", ""},
       {R"({"prompt": [5, 99999], "max_tokens": 1})", false, "prompt",
        "input_ids[1] = 99999 is outside the vocabulary", ""},
+      {R"({"prompt": [5, -2], "max_tokens": 1})", false, "prompt",
+       "input_ids[1] = -2 is outside the vocabulary", ""},
+      {"{" + hi + R"(, "stop_token_ids": [-1]})", true, "stop_token_ids",
+       "stop_token_ids: stop token id -1 is outside the vocabulary", ""},
   };
   for (const Case& c : cases) {
     PreparedGeneration g;
@@ -722,9 +726,11 @@ TEST(OpenAiProtocol, CompletionTokenizeDetokenize) {
   EXPECT_EQ(chat_ids, Text().BuildChat(chat.chat.messages, {}, false).input_ids);
   // Detokenize keeps special tokens, so it round-trips /tokenize.
   EXPECT_EQ(DetokenizeText({chat_ids}, Text()), "<|im_start|>user\nHi<|im_end|>\n");
-  const ErrorInfo e = ErrorOf([] { DetokenizeText({{999999}}, Text()); });
-  EXPECT_EQ(e.http_status, 400);
-  EXPECT_EQ(e.param, "tokens");
+  for (int64_t bad : {int64_t{999999}, int64_t{-1}}) {  // the tokenizer checks the ids
+    const ErrorInfo e = ErrorOf([&] { DetokenizeText({{bad}}, Text()); });
+    EXPECT_EQ(e.http_status, 400) << bad;
+    EXPECT_EQ(e.param, "tokens") << bad;
+  }
 }
 
 // --- responses

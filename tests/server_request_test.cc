@@ -151,8 +151,8 @@ TEST(ServerValidate, EngineValidateDecidesAndErrorsNameTheGrpcFields) {
   v1::GenerateRequest ok;
   ok.add_input_ids(5);
   ok.mutable_sampling()->set_max_new_tokens(30);
-  EXPECT_EQ(TinyEngine().Validate(ToEngineRequest(ok, Tiny(), TestLimits()))->sampling.max_new_tokens,
-            30);
+  const ValidatedRequest v = TinyEngine().Validate(ToEngineRequest(ok, Tiny(), TestLimits()));
+  EXPECT_EQ(v->sampling.max_new_tokens, 30);
 }
 
 TEST(ServerConvert, TensorImages) {
