@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -24,6 +23,7 @@
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "tests/image_fixtures.h"
+#include "tests/tiny_engine.h"
 
 namespace vlmgraph::server::openai {
 namespace {
@@ -475,22 +475,11 @@ TEST(OpenAiProtocol, PrepareChatCompletion) {
       5);
 }
 
-// A CPU engine of the tiny model whose longest context is 32 tokens, with TestLimits()'s
-// max_new_tokens limit (100) as ToEngineOptions gives it from limits.max_new_tokens.
+// Engine::Validate's limit is the one the conversion's limits name.
 const Engine& TinyEngine() {
-  static const std::unique_ptr<Engine> engine = [] {
-    EngineOptions o;
-    o.buckets.batch_sizes = {1};
-    o.buckets.seq_lens = {16};
-    o.buckets.context_lens = {32};
-    o.buckets.tile_counts = {1};
-    o.buckets.train_batch_sizes = {1};
-    o.buckets.train_seq_lens = {16};
-    o.log_captures = false;
-    o.max_new_tokens_limit = TestLimits().max_new_tokens;
-    return std::make_unique<Engine>(VisionLanguageModel(Tiny()), o);
-  }();
-  return *engine;
+  const Engine& engine = testing::TinyServingEngine();
+  EXPECT_EQ(engine.options().max_new_tokens_limit, TestLimits().max_new_tokens);
+  return engine;
 }
 
 // One place decides: requests that the parsers and Prepare* accept, which Engine::Validate alone

@@ -12,7 +12,6 @@
 #include <fstream>
 #include <functional>
 #include <limits>
-#include <memory>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -25,6 +24,7 @@
 #include "server/convert.h"
 #include "server/metrics.h"
 #include "server/status.h"
+#include "tests/tiny_engine.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -72,22 +72,11 @@ TEST(ServerConvert, SamplingDefaults) {
   EXPECT_DOUBLE_EQ(g.sampling.top_p, 0.9);
 }
 
-// A CPU engine of the tiny model whose longest context is 32 tokens, with TestLimits()'s
-// max_new_tokens limit (100) as ToEngineOptions gives it from limits.max_new_tokens.
+// Engine::Validate's limit is the one the conversion's limits name.
 const Engine& TinyEngine() {
-  static const std::unique_ptr<Engine> engine = [] {
-    EngineOptions o;
-    o.buckets.batch_sizes = {1};
-    o.buckets.seq_lens = {16};
-    o.buckets.context_lens = {32};
-    o.buckets.tile_counts = {1};
-    o.buckets.train_batch_sizes = {1};
-    o.buckets.train_seq_lens = {16};
-    o.log_captures = false;
-    o.max_new_tokens_limit = TestLimits().max_new_tokens;
-    return std::make_unique<Engine>(VisionLanguageModel(Tiny()), o);
-  }();
-  return *engine;
+  const Engine& engine = testing::TinyServingEngine();
+  EXPECT_EQ(engine.options().max_new_tokens_limit, TestLimits().max_new_tokens);
+  return engine;
 }
 
 // One place decides: requests that ToEngineRequest converts without complaint, which
