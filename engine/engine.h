@@ -52,7 +52,10 @@ struct EngineOptions {
   // wide, model/fused_ops.h): set by the constructor, before any capture.
   bool programmatic_dependent_launch = true;
   int64_t max_tiles_per_request =
-      0;                     // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
+      0;  // 0 = derived from the model: (max_img_size/vit_img_size)^2 + 1
+  // The most new tokens one request may ask for (the server's limits.max_new_tokens); 0 = only
+  // the context bounds them.
+  int64_t max_new_tokens_limit = 0;
   bool log_captures = true;  // one log line per capture and a summary (stderr)
   // Overlapped decode steps (see Step()): queue decode step N + 1, fed with step N's tokens on the
   // device, before waiting for step N's tokens on the host, so the GPU never idles through the
@@ -94,12 +97,16 @@ class Engine {
   // one shared graph pool), unless graphs are off or capture is lazy. Idempotent.
   void Warmup();
 
-  // The one validation of a generation request: ids inside the vocabulary, image-token count
-  // equal to tiles x mp_image_token_length, tile shape (N, 3, S, S), prompt + max_new_tokens
-  // within the longest context, sampling parameters in range, prompt within the largest prefill
-  // bucket when the oversize policy is reject. Returns the request as a ValidatedRequest, which
+  // The one validation of a generation request, for every API (the server's protocol layers only
+  // parse): the prompt shorter than the longest context, ids inside the vocabulary, image-token
+  // count equal to tiles x mp_image_token_length, tile shape (N, 3, S, S), prompt within the
+  // largest prefill bucket when the oversize policy is reject, max_new_tokens >= 1 and within
+  // max_new_tokens_limit, prompt + max_new_tokens within the longest context, sampling parameters
+  // in range when sampling (temperature > 0 and finite, top_p in (0, 1], top_k >= 0), stop ids
+  // inside the vocabulary; checked in that order. Returns the request as a ValidatedRequest, which
   // the server's scheduler and Admit carry without checking again. Throws
-  // EngineError(kInvalidArgument) saying what to change.
+  // EngineError(kInvalidArgument) saying what to change, with field() naming the field at fault
+  // and context_overflow() set when the context is too short.
   ValidatedRequest Validate(GenerateRequest request) const;
 
   // --- continuous batching (GPU thread) ---------------------------------------------------------
@@ -142,7 +149,7 @@ class Engine {
   // The one validation of a scoring request: prompt checks as for generation (ids, image tokens,
   // tiles, at most the longest context, the oversize policy), target_ids as long as the prompt
   // with ids in the vocabulary or -100, logits_positions inside the prompt. Throws
-  // EngineError(kInvalidArgument) saying what to change.
+  // EngineError(kInvalidArgument) saying what to change, with field() naming the field at fault.
   ValidatedForward Validate(ForwardRequest request) const;
 
   // Scores one prompt: vision + the prefill region (graphed when a bucket fits), then loss and

@@ -10,13 +10,23 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/bucket.h"
 
 namespace vlmgraph {
+
+// A generation that does not fit the longest context (EngineError::context_overflow): the numbers
+// a protocol needs to say so in its own words.
+struct ContextOverflow {
+  int64_t prompt_tokens = 0;
+  int64_t max_new_tokens = 0;  // 0: the prompt alone leaves no room for a new token
+  int64_t max_context = 0;     // the longest context bucket, tokens
+};
 
 class EngineError : public std::runtime_error {
  public:
@@ -28,16 +38,34 @@ class EngineError : public std::runtime_error {
     kInternal
   };
   EngineError(Code code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  // An invalid request (kInvalidArgument) about one of its fields: `message` starts with `field`.
+  EngineError(std::string field, const std::string& message,
+              std::optional<ContextOverflow> overflow = std::nullopt)
+      : std::runtime_error(message),
+        code_(Code::kInvalidArgument),
+        field_(std::move(field)),
+        overflow_(overflow) {}
   Code code() const { return code_; }
+  // The request field at fault as the engine's request types spell it, which is also the gRPC
+  // API's field path: "input_ids", "tiles", "sampling.max_new_tokens", "sampling.temperature",
+  // "sampling.top_p", "sampling.top_k", "sampling.stop_token_ids", "target_ids",
+  // "logits_positions"; "" when the error is about no one field. what() starts with it. Other
+  // protocols translate it to their own names (server/openai_protocol.h).
+  const std::string& field() const { return field_; }
+  // Set when a generation does not fit the longest context (field input_ids or
+  // sampling.max_new_tokens).
+  const std::optional<ContextOverflow>& context_overflow() const { return overflow_; }
 
  private:
   Code code_;
+  std::string field_;
+  std::optional<ContextOverflow> overflow_;
 };
 
 // How to pick each new token. Upstream nanoVLM's generate: greedy argmax, or top-k then top-p
 // (nucleus) filtering of the logits followed by sampling from softmax(filtered / temperature).
 struct SamplingParams {
-  int64_t max_new_tokens = 16;  // >= 1
+  int64_t max_new_tokens = 16;  // >= 1, <= EngineOptions::max_new_tokens_limit when set
   bool greedy = true;
   double temperature = 1.0;             // > 0, used when !greedy
   int64_t top_k = 0;                    // 0 = off

@@ -302,15 +302,6 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
   const v1::SamplingParams& s = request.sampling();
   SamplingParams& p = out.sampling;
   p.max_new_tokens = s.has_max_new_tokens() ? s.max_new_tokens() : limits.default_max_new_tokens;
-  if (p.max_new_tokens < 1) {
-    throw InvalidArgument("sampling.max_new_tokens: must be >= 1, got " +
-                          std::to_string(p.max_new_tokens));
-  }
-  if (p.max_new_tokens > limits.max_new_tokens) {
-    throw InvalidArgument("sampling.max_new_tokens: " + std::to_string(p.max_new_tokens) +
-                          " exceeds the limit of " + std::to_string(limits.max_new_tokens) +
-                          " (limits.max_new_tokens)");
-  }
   p.greedy = !s.sample();
   p.temperature = s.has_temperature() ? s.temperature() : 1.0;
   p.top_k = s.top_k();
@@ -329,13 +320,6 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
     throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
                       "sampling.stop: this model has no tokenizer to match text with; use "
                       "stop_token_ids");
-  }
-  if (!p.greedy) {
-    if (!(p.temperature > 0) || !std::isfinite(p.temperature)) {
-      throw InvalidArgument("sampling.temperature: must be > 0 when sampling");
-    }
-    if (!(p.top_p > 0 && p.top_p <= 1)) throw InvalidArgument("sampling.top_p: must lie in (0, 1]");
-    if (p.top_k < 0) throw InvalidArgument("sampling.top_k: must be >= 0 (0 disables it)");
   }
   return out;
 }

@@ -1,11 +1,19 @@
-// server/convert.h: protobuf requests -> engine requests, with the server's input checks.
+// server/convert.h: protobuf requests -> engine requests (the gRPC API's parsing).
 //
 // Runs on the RPC handler's thread, before a request is queued, so bad input is refused at once
-// and image decoding runs in parallel across requests. Checks here are the ones the engine does
-// not make (images, limits, unset fields); the engine's Validate() then checks ids, image-token
-// counts and context length.
+// and image decoding runs in parallel across requests. Checks here are only the ones the engine
+// cannot make: the proto's shapes (one prompt form, set fields), images (bytes, format, pixels,
+// tiles from their headers before decoding), stop strings, text length before tokenizing, and
+// the Forward and Train limits. Whether a generation or scoring request is valid (ids, image
+// tokens, max_new_tokens >= 1 and within limits.max_new_tokens, context fit, sampling ranges,
+// stop ids) is decided by Engine::Validate alone, once, after the conversion:
 //
-//   GenerateRequest r = ToEngineRequest(proto, model_cfg, config.limits);
+//   ValidatedRequest r =
+//       engine.Validate(ToEngineRequest(proto, engine.model_config(), config.limits, text));
+//
+// The engine's field names (EngineError::field(): "input_ids", "sampling.max_new_tokens", ...)
+// are the gRPC request's field paths, so its messages reach gRPC clients as they are (one status
+// mapping: server/status.h).
 //
 // Errors: ServerError INVALID_ARGUMENT whose message starts with the field path
 // ("images[1]: unknown image format ..."). Thread rules: pure functions.
@@ -72,7 +80,9 @@ Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const
                 const TextModel* text_model);
 
 // `text_model` may be null (a model without a tokenizer: input_ids prompts only). Text and chat
-// prompts stop on text_model's default stop tokens unless sampling.ignore_eos.
+// prompts stop on text_model's default stop tokens unless sampling.ignore_eos. Unset
+// sampling.max_new_tokens: limits.default_max_new_tokens; the values are checked by
+// Engine::Validate, not here.
 GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmConfig& cfg,
                                 const Limits& limits, const TextModel* text_model = nullptr);
 ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfig& cfg,
@@ -88,9 +98,9 @@ std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmCon
                                        const TextModel* text_model = nullptr);
 
 // Checks a prompt before any work: 1 .. max_tokens ids, each inside the vocabulary, and as many
-// image tokens as the tiles give embeddings; `field` names the ids in messages. Generate gets the
-// same checks from Engine::Validate; Forward and Train use this one (an over-long prompt would
-// otherwise run eagerly at any size).
+// image tokens as the tiles give embeddings; `field` names the ids in messages. Train examples
+// use it (the trainer has no Validate; an over-long example would otherwise run eagerly at any
+// size); Generate and Forward get these checks from Engine::Validate.
 void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const VlmConfig& cfg,
                  int64_t max_tokens, const std::string& field);
 

@@ -31,6 +31,7 @@ EngineOptions ToEngineOptions(const ServerConfig& config) {
   o.cuda_graphs = config.capture.enabled;
   o.lazy_capture = config.capture.lazy;
   o.programmatic_dependent_launch = config.capture.programmatic_dependent_launch;
+  o.max_new_tokens_limit = config.limits.max_new_tokens;
   return o;
 }
 

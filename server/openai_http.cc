@@ -463,8 +463,15 @@ OpenAiHttpServer::Impl::Generation::~Generation() { owner->Unregister(this); }
 
 void OpenAiHttpServer::Impl::StartGeneration(const std::shared_ptr<HttpExchange>& x,
                                              PreparedGeneration g, bool chat) {
-  // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
-  ValidatedRequest request = router->engine().Validate(std::move(g.request));
+  // The one validation (thread-safe): ids, image tokens vs tiles, max_tokens, context, sampling;
+  // its refusal in OpenAI's words (FromEngineError).
+  ValidatedRequest request = [&] {
+    try {
+      return router->engine().Validate(std::move(g.request));
+    } catch (const EngineError& e) {
+      throw FromEngineError(e, g);
+    }
+  }();
   if (LogEnabled(LogLevel::kDebug)) {
     const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
     LogDebug("HTTP " + x->request().path + " from " + x->request().remote_address + ": " +

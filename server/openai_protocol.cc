@@ -164,16 +164,14 @@ std::optional<int64_t> OptInt(const json& obj, const char* key, const std::strin
   return ToInt(*f, param);
 }
 
+// Integers only: whether they are token ids of the vocabulary is for Engine::Validate (prompt,
+// stop_token_ids) or the tokenizer (/detokenize) to say.
 std::vector<int64_t> IntList(const json& v, const std::string& param) {
   if (!v.is_array()) throw WrongType(param, "a list of integers", v);
   std::vector<int64_t> out;
   out.reserve(v.size());
-  for (size_t i = 0; i < v.size(); ++i) {
-    const std::string p = param + "[" + std::to_string(i) + "]";
-    const int64_t id = ToInt(v[i], p);
-    if (id < 0) throw BadRequest(p + ": token ids must be >= 0, got " + std::to_string(id), p);
-    out.push_back(id);
-  }
+  for (size_t i = 0; i < v.size(); ++i)
+    out.push_back(ToInt(v[i], param + "[" + std::to_string(i) + "]"));
   return out;
 }
 
@@ -233,7 +231,10 @@ void RefuseUnsupported(const json& body, bool chat) {
     refuse("logit_bias", "logit_bias");
 }
 
-GenerationParams ParseGenerationParams(const json& body, const Limits& limits, bool chat) {
+// Types and this API's own rules only; the values the engine checks (max_tokens >= 1 and within
+// limits.max_new_tokens, top_p, top_k, stop_token_ids, the context) are refused by
+// Engine::Validate and named in this API's terms by FromEngineError.
+GenerationParams ParseGenerationParams(const json& body, bool chat) {
   RefuseUnsupported(body, chat);
   GenerationParams p;
   if (const std::optional<int64_t> n = OptInt(body, "n", "n"); n && *n != 1) {
@@ -247,30 +248,19 @@ GenerationParams ParseGenerationParams(const json& body, const Limits& limits, b
   for (const char* key : {"max_completion_tokens", "max_tokens"}) {
     const std::optional<int64_t> v = OptInt(body, key, key);
     if (!v) continue;
-    if (*v < 1)
-      throw BadRequest(std::string(key) + ": must be >= 1, got " + std::to_string(*v), key);
-    if (*v > limits.max_new_tokens) {
-      throw BadRequest(std::string(key) + ": " + std::to_string(*v) +
-                           " exceeds this server's limit of " +
-                           std::to_string(limits.max_new_tokens) + " (limits.max_new_tokens)",
-                       key);
-    }
     p.max_tokens = *v;
+    p.max_tokens_param = key;
     break;
   }
+  // OpenAI's temperature, [0, 2] with 0 = greedy, is this API's own domain: it decides between
+  // greedy and sampling before the engine sees a temperature (which must then be > 0).
   if (const auto t = OptNumber(body, "temperature", "temperature")) {
     if (!(*t >= 0 && *t <= 2))
       throw BadRequest("temperature: must lie in [0, 2] (0 = greedy)", "temperature");
     p.temperature = *t;
   }
-  if (const auto t = OptNumber(body, "top_p", "top_p")) {
-    if (!(*t > 0 && *t <= 1)) throw BadRequest("top_p: must lie in (0, 1]", "top_p");
-    p.top_p = *t;
-  }
-  if (const auto k = OptInt(body, "top_k", "top_k")) {
-    if (*k < -1) throw BadRequest("top_k: must be >= 1, or 0 or -1 to disable it", "top_k");
-    p.top_k = std::max<int64_t>(0, *k);
-  }
+  if (const auto t = OptNumber(body, "top_p", "top_p")) p.top_p = *t;
+  if (const auto k = OptInt(body, "top_k", "top_k")) p.top_k = *k == -1 ? 0 : *k;  // vLLM's off
   if (const auto s = OptInt(body, "seed", "seed")) p.seed = static_cast<uint64_t>(*s);
   if (const json* stop = Field(body, "stop")) {
     std::vector<std::string> strings;
@@ -454,29 +444,12 @@ auto Tokenizing(Build&& build) -> decltype(build()) {
   }
 }
 
-// OpenAI's and vLLM's wording; `what` is "messages" or "prompt".
+// max_tokens, else limits.default_max_new_tokens capped to the context left (vLLM's default).
+// Not checked here: Engine::Validate refuses a prompt that leaves no room, and a max_tokens < 1,
+// above limits.max_new_tokens or past the context.
 int64_t MaxNewTokens(const GenerationParams& p, int64_t prompt_tokens, const Limits& limits,
-                     int64_t max_context, const std::string& what) {
-  const std::string max_len = std::to_string(max_context);
-  if (prompt_tokens >= max_context) {
-    throw ContextLengthExceeded("This model's maximum context length is " + max_len +
-                                    " tokens. However, your " + what + " resulted in " +
-                                    std::to_string(prompt_tokens) +
-                                    " tokens. Please reduce the length of the " + what + ".",
-                                what);
-  }
-  if (p.max_tokens) {
-    if (prompt_tokens + *p.max_tokens > max_context) {
-      throw ContextLengthExceeded(
-          "This model's maximum context length is " + max_len + " tokens. However, you requested " +
-              std::to_string(prompt_tokens + *p.max_tokens) + " tokens (" +
-              std::to_string(prompt_tokens) + " in the " + what + ", " +
-              std::to_string(*p.max_tokens) + " in the completion). Please reduce the length of " +
-              "the " + what + " or completion.",
-          what);
-    }
-    return *p.max_tokens;
-  }
+                     int64_t max_context) {
+  if (p.max_tokens) return *p.max_tokens;
   return std::min(limits.default_max_new_tokens, max_context - prompt_tokens);
 }
 
@@ -486,7 +459,7 @@ PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_
   PreparedGeneration g;
   g.prompt_tokens = static_cast<int64_t>(input_ids.size());
   SamplingParams& s = g.request.sampling;
-  s.max_new_tokens = MaxNewTokens(p, g.prompt_tokens, limits, max_context, what);
+  s.max_new_tokens = MaxNewTokens(p, g.prompt_tokens, limits, max_context);
   s.greedy = p.temperature < kGreedyTemperature;
   s.temperature = s.greedy ? 1.0 : p.temperature;
   s.top_p = p.top_p;
@@ -500,6 +473,8 @@ PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_
   g.request.input_ids = std::move(input_ids);
   g.request.tiles = std::move(tiles);
   g.stop_strings = p.stop;
+  g.prompt_param = what;
+  g.max_tokens_param = p.max_tokens_param;
   g.stream = p.stream;
   g.include_usage = p.include_usage;
   return g;
@@ -556,7 +531,7 @@ ChatCompletionRequest ParseChatCompletionRequest(const std::string& body,
   const json j = ParseBody(body);
   CheckModel(j, ctx);
   ChatCompletionRequest r;
-  r.params = ParseGenerationParams(j, ctx.limits, /*chat=*/true);
+  r.params = ParseGenerationParams(j, /*chat=*/true);
   r.chat = ParseMessages(j, ctx.limits);
   return r;
 }
@@ -565,7 +540,7 @@ CompletionRequest ParseCompletionRequest(const std::string& body, const RequestC
   const json j = ParseBody(body);
   CheckModel(j, ctx);
   CompletionRequest r;
-  r.params = ParseGenerationParams(j, ctx.limits, /*chat=*/false);
+  r.params = ParseGenerationParams(j, /*chat=*/false);
   const json* prompt = Field(j, "prompt");
   if (!prompt) throw BadRequest("prompt: required; send the text to complete", "prompt");
   // A string, or one prompt as a list: ["text"], [ids...] or [[ids...]] (OpenAI's forms).
@@ -712,6 +687,58 @@ std::string DetokenizeText(const DetokenizeRequest& request, const TextModel& te
   } catch (const TokenizerError& e) {
     throw BadRequest(std::string("tokens: ") + e.what(), "tokens");
   }
+}
+
+// The translation table: Engine::Validate's field names (EngineError::field, the gRPC API's
+// paths) -> this API's request fields, and the words for them where the engine's differ.
+ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g) {
+  if (e.code() != EngineError::Code::kInvalidArgument)
+    return ApiError(ErrorFromException(std::make_exception_ptr(e)));
+  const std::string& what = g.prompt_param;
+  if (const std::optional<ContextOverflow>& o = e.context_overflow()) {
+    // OpenAI's and vLLM's wording.
+    const std::string head =
+        "This model's maximum context length is " + std::to_string(o->max_context) + " tokens. ";
+    if (o->max_new_tokens == 0) {
+      return ContextLengthExceeded(head + "However, your " + what + " resulted in " +
+                                       std::to_string(o->prompt_tokens) +
+                                       " tokens. Please reduce the length of the " + what + ".",
+                                   what);
+    }
+    return ContextLengthExceeded(
+        head + "However, you requested " + std::to_string(o->prompt_tokens + o->max_new_tokens) +
+            " tokens (" + std::to_string(o->prompt_tokens) + " in the " + what + ", " +
+            std::to_string(o->max_new_tokens) + " in the completion). Please reduce the length " +
+            "of the " + what + " or completion.",
+        what);
+  }
+  const std::string message = e.what();
+  const std::string& field = e.field();
+  // The prompt the server built (token positions of the tokenized prompt, image tiles): the
+  // message keeps the engine's words; param names the request field it came from.
+  if (field == "input_ids" || field == "tiles") return BadRequest(message, what);
+  struct Name {
+    const char* engine;
+    std::string api;
+    const char* problem;  // this API's words for what is wrong; nullptr = the engine's
+  };
+  const Name names[] = {
+      {"sampling.max_new_tokens", g.max_tokens_param, nullptr},
+      {"sampling.temperature", "temperature", nullptr},
+      {"sampling.top_p", "top_p", nullptr},
+      {"sampling.top_k", "top_k", ": must be >= 1, or 0 or -1 to disable it"},
+      {"sampling.stop_token_ids", "stop_token_ids", nullptr},
+  };
+  for (const Name& n : names) {
+    if (field != n.engine) continue;
+    // what() is "<field>: <problem>" (EngineError); the problem after the engine's name.
+    const std::string problem = n.problem ? std::string(n.problem)
+                                : message.compare(0, field.size(), field) == 0
+                                    ? message.substr(field.size())
+                                    : ": " + message;
+    return BadRequest(n.api + problem, n.api);
+  }
+  return BadRequest(message);
 }
 
 // --- responses

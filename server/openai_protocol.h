@@ -5,7 +5,9 @@
 //   const RequestContext ctx{config.served_model_name, config.limits};
 //   ChatCompletionRequest chat = ParseChatCompletionRequest(body, ctx);       // throws ApiError
 //   PreparedGeneration g = PrepareChatCompletion(chat, text_model, cfg, limits, max_context);
-//   ValidatedRequest request = engine.Validate(std::move(g.request));
+//   ValidatedRequest request = ...;
+//   try { request = engine.Validate(std::move(g.request)); }  // the one validation
+//   catch (const EngineError& e) { throw FromEngineError(e, g); }  // in this API's words
 //   ... RunGeneration(..., std::move(request), ...) ...
 //   ResponseMeta meta = NewResponseMeta("chatcmpl", ctx.served_model_name);
 //   std::string body = Dump(ChatCompletionJson(meta, text, FinishReasonString(outcome), usage));
@@ -23,7 +25,9 @@
 //
 // Accepted request fields (anything else is ignored, as vLLM does; fields this server cannot honour
 // are refused instead of ignored: n > 1, logprobs, tools, response_format other than text,
-// non-zero penalties, logit_bias, echo, suffix, best_of > 1):
+// non-zero penalties, logit_bias, echo, suffix, best_of > 1). The parsers check types and this
+// API's own rules; the ranges below that are the engine's (max_tokens, top_p, top_k, stop ids, the
+// context) are checked by Engine::Validate alone and its refusal named here by FromEngineError:
 //   model                 optional; when given it must equal served_model_name (else 404)
 //   messages              chat: [{role: system|developer|user|assistant, content: string or
 //                         [{type: text, text} | {type: image_url, image_url: {url}}]}]; image URLs
@@ -32,7 +36,8 @@
 //   max_completion_tokens / max_tokens   >= 1, <= limits.max_new_tokens; default
 //                         limits.default_max_new_tokens, capped to the context left
 //   temperature           [0, 2], default 1 (sampling); below 1e-5 = greedy (as vLLM)
-//   top_p (0, 1], top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
+//   top_p                 (0, 1], checked when sampling
+//   top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
 //   stop                  a string or up to 4 strings; the text ends before the first match
 //   stop_token_ids        (vLLM) extra stop tokens; ignore_eos (vLLM) drops the default ones
 //   n                     1 only; stream; stream_options.include_usage (stream only)
@@ -129,9 +134,10 @@ struct RequestContext {
 // Sampling and output options shared by chat and text completions.
 struct GenerationParams {
   std::optional<int64_t> max_tokens;  // max_completion_tokens, else max_tokens; nullopt = default
-  double temperature = 1.0;           // < kGreedyTemperature = greedy
+  std::string max_tokens_param = "max_tokens";  // the field max_tokens came from
+  double temperature = 1.0;                     // < kGreedyTemperature = greedy
   double top_p = 1.0;
-  int64_t top_k = 0;                    // 0 = off
+  int64_t top_k = 0;                    // 0 = off (the request's -1 too)
   std::optional<uint64_t> seed;         // nullopt = a fresh random seed per request
   std::vector<std::string> stop;        // stop strings, non-empty
   std::vector<int64_t> stop_token_ids;  // added to the model's default stop tokens
@@ -199,6 +205,8 @@ struct PreparedGeneration {
   GenerateRequest request;
   std::vector<std::string> stop_strings;  // for the TextStream
   int64_t prompt_tokens = 0;              // image tokens included
+  std::string prompt_param;               // "messages" or "prompt": where the prompt came from
+  std::string max_tokens_param;           // "max_tokens" or "max_completion_tokens"
   bool stream = false;
   bool include_usage = false;
 };
@@ -208,14 +216,25 @@ struct PreparedGeneration {
 // headers (bytes, format, limits.max_image_pixels, and their tiles against the engine's
 // max_tiles_per_request: refused undecoded). Then decodes and tiles the images, renders the chat,
 // tokenizes it and sets the sampling. `max_context`: the engine's longest context
-// (Engine::max_context()). Throws ApiError 400 context_length_exceeded when the prompt (plus an
-// explicit max_tokens) does not fit or surely would not, 400 for a bad image, too many tiles or
-// max_tokens above limits.max_new_tokens, and TextModel's errors.
+// (Engine::max_context()), which caps the default max_tokens. Throws ApiError 400
+// context_length_exceeded when the text surely cannot fit (from its length), 400 for a bad image
+// or too many tiles, and TextModel's errors. Whether the result is a valid request (the context
+// fit among the rest) is Engine::Validate's to decide: see FromEngineError.
 PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
                                          const TextModel& text, const VlmConfig& cfg,
                                          const Limits& limits, int64_t max_context);
 PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
                                      const Limits& limits, int64_t max_context);
+// Engine::Validate's refusal (`e`, kInvalidArgument) of `g`'s request as this API's error, through
+// one translation table from the engine's field names (EngineError::field) to this API's: a
+// context overflow (EngineError::context_overflow) -> 400 context_length_exceeded in OpenAI's and
+// vLLM's words with param "messages" or "prompt"; sampling.max_new_tokens -> max_tokens (or
+// max_completion_tokens, the field the request used), sampling.temperature / top_p / top_k /
+// stop_token_ids -> temperature / top_p / top_k / stop_token_ids; input_ids and tiles -> param
+// "messages" or "prompt" with the engine's message. 400 invalid_request_error. Another code: as
+// ErrorFromException maps it.
+ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g);
+
 // The token ids /tokenize returns (image tokens included): a prompt as /v1/completions tokenizes
 // it, messages as /v1/chat/completions does, after the same checks; a text that cannot fit the
 // longest context is refused with 400 context_length_exceeded (vLLM's /tokenize has no limit).

@@ -5,13 +5,16 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 #include <optional>
 #include <ostream>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -679,20 +682,26 @@ TEST(Engine, ValidateForwardExplainsBadRequests) {
 
 TEST(Engine, ValidateExplainsBadRequests) {
   auto engine = MakeEngine(at::kCPU, false);
-  auto expect_invalid = [&](GenerateRequest r, const std::string& needle) {
+  // Each refusal names its field (EngineError::field), and its message starts with that name.
+  auto expect_invalid = [&](GenerateRequest r, const std::string& needle,
+                            const std::string& field = "") {
     try {
       engine->Validate(r);
       FAIL() << "accepted; expected: " << needle;
     } catch (const EngineError& e) {
       EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_FALSE(e.field().empty()) << e.what();
+      EXPECT_EQ(std::string(e.what()).rfind(e.field(), 0), 0u) << e.field() << " / " << e.what();
+      if (!field.empty()) EXPECT_EQ(e.field(), field) << e.what();
+      EXPECT_FALSE(e.context_overflow().has_value()) << e.what();
     }
   };
   GenerateRequest ok = FixtureRequests(4)[0];
   engine->Validate(ok);
   GenerateRequest r = ok;
   r.input_ids[7] = 1066;
-  expect_invalid(r, "input_ids[7] = 1066 is outside the vocabulary");
+  expect_invalid(r, "input_ids[7] = 1066 is outside the vocabulary", "input_ids");
   r = ok;
   r.tiles = at::Tensor();
   expect_invalid(r, "has 4 image tokens");
@@ -701,13 +710,10 @@ TEST(Engine, ValidateExplainsBadRequests) {
   expect_invalid(r, "must hold exactly 8 image tokens");
   r = ok;
   r.tiles = at::zeros({1, 3, 32, 32});
-  expect_invalid(r, "image tiles must be (N, 3, 64, 64)");
+  expect_invalid(r, "image tiles must be (N, 3, 64, 64)", "tiles");
   r = ok;
   r.sampling.max_new_tokens = 0;
-  expect_invalid(r, "max_new_tokens must be >= 1");
-  r = ok;
-  r.sampling.max_new_tokens = 100;
-  expect_invalid(r, "lower max_new_tokens to at most 48");
+  expect_invalid(r, "sampling.max_new_tokens: must be >= 1, got 0", "sampling.max_new_tokens");
   r = ok;
   r.input_ids.clear();
   r.tiles = at::Tensor();
@@ -715,7 +721,75 @@ TEST(Engine, ValidateExplainsBadRequests) {
   r = ok;
   r.sampling.greedy = false;
   r.sampling.top_p = 0;
-  expect_invalid(r, "top_p");
+  expect_invalid(r, "sampling.top_p: must lie in (0, 1]", "sampling.top_p");
+  r = ok;
+  r.sampling.greedy = false;
+  r.sampling.temperature = std::numeric_limits<double>::infinity();
+  expect_invalid(r, "must be > 0 when sampling", "sampling.temperature");
+  r.sampling.temperature = 1;
+  r.sampling.top_k = -1;
+  expect_invalid(r, "must be >= 0", "sampling.top_k");
+  r = ok;
+  r.sampling.stop_token_ids = {3, 1066};
+  expect_invalid(r, "stop token id 1066 is outside the vocabulary", "sampling.stop_token_ids");
+  // Unsampled, the sampling parameters are not read and not checked.
+  r = ok;
+  r.sampling.top_p = 0;
+  r.sampling.temperature = 0;
+  EXPECT_NO_THROW(engine->Validate(r));
+
+  // Too long for the context: context_overflow() carries the numbers a protocol words its error
+  // with (prompt tokens, max_new_tokens, longest context; 0 new tokens: the prompt alone).
+  auto overflow = [&](const GenerateRequest& q) {
+    try {
+      engine->Validate(q);
+    } catch (const EngineError& e) {
+      EXPECT_TRUE(e.context_overflow().has_value()) << e.what();
+      return std::make_pair(e, e.context_overflow().value_or(ContextOverflow{}));
+    }
+    ADD_FAILURE() << "accepted";
+    return std::make_pair(EngineError(EngineError::Code::kInternal, ""), ContextOverflow{});
+  };
+  const int64_t len = static_cast<int64_t>(ok.input_ids.size());
+  r = ok;
+  r.sampling.max_new_tokens = 100;
+  auto [error, o] = overflow(r);
+  EXPECT_EQ(error.field(), "sampling.max_new_tokens");
+  EXPECT_NE(std::string(error.what()).find("lower max_new_tokens to at most 48"), std::string::npos)
+      << error.what();
+  EXPECT_EQ(o.prompt_tokens, len);
+  EXPECT_EQ(o.max_new_tokens, 100);
+  EXPECT_EQ(o.max_context, engine->max_context());
+  r = ok;
+  r.input_ids.resize(engine->max_context(), 5);  // no room left for a new token
+  r.sampling.max_new_tokens = 0;                 // the context is checked first
+  std::tie(error, o) = overflow(r);
+  EXPECT_EQ(error.field(), "input_ids");
+  EXPECT_EQ(o.prompt_tokens, engine->max_context());
+  EXPECT_EQ(o.max_new_tokens, 0);
+}
+
+// The server's limits.max_new_tokens, as an engine option: refused with the key named; 0 = none.
+TEST(Engine, ValidateRefusesMaxNewTokensAboveTheLimit) {
+  GenerateRequest r = FixtureRequests(4)[0];
+  r.sampling.max_new_tokens = 9;
+  auto engine = MakeEngine(at::kCPU, false);
+  ASSERT_EQ(engine->options().max_new_tokens_limit, 0);
+  EXPECT_NO_THROW(engine->Validate(r));
+  EngineOptions o = engine->options();
+  o.max_new_tokens_limit = 8;
+  const Engine limited(LoadModel(testing::TinyCheckpointDir()), o);
+  try {
+    limited.Validate(r);
+    FAIL() << "accepted";
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.field(), "sampling.max_new_tokens");
+    EXPECT_EQ(
+        std::string(e.what()),
+        "sampling.max_new_tokens: 9 exceeds this server's limit of 8 (limits.max_new_tokens)");
+  }
+  r.sampling.max_new_tokens = 8;
+  EXPECT_NO_THROW(limited.Validate(r));
 }
 
 // Seeded sampling end to end: a request repeats its tokens, batched with other requests (greedy

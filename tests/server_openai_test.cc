@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "engine/engine_types.h"
 #include "model/chat_format.h"
 #include "model/image_processor.h"
@@ -22,6 +23,7 @@
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "tests/image_fixtures.h"
+#include "tests/tiny_engine.h"
 
 namespace vlmgraph::server::openai {
 namespace {
@@ -224,11 +226,6 @@ TEST(OpenAiProtocol, RequestErrors) {
        "temperature", "[0, 2]"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})", 400,
        "temperature", "must be a number, got string"},
-      {R"({"messages": [{"role": "user", "content": "hi"}], "top_p": 0})", 400, "top_p", "(0, 1]"},
-      {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})", 400, "max_tokens",
-       ">= 1"},
-      {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 101})", 400, "max_tokens",
-       "limits.max_new_tokens"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5})", 400, "max_tokens",
        "an integer"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "stop": ["a","b","c","d","e"]})", 400,
@@ -354,7 +351,7 @@ TEST(OpenAiProtocol, CompletionPrompts) {
            {R"({"prompt": ""})", "prompt", "must not be empty"},
            {R"({"prompt": []})", "prompt", "non-empty"},
            {R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
-           {R"({"prompt": [1, -2]})", "prompt[1]", ">= 0"},
+           {R"({"prompt": [1, 2.5]})", "prompt[1]", "an integer"},
            {R"({"prompt": "x", "echo": true})", "echo", "not supported"},
            {R"({"prompt": "x", "logprobs": 2})", "logprobs", "not supported"},
            {R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
@@ -471,17 +468,94 @@ TEST(OpenAiProtocol, PrepareChatCompletion) {
   EXPECT_EQ(
       PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25).request.sampling.max_new_tokens,
       4);
+  // Whether it fits is Engine::Validate's to decide (EngineValidateDecides...).
   r.params.max_tokens = 5;
-  ErrorInfo e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25); });
-  EXPECT_EQ(e.http_status, 400);
-  EXPECT_EQ(e.code, "context_length_exceeded");
-  EXPECT_EQ(e.param, "messages");
-  EXPECT_NE(e.message.find("maximum context length is 25 tokens"), std::string::npos);
-  EXPECT_NE(e.message.find("21 in the messages, 5 in the completion"), std::string::npos);
-  // A prompt that fills the context on its own.
-  e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 21); });
-  EXPECT_EQ(e.code, "context_length_exceeded");
-  EXPECT_NE(e.message.find("your messages resulted in 21 tokens"), std::string::npos);
+  EXPECT_EQ(
+      PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 25).request.sampling.max_new_tokens,
+      5);
+}
+
+// Engine::Validate's limit is the one the conversion's limits name.
+const Engine& TinyEngine() {
+  const Engine& engine = testing::TinyServingEngine();
+  EXPECT_EQ(engine.options().max_new_tokens_limit, TestLimits().max_new_tokens);
+  return engine;
+}
+
+// One place decides: requests that the parsers and Prepare* accept, which Engine::Validate alone
+// refuses, each refusal named in OpenAI's terms by FromEngineError (the field the client sent,
+// OpenAI's context_length_exceeded wording).
+TEST(OpenAiProtocol, EngineValidateDecidesAndErrorsNameTheOpenAiFields) {
+  struct Case {
+    std::string body;
+    bool chat;
+    std::string param;
+    std::string message_part;
+    std::string code;
+  };
+  const std::string hi = R"("messages": [{"role": "user", "content": "Hi"}])";  // 21 tokens
+  std::string forty = "[5";
+  for (int i = 1; i < 40; ++i) forty += ", 5";
+  forty += "]";
+  const std::vector<Case> cases = {
+      {"{" + hi + R"(, "max_tokens": 0})", true, "max_tokens", "max_tokens: must be >= 1, got 0",
+       ""},
+      {"{" + hi + R"(, "max_completion_tokens": -3})", true, "max_completion_tokens",
+       "max_completion_tokens: must be >= 1, got -3", ""},
+      {"{" + hi + R"(, "max_tokens": 101})", true, "max_tokens",
+       "max_tokens: 101 exceeds this server's limit of 100 (limits.max_new_tokens)", ""},
+      {"{" + hi + R"(, "max_tokens": 12})", true, "messages",
+       "This model's maximum context length is 32 tokens. However, you requested 33 tokens (21 in "
+       "the messages, 12 in the completion). Please reduce the length of the messages or "
+       "completion.",
+       "context_length_exceeded"},
+      {R"({"prompt": )" + forty + "}", false, "prompt",
+       "This model's maximum context length is 32 tokens. However, your prompt resulted in 40 "
+       "tokens. Please reduce the length of the prompt.",
+       "context_length_exceeded"},
+      {"{" + hi + R"(, "top_p": 0})", true, "top_p", "top_p: must lie in (0, 1]", ""},
+      {"{" + hi + R"(, "top_k": -2})", true, "top_k",
+       "top_k: must be >= 1, or 0 or -1 to disable it", ""},
+      {"{" + hi + R"(, "stop_token_ids": [99999]})", true, "stop_token_ids",
+       "stop_token_ids: stop token id 99999 is outside the vocabulary", ""},
+      {R"({"prompt": [5, 99999], "max_tokens": 1})", false, "prompt",
+       "input_ids[1] = 99999 is outside the vocabulary", ""},
+      {R"({"prompt": [5, -2], "max_tokens": 1})", false, "prompt",
+       "input_ids[1] = -2 is outside the vocabulary", ""},
+      {"{" + hi + R"(, "stop_token_ids": [-1]})", true, "stop_token_ids",
+       "stop_token_ids: stop token id -1 is outside the vocabulary", ""},
+  };
+  for (const Case& c : cases) {
+    PreparedGeneration g;
+    // The protocol layer parses and prepares it ...
+    ASSERT_NO_THROW({
+      if (c.chat) {
+        g = PrepareChatCompletion(ParseChatCompletionRequest(c.body, Ctx()), Text(), Tiny(),
+                                  TestLimits(), TinyEngine().max_context());
+      } else {
+        g = PrepareCompletion(ParseCompletionRequest(c.body, Ctx()), Text(), TestLimits(),
+                              TinyEngine().max_context());
+      }
+    }) << c.body;
+    // ... the engine refuses it, and the error names the field as the client sent it.
+    try {
+      (void)TinyEngine().Validate(g.request);
+      ADD_FAILURE() << "accepted: " << c.body;
+    } catch (const EngineError& engine_error) {
+      const ErrorInfo e = FromEngineError(engine_error, g).info();
+      EXPECT_EQ(e.http_status, 400) << c.body;
+      EXPECT_EQ(e.type, "invalid_request_error") << c.body;
+      EXPECT_EQ(e.param, c.param) << c.body << " -> " << e.message;
+      EXPECT_EQ(e.code, c.code) << c.body;
+      EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
+    }
+  }
+  // The same values inside the limits pass.
+  const PreparedGeneration ok = PrepareChatCompletion(
+      ParseChatCompletionRequest("{" + hi + R"(, "max_tokens": 11, "top_p": 0.5, "top_k": -1})",
+                                 Ctx()),
+      Text(), Tiny(), TestLimits(), TinyEngine().max_context());
+  EXPECT_EQ(TinyEngine().Validate(ok.request)->sampling.max_new_tokens, 11);
 }
 
 TEST(OpenAiProtocol, SamplingSeedsAndStopTokens) {
@@ -641,9 +715,11 @@ TEST(OpenAiProtocol, CompletionTokenizeDetokenize) {
   EXPECT_EQ(chat_ids, Text().BuildChat(chat.chat.messages, {}, false).input_ids);
   // Detokenize keeps special tokens, so it round-trips /tokenize.
   EXPECT_EQ(DetokenizeText({chat_ids}, Text()), "<|im_start|>user\nHi<|im_end|>\n");
-  const ErrorInfo e = ErrorOf([] { DetokenizeText({{999999}}, Text()); });
-  EXPECT_EQ(e.http_status, 400);
-  EXPECT_EQ(e.param, "tokens");
+  for (int64_t bad : {int64_t{999999}, int64_t{-1}}) {  // the tokenizer checks the ids
+    const ErrorInfo e = ErrorOf([&] { DetokenizeText({{bad}}, Text()); });
+    EXPECT_EQ(e.http_status, 400) << bad;
+    EXPECT_EQ(e.param, "tokens") << bad;
+  }
 }
 
 // --- responses

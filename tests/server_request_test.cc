@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <regex>
 #include <set>
@@ -23,6 +24,7 @@
 #include "server/convert.h"
 #include "server/metrics.h"
 #include "server/status.h"
+#include "tests/tiny_engine.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -52,36 +54,94 @@ grpc::Status StatusOf(F&& f) {
   return grpc::Status::OK;
 }
 
-TEST(ServerConvert, SamplingDefaultsAndLimits) {
+TEST(ServerConvert, SamplingDefaults) {
   v1::GenerateRequest r;
   r.add_input_ids(5);
   GenerateRequest g = ToEngineRequest(r, Tiny(), TestLimits());
   EXPECT_EQ(g.sampling.max_new_tokens, 7);  // unset -> default
   EXPECT_TRUE(g.sampling.greedy);
   EXPECT_FALSE(g.tiles.defined());
-
-  r.mutable_sampling()->set_max_new_tokens(0);
-  grpc::Status s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(s.error_message().find("sampling.max_new_tokens"), std::string::npos);
-  r.mutable_sampling()->set_max_new_tokens(101);
-  s = StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); });
-  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(s.error_message().find("limits.max_new_tokens"), std::string::npos);
-
   r.mutable_sampling()->set_max_new_tokens(3);
   r.mutable_sampling()->set_sample(true);
-  r.mutable_sampling()->set_temperature(0);
-  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
   r.mutable_sampling()->set_temperature(0.7);
-  r.mutable_sampling()->set_top_p(1.5);
-  EXPECT_EQ(StatusOf([&] { ToEngineRequest(r, Tiny(), TestLimits()); }).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
   r.mutable_sampling()->set_top_p(0.9);
   g = ToEngineRequest(r, Tiny(), TestLimits());
+  EXPECT_EQ(g.sampling.max_new_tokens, 3);
   EXPECT_FALSE(g.sampling.greedy);
   EXPECT_DOUBLE_EQ(g.sampling.temperature, 0.7);
+  EXPECT_DOUBLE_EQ(g.sampling.top_p, 0.9);
+}
+
+// Engine::Validate's limit is the one the conversion's limits name.
+const Engine& TinyEngine() {
+  const Engine& engine = testing::TinyServingEngine();
+  EXPECT_EQ(engine.options().max_new_tokens_limit, TestLimits().max_new_tokens);
+  return engine;
+}
+
+// One place decides: requests that ToEngineRequest converts without complaint, which
+// Engine::Validate alone refuses, with INVALID_ARGUMENT and the gRPC request's field path.
+TEST(ServerValidate, EngineValidateDecidesAndErrorsNameTheGrpcFields) {
+  struct Case {
+    std::function<void(v1::GenerateRequest*)> set;
+    std::string message_start;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::GenerateRequest* r) { r->mutable_sampling()->set_max_new_tokens(0); },
+       "sampling.max_new_tokens: must be >= 1, got 0"},
+      {[](v1::GenerateRequest* r) { r->mutable_sampling()->set_max_new_tokens(-4); },
+       "sampling.max_new_tokens: must be >= 1, got -4"},
+      {[](v1::GenerateRequest* r) { r->mutable_sampling()->set_max_new_tokens(101); },
+       "sampling.max_new_tokens: 101 exceeds this server's limit of 100 (limits.max_new_tokens)"},
+      {[](v1::GenerateRequest* r) { r->mutable_sampling()->set_max_new_tokens(31); },
+       "sampling.max_new_tokens: prompt (2 tokens) + max_new_tokens (31) exceeds the longest "
+       "context bucket (32 tokens)"},
+      {[](v1::GenerateRequest* r) {
+         for (int i = 0; i < 30; ++i) r->add_input_ids(5);
+       },
+       "input_ids: prompt of 32 tokens leaves no room for a new token"},
+      {[](v1::GenerateRequest* r) {
+         r->mutable_sampling()->set_sample(true);
+         r->mutable_sampling()->set_temperature(0);
+       },
+       "sampling.temperature: must be > 0 when sampling"},
+      {[](v1::GenerateRequest* r) {
+         r->mutable_sampling()->set_sample(true);
+         r->mutable_sampling()->set_temperature(std::numeric_limits<double>::infinity());
+       },
+       "sampling.temperature: must be > 0 when sampling"},
+      {[](v1::GenerateRequest* r) {
+         r->mutable_sampling()->set_sample(true);
+         r->mutable_sampling()->set_top_p(1.5);
+       },
+       "sampling.top_p: must lie in (0, 1]"},
+      {[](v1::GenerateRequest* r) {
+         r->mutable_sampling()->set_sample(true);
+         r->mutable_sampling()->set_top_k(-1);
+       },
+       "sampling.top_k: must be >= 0"},
+      {[](v1::GenerateRequest* r) { r->mutable_sampling()->add_stop_token_ids(99999); },
+       "sampling.stop_token_ids: stop token id 99999 is outside the vocabulary"},
+      {[](v1::GenerateRequest* r) { r->set_input_ids(1, 99999); },
+       "input_ids[1] = 99999 is outside the vocabulary"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    v1::GenerateRequest r;
+    r.add_input_ids(5);
+    r.add_input_ids(6);
+    cases[i].set(&r);
+    GenerateRequest g;
+    ASSERT_NO_THROW(g = ToEngineRequest(r, Tiny(), TestLimits())) << "case " << i;
+    const grpc::Status s = StatusOf([&] { (void)TinyEngine().Validate(g); });
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << "case " << i;
+    EXPECT_EQ(s.error_message().rfind(cases[i].message_start, 0), 0u)
+        << "case " << i << ": " << s.error_message();
+  }
+  v1::GenerateRequest ok;
+  ok.add_input_ids(5);
+  ok.mutable_sampling()->set_max_new_tokens(30);
+  const ValidatedRequest v = TinyEngine().Validate(ToEngineRequest(ok, Tiny(), TestLimits()));
+  EXPECT_EQ(v->sampling.max_new_tokens, 30);
 }
 
 TEST(ServerConvert, TensorImages) {
