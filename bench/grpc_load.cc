@@ -117,9 +117,13 @@ int main(int argc, char** argv) {
           r.end = now();
           r.ok = status.ok();
           if (!r.ok) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (errors++ == 0) first_error = std::to_string(status.error_code()) + " " +
-                                             status.error_message();
+            {
+              std::lock_guard<std::mutex> lock(mu);
+              if (errors++ == 0) first_error = std::to_string(status.error_code()) + " " +
+                                               status.error_message();
+            }
+            // A server that refuses or is gone: back off instead of spinning on errors.
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
           }
           mine.push_back(std::move(r));
         }
