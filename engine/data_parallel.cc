@@ -24,12 +24,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
-#include <mutex>
-#include <optional>
-#include <thread>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 namespace vlmgraph {
@@ -160,9 +160,10 @@ void DataParallelGroup::StartHeartbeats() {
           st.lost_peer = lost;
         }
         if (options_.backend == "nccl") {
-          std::fprintf(stderr, "data parallel rank %lld: UNAVAILABLE: %s; ending the process "
-                       "(status %d)\n", static_cast<long long>(options_.rank), lost.c_str(),
-                       kHangExitStatus);
+          std::fprintf(stderr,
+                       "data parallel rank %lld: UNAVAILABLE: %s; ending the process "
+                       "(status %d)\n",
+                       static_cast<long long>(options_.rank), lost.c_str(), kHangExitStatus);
           std::fflush(stderr);
           std::_Exit(kHangExitStatus);
         }
@@ -182,8 +183,7 @@ void DataParallelGroup::ArmStepWatchdog() {
   if (st.watchdog.joinable()) return;
   const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double>(options_.timeout_seconds + 5));
-  st.watchdog = std::thread([&st, limit, rank = options_.rank,
-                             timeout = options_.timeout_seconds] {
+  st.watchdog = std::thread([&st, limit, rank = options_.rank, timeout = options_.timeout_seconds] {
     std::unique_lock<std::mutex> lock(st.watchdog_mu);
     while (!st.watchdog_stop) {
       if (!st.armed_at) {
@@ -216,8 +216,7 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     throw Invalid("data parallel: rank " + std::to_string(options.rank) + " outside [0, " +
                   std::to_string(options.world_size) + ")");
   }
-  if (!(options.timeout_seconds > 0))
-    throw Invalid("data parallel: timeout_seconds must be > 0");
+  if (!(options.timeout_seconds > 0)) throw Invalid("data parallel: timeout_seconds must be > 0");
   if (options.bucket_bytes <= 0) throw Invalid("data parallel: bucket_bytes must be > 0");
   if (options.store_port < 0 || options.store_port > 65535 ||
       (options.store_port == 0 && (options.rank != 0 || options.launcher_store))) {
@@ -227,12 +226,11 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     throw Invalid("data parallel: backend must be \"gloo\" or \"nccl\", not \"" + options.backend +
                   "\"");
   if (!BackendAvailable(options.backend)) {
-    throw Invalid(
-        "data parallel: this build has no " + options.backend + " backend (" +
-        (options.backend == "gloo"
-             ? std::string("install Debian's libgloo-dev and rebuild")
-             : std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")) +
-        ")");
+    throw Invalid("data parallel: this build has no " + options.backend + " backend (" +
+                  (options.backend == "gloo"
+                       ? std::string("install Debian's libgloo-dev and rebuild")
+                       : std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")) +
+                  ")");
   }
   std::shared_ptr<DataParallelGroup> group(new DataParallelGroup(options));
   const std::string where = "data parallel rank " + std::to_string(options.rank) + " of " +
@@ -246,8 +244,8 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     so.waitWorkers = false;  // the backend's rendezvous below waits for every rank
     so.timeout = Millis(options.timeout_seconds);
     group->state_->tcp_store = c10::make_intrusive<c10d::TCPStore>(options.store_host, so);
-    auto store = c10::make_intrusive<c10d::PrefixStore>(options.group_name,
-                                                        group->state_->tcp_store);
+    auto store =
+        c10::make_intrusive<c10d::PrefixStore>(options.group_name, group->state_->tcp_store);
     const int rank = static_cast<int>(options.rank), size = static_cast<int>(options.world_size);
 #if VLMGRAPH_HAVE_GLOO
     if (options.backend == "gloo") {
@@ -257,9 +255,8 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
       // Otherwise the address of this host's name, as c10d's default device.
       const bool loopback = options.store_host == "127.0.0.1" ||
                             options.store_host == "localhost" || options.store_host == "::1";
-      o->devices.push_back(loopback
-                               ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                               : c10d::ProcessGroupGloo::createDefaultDevice());
+      o->devices.push_back(loopback ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
+                                    : c10d::ProcessGroupGloo::createDefaultDevice());
       group->state_->backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, o);
     }
 #endif
@@ -305,18 +302,17 @@ void Wait(const std::string& what, int64_t rank, std::chrono::milliseconds timeo
                       "data parallel rank " + std::to_string(rank) + ": " + what +
                           " failed (a rank died, hangs or left): " + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw EngineError(EngineError::Code::kUnavailable, "data parallel rank " +
-                                                           std::to_string(rank) + ": " + what +
-                                                           " failed: " + e.what());
+    throw EngineError(
+        EngineError::Code::kUnavailable,
+        "data parallel rank " + std::to_string(rank) + ": " + what + " failed: " + e.what());
   }
 }
 
 // Packs `tensors` in order into buckets of at most `cap` bytes (one dtype and device each; a
 // tensor larger than `cap` alone) and calls `run` with each bucket's flat tensor, copying the
 // result back when the bucket was packed.
-int64_t ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
-                      const std::function<void(at::Tensor&)>& run) {
-  int64_t total = 0;
+void ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
+                   const std::function<void(at::Tensor&)>& run) {
   std::vector<at::Tensor> bucket;
   int64_t bucket_bytes = 0;
   auto flush = [&] {
@@ -335,7 +331,6 @@ int64_t ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
         offset += t.numel();
       }
     }
-    total += bucket_bytes;
     bucket.clear();
     bucket_bytes = 0;
   };
@@ -351,23 +346,9 @@ int64_t ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
     bucket_bytes += bytes;
   }
   flush();
-  return total;
 }
 
 }  // namespace
-
-int64_t DataParallelGroup::AllReduceMean(const std::vector<at::Tensor>& tensors) {
-  if (options_.world_size == 1) return 0;
-  at::NoGradGuard no_grad;
-  const double world = static_cast<double>(options_.world_size);
-  return ForEachBucket(tensors, options_.bucket_bytes, [&](at::Tensor& flat) {
-    std::vector<at::Tensor> one{flat};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::SUM;
-    Wait("all-reduce", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->allreduce(one, o); });
-    flat.div_(world);  // exact for a power-of-two world size
-  });
-}
 
 void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_t root) {
   if (options_.world_size == 1) return;
@@ -376,13 +357,15 @@ void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_
     std::vector<at::Tensor> one{flat};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    Wait("broadcast", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->broadcast(one, o); });
+    Wait("broadcast", rank(), Millis(options_.timeout_seconds),
+         [&] { return state_->backend->broadcast(one, o); });
   });
 }
 
 void DataParallelGroup::Barrier() {
   if (!state_->backend) return;
-  Wait("barrier", rank(), Millis(options_.timeout_seconds), [&] { return state_->backend->barrier(); });
+  Wait("barrier", rank(), Millis(options_.timeout_seconds),
+       [&] { return state_->backend->barrier(); });
 }
 
 void DataParallelGroup::StartAllReduceSum(const at::Tensor& tensor) {
@@ -407,7 +390,8 @@ void DataParallelGroup::FinishAllReduces() {
   for (auto& work : started) {
     // NCCL: the current stream waits for the collective (no host block, so this is legal inside
     // a capture); gloo: the host waits, up to the group's timeout.
-    Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */, [&] { return work; });
+    Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */,
+         [&] { return work; });
   }
 }
 

@@ -17,10 +17,11 @@
 //   Trainer trainer(model, t);        // starts from rank 0's weights (broadcast)
 //   trainer.Step(ShardForRank(global_batch, group->rank(), group->world_size()));
 //
-// Gradient averaging (AllReduceMean): tensors are packed in order into buckets of at most
-// bucket_bytes (DDP's bucket_cap_mb, 25 MB by default), one flat tensor per bucket (a tensor
-// larger than a bucket goes alone, in place); each bucket is all-reduced with SUM and divided by
-// world_size. Every rank must pass tensors of the same shapes in the same order.
+// Gradient averaging: the Trainer packs its gradients into flat buckets of at most bucket_bytes
+// (DDP's bucket_cap_mb, 25 MB by default) and all-reduces each with StartAllReduceSum while the
+// backward runs (Note [Overlapped all-reduce] in engine/trainer.cc). Broadcast packs its tensors
+// into buckets of the same size, one flat tensor per bucket (a tensor larger than a bucket goes
+// alone, in place). Every rank must pass tensors of the same shapes in the same order.
 //
 // Thread rules: a group is used by one thread at a time (the thread that drives its Trainer);
 // every rank must call the same collectives in the same order. Groups of one process may run on
@@ -28,7 +29,7 @@
 // Errors: EngineError(kUnavailable) when the store cannot be reached or a rank does not join
 // within timeout_seconds, and when a collective fails or times out (a rank died or hangs): the
 // group is then unusable; EngineError(kInvalidArgument) for bad options or a backend not built.
-// NCCL: eager collectives (Join, Broadcast, AllReduceMean, Barrier) wait at most timeout_seconds;
+// NCCL: eager collectives (Join, Broadcast, Barrier) wait at most timeout_seconds;
 // a captured one that never completes (its peer died) is detected by the Trainer's deadline (Note
 // [A rank that dies] in engine/trainer.cc). Unless the environment sets it, Join sets
 // TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up, do not tear the process down), so the caller decides
@@ -88,11 +89,8 @@ class DataParallelGroup {
   // Whether this build has the backend ("gloo", "nccl").
   static bool BackendAvailable(const std::string& backend);
 
-  // In place: every tensor becomes the mean of its values over the ranks. Tensors must be
-  // contiguous, on the backend's device, and the same shapes and dtypes in the same order on every
-  // rank. Buckets as in the file comment. Returns the bytes all-reduced.
-  int64_t AllReduceMean(const std::vector<at::Tensor>& tensors);
-  // In place: every tensor takes root's values (contiguous tensors).
+  // In place: every tensor takes root's values (contiguous tensors, on the backend's device, the
+  // same shapes and dtypes in the same order on every rank; buckets as in the file comment).
   void Broadcast(const std::vector<at::Tensor>& tensors, int64_t root = 0);
   // Returns when every rank has called it.
   void Barrier();

@@ -112,9 +112,9 @@ struct Trainer::Reducer {
     at::Tensor flat;             // float32, the accumulators of `params` back to back
     size_t ready = 0;            // gradients of the backward in progress that have arrived
   };
-  std::vector<Bucket> buckets;   // launch order
+  std::vector<Bucket> buckets;    // launch order
   std::vector<size_t> bucket_of;  // params_ index -> bucket
-  int64_t bytes = 0;             // all-reduced per step: every bucket + the loss
+  int64_t bytes = 0;              // all-reduced per step: every bucket + the loss
   // The backward in progress.
   bool active = false, reduce = false;
   size_t next = 0;                // first bucket not launched yet
@@ -323,8 +323,8 @@ void Trainer::BuildReducer() {
     for (auto& grad : g.grads) master_grads_.push_back(grad);
   r.grads.resize(params_.size());
   for (size_t k = 0; k < params_.size(); ++k) {
-    // float32: the accumulators are no longer the parameters' .grad; autograd's gradient is
-    // transient, as in bfloat16 mode (Note [Transient bf16 gradients]).
+    // In float32 mode too the accumulators are separate from the parameters' .grad: autograd's
+    // gradient is transient, as in bfloat16 mode (Note [Transient bf16 gradients]).
     params_[k].mutable_grad() = at::Tensor();
     params_[k].register_hook([this, k](const at::Tensor& grad) { OnGradient(k, grad); });
   }
@@ -582,7 +582,8 @@ void Trainer::Warmup() {
     MicroBuffers& buf = BuffersFor(key);
     // Data parallel: this graph all-reduces (the step's last micro-batch); with gradient
     // accumulation the earlier micro-batches' graph, which only accumulates, is captured too.
-    seconds = runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
+    seconds =
+        runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
     ++captures_;
     if (options_.observer) options_.observer->OnCapture(key, seconds);
     if (options_.log_captures) {
@@ -656,8 +657,8 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
   dst.copy_(staged, /*non_blocking=*/true);
 }
 
-at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct,
-                              bool last, BucketKey* key, RunKind* kind, int64_t* target_tokens,
+at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct, bool last,
+                              BucketKey* key, RunKind* kind, int64_t* target_tokens,
                               std::vector<at::Tensor>* optimizer_out) {
   const bool reduce = data_parallel_ && last;
   int64_t max_len = 0;
@@ -814,8 +815,7 @@ bool Trainer::RunNextMicroBatch() {
     }
     BucketKey key;
     RunKind kind;
-    s.loss_sum += MicroStep(micro, s.direct, last, &key, &kind, &r.target_tokens,
-                            &s.optimizer_out);
+    s.loss_sum += MicroStep(micro, s.direct, last, &key, &kind, &r.target_tokens, &s.optimizer_out);
     r.buckets.push_back(key);
     r.padded_tokens += key.batch * key.seq;
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;

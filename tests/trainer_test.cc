@@ -885,28 +885,6 @@ TEST(DataParallel, JoinRefusesBadOptions) {
   }
 }
 
-TEST(DataParallel, AllReduceMeanAveragesEveryBucket) {
-  SKIP_WITHOUT_GLOO();
-  const int64_t port = FreePort();
-  std::vector<std::vector<at::Tensor>> out(2);
-  RunRanks(2, [&](int64_t rank) {
-    DataParallelOptions o = GlooOptions(rank, 2, port, 60);
-    o.bucket_bytes = 64;  // 16 floats: the 40-float tensor goes alone, the small ones share
-    auto group = DataParallelGroup::Join(o);
-    const double base = rank == 0 ? 1.0 : 3.0;
-    std::vector<at::Tensor> t = {at::full({5}, base), at::full({40}, base * 10),
-                                 at::full({2, 3}, base * 100), at::full({}, base * 1000)};
-    EXPECT_EQ(group->AllReduceMean(t), (5 + 40 + 6 + 1) * 4);
-    out[rank] = t;
-  });
-  for (int64_t rank = 0; rank < 2; ++rank) {
-    EXPECT_TRUE(at::equal(out[rank][0], at::full({5}, 2.0)));
-    EXPECT_TRUE(at::equal(out[rank][1], at::full({40}, 20.0)));
-    EXPECT_TRUE(at::equal(out[rank][2], at::full({2, 3}, 200.0)));
-    EXPECT_TRUE(at::equal(out[rank][3], at::full({}, 2000.0)));
-  }
-}
-
 // Ten float32 steps of two ranks, each on half of a global batch of 4, against one rank
 // accumulating the same 4 examples in two micro-batches: the same losses, gradient norms and
 // weights. Rank 1 starts from other weights: the trainer must broadcast rank 0's.
