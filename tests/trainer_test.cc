@@ -885,6 +885,46 @@ TEST(DataParallel, JoinRefusesBadOptions) {
   }
 }
 
+// What one rank of a two-rank job took: its steps and its final master weights.
+struct RankRun {
+  std::vector<TrainStepResult> steps;
+  std::map<std::string, at::Tensor> masters;
+};
+
+// Two gloo ranks (threads, loopback store), each `steps` steps on its shard of `batch`; `setup`
+// adjusts a rank's model, trainer options and group options before it joins.
+std::vector<RankRun> RunTwoGlooRanks(
+    const std::vector<TrainExample>& batch, int steps,
+    const std::function<void(int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions&)>&
+        setup) {
+  const int64_t port = FreePort();
+  std::vector<RankRun> runs(2);
+  RunRanks(2, [&](int64_t rank) {
+    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    DataParallelOptions dp = GlooOptions(rank, 2, port, 60);
+    setup(rank, source, o, dp);
+    o.data_parallel = DataParallelGroup::Join(dp);
+    Trainer t(source, o);
+    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
+    for (int s = 0; s < steps; ++s) runs[rank].steps.push_back(t.Step(shard));
+    runs[rank].masters = Masters(t);
+  });
+  return runs;
+}
+
+// Rank 0's master weights within `tolerance` of `single`'s, and every rank's equal to rank 0's.
+void ExpectMastersMatchOneRank(const std::vector<RankRun>& runs, Trainer& single,
+                               double tolerance) {
+  double worst = 0;
+  for (const auto& [name, w] : Masters(single)) {
+    worst = std::max(worst, testing::MaxAbsDiff(runs[0].masters.at(name), w));
+    for (size_t r = 1; r < runs.size(); ++r)
+      EXPECT_TRUE(at::equal(runs[0].masters.at(name), runs[r].masters.at(name))) << name;
+  }
+  EXPECT_LE(worst, tolerance);
+}
+
 // Ten float32 steps of two ranks, each on half of a global batch of 4, against one rank
 // accumulating the same 4 examples in two micro-batches: the same losses, gradient norms and
 // weights. Rank 1 starts from other weights: the trainer must broadcast rank 0's.
@@ -900,38 +940,24 @@ TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
   std::vector<TrainStepResult> want;
   for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
 
-  const int64_t port = FreePort();
-  std::vector<std::vector<TrainStepResult>> got(2);
-  std::vector<std::map<std::string, at::Tensor>> masters(2);
-  RunRanks(2, [&](int64_t rank) {
-    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
-    if (rank == 1) {
-      at::NoGradGuard ng;
-      for (auto& p : source->parameters()) p.add_(0.25);
-    }
-    TrainOptions o = FixtureOptions(at::kCPU, false);
-    o.max_grad_norm = 0.5;
-    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, 60));
-    Trainer t(source, o);
-    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
-    for (int s = 0; s < kSteps; ++s) got[rank].push_back(t.Step(shard));
-    masters[rank] = Masters(t);
-  });
+  const std::vector<RankRun> got = RunTwoGlooRanks(
+      batch, kSteps,
+      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions&) {
+        if (rank == 1) {
+          at::NoGradGuard ng;
+          for (auto& p : source->parameters()) p.add_(0.25);
+        }
+        o.max_grad_norm = 0.5;
+      });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
-      EXPECT_NEAR(got[rank][s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
-      EXPECT_NEAR(got[rank][s].grad_norm, want[s].grad_norm, 1e-6 * want[s].grad_norm)
+      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
+      EXPECT_NEAR(got[rank].steps[s].grad_norm, want[s].grad_norm, 1e-6 * want[s].grad_norm)
           << "rank " << rank << " step " << s;
-      EXPECT_GT(got[rank][s].all_reduce_bytes, 0);
+      EXPECT_GT(got[rank].steps[s].all_reduce_bytes, 0);
     }
   }
-  const auto single_masters = Masters(single);
-  double worst = 0;
-  for (const auto& [name, w] : single_masters) {
-    worst = std::max(worst, testing::MaxAbsDiff(masters[0].at(name), w));
-    EXPECT_TRUE(at::equal(masters[0].at(name), masters[1].at(name))) << name;
-  }
-  EXPECT_LE(worst, 1e-6);
+  ExpectMastersMatchOneRank(got, single, 1e-6);
 }
 
 // Gradient accumulation and many buckets: two ranks with two micro-batches each (the first only
@@ -948,33 +974,18 @@ TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
   std::vector<TrainStepResult> want;
   for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
 
-  const int64_t port = FreePort();
-  std::vector<std::vector<TrainStepResult>> got(2);
-  std::vector<std::map<std::string, at::Tensor>> masters(2);
-  RunRanks(2, [&](int64_t rank) {
-    VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
-    TrainOptions o = FixtureOptions(at::kCPU, false);
-    o.grad_accum_steps = 2;
-    DataParallelOptions dp = GlooOptions(rank, 2, port, 60);
-    dp.bucket_bytes = 4096;
-    o.data_parallel = DataParallelGroup::Join(dp);
-    Trainer t(source, o);
-    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
-    for (int s = 0; s < kSteps; ++s) got[rank].push_back(t.Step(shard));
-    masters[rank] = Masters(t);
-  });
+  const std::vector<RankRun> got = RunTwoGlooRanks(
+      batch, kSteps, [](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
+        o.grad_accum_steps = 2;
+        dp.bucket_bytes = 4096;
+      });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
-      EXPECT_NEAR(got[rank][s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
-      EXPECT_EQ(got[rank][s].buckets.size(), 2u);
+      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
+      EXPECT_EQ(got[rank].steps[s].buckets.size(), 2u);
     }
   }
-  double worst = 0;
-  for (const auto& [name, w] : Masters(single)) {
-    worst = std::max(worst, testing::MaxAbsDiff(masters[0].at(name), w));
-    EXPECT_TRUE(at::equal(masters[0].at(name), masters[1].at(name))) << name;
-  }
-  EXPECT_LE(worst, 1e-6);
+  ExpectMastersMatchOneRank(got, single, 1e-6);
 }
 
 // A checkpoint rank 0 saves after 3 two-rank steps resumes on one rank (accumulating the same
@@ -1102,7 +1113,8 @@ std::vector<double> ToVector(const at::Tensor& t) {
 
 TEST(DataParallel, ProcessRank) {
   const char* rank_env = std::getenv("VLMGRAPH_TEST_DP_RANK");
-  if (rank_env == nullptr) GTEST_SKIP() << "a rank of ExpectProcessRanksMatchOneRank (Note [NCCL ranks in tests])";
+  if (rank_env == nullptr)
+    GTEST_SKIP() << "a rank of ExpectProcessRanksMatchOneRank (Note [NCCL ranks in tests])";
   const int64_t rank = std::stoll(rank_env);
   const int64_t world = std::stoll(std::getenv("VLMGRAPH_TEST_DP_WORLD"));
   const std::string backend = std::getenv("VLMGRAPH_TEST_DP_BACKEND");
@@ -1156,8 +1168,7 @@ bool RunNcclRanks(int64_t world, const std::filesystem::path& dir, const std::st
     std::vector<std::string> env_strings = {
         "VLMGRAPH_TEST_DP_RANK=" + std::to_string(rank),
         "VLMGRAPH_TEST_DP_WORLD=" + std::to_string(world),
-        "VLMGRAPH_TEST_DP_PORT=" + std::to_string(port),
-        "VLMGRAPH_TEST_DP_BACKEND=" + backend,
+        "VLMGRAPH_TEST_DP_PORT=" + std::to_string(port), "VLMGRAPH_TEST_DP_BACKEND=" + backend,
         "VLMGRAPH_TEST_DP_OUT=" + (dir / (name + std::to_string(rank) + ".safetensors")).string()};
     for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
     std::vector<char*> envp;
@@ -1205,10 +1216,11 @@ void ExpectProcessRanksMatchOneRank(const std::string& backend) {
     }
     EXPECT_LE(worst_loss, 1e-5) << "rank " << rank;
     EXPECT_LE(worst, 1e-5) << "rank " << rank;
-    std::printf("%s rank %lld: %zu steps, final loss %.8f (one rank %.8f), max |loss - one rank| "
-                "%.3g, max |w - w_one_rank| %.3g\n",
-                backend.c_str(), static_cast<long long>(rank), losses.size(), losses.back(),
-                want_losses.back(), worst_loss, worst);
+    std::printf(
+        "%s rank %lld: %zu steps, final loss %.8f (one rank %.8f), max |loss - one rank| "
+        "%.3g, max |w - w_one_rank| %.3g\n",
+        backend.c_str(), static_cast<long long>(rank), losses.size(), losses.back(),
+        want_losses.back(), worst_loss, worst);
   }
   // unlink/rmdir, not std::filesystem::remove_all: the process may bind that symbol to the copy
   // inside libtorch.so, whose use here crashes (seen with torch 2.11's wheel).
