@@ -64,6 +64,19 @@ std::string TokenizerPath(const ServerConfig& config) {
   return fs::is_regular_file(p) ? p.string() : std::string();
 }
 
+// The image string of each image in order (numbered when there are several), as upstream's
+// get_image_string builds them.
+std::vector<std::string> ImageStrings(const VlmConfig& model,
+                                      const std::vector<ImageTiles>& images) {
+  std::vector<std::string> out;
+  const bool numbered = images.size() > 1;
+  for (size_t i = 0; i < images.size(); ++i) {
+    out.push_back(ImageString(model, {images[i].grid_rows, images[i].grid_cols},
+                              static_cast<int64_t>(i), numbered));
+  }
+  return out;
+}
+
 }  // namespace
 
 PromptTooLong::PromptTooLong(const std::string& field, size_t text_bytes, int64_t min_tokens,
@@ -177,12 +190,7 @@ Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
                             const std::vector<ImageTiles>& images,
                             bool add_generation_prompt) const {
   CheckTextLength(ContentTexts(messages), "messages");
-  std::vector<std::string> image_strings;
-  const bool numbered = images.size() > 1;
-  for (size_t i = 0; i < images.size(); ++i) {
-    image_strings.push_back(ImageString(model_, {images[i].grid_rows, images[i].grid_cols},
-                                        static_cast<int64_t>(i), numbered));
-  }
+  const std::vector<std::string> image_strings = ImageStrings(model_, images);
   RenderedChat chat;
   try {
     chat = chat_.RenderWithRanges(messages, image_strings, add_generation_prompt);
@@ -207,12 +215,7 @@ Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
 TrainingPrompt TextModel::BuildTrainingChat(const std::vector<ChatMessage>& messages,
                                             const std::vector<ImageTiles>& images) const {
   CheckTextLength(ContentTexts(messages), "messages");
-  std::vector<std::string> image_strings;
-  const bool numbered = images.size() > 1;
-  for (size_t i = 0; i < images.size(); ++i) {
-    image_strings.push_back(ImageString(model_, {images[i].grid_rows, images[i].grid_cols},
-                                        static_cast<int64_t>(i), numbered));
-  }
+  const std::vector<std::string> image_strings = ImageStrings(model_, images);
   TrainingPrompt p;
   try {
     ChatTrainingTokens t = TokenizeForTraining(chat_, tokenizer_, messages, image_strings,
@@ -231,11 +234,7 @@ TrainingPrompt TextModel::BuildTrainingChat(const std::vector<ChatMessage>& mess
 Prompt TextModel::BuildText(const std::string& text, const std::vector<ImageTiles>& images) const {
   CheckTextLength({text}, "prompt");
   std::string full;
-  const bool numbered = images.size() > 1;
-  for (size_t i = 0; i < images.size(); ++i) {
-    full += ImageString(model_, {images[i].grid_rows, images[i].grid_cols}, static_cast<int64_t>(i),
-                        numbered);
-  }
+  for (const std::string& image : ImageStrings(model_, images)) full += image;
   full += text;
   Prompt p;
   try {
