@@ -186,6 +186,16 @@ JobState ReadJobState(const std::string& dir) {
   ::_exit(status);
 }
 
+// An engine error's exit status and code: UNAVAILABLE (a peer rank died or hung) 3,
+// INVALID_ARGUMENT (bad settings or data) 2, anything else 1.
+[[noreturn]] void FailWith(const std::string& who, const EngineError& e) {
+  if (e.code() == EngineError::Code::kUnavailable)
+    Fail(who, kExitUnavailable, "UNAVAILABLE", e.what());
+  if (e.code() == EngineError::Code::kInvalidArgument)
+    Fail(who, kExitBadConfig, "INVALID_ARGUMENT", e.what());
+  Fail(who, kExitFailed, "INTERNAL", e.what());
+}
+
 }  // namespace
 
 int DumpExamples(const TrainRunConfig& c, std::ostream& out) {
@@ -333,11 +343,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   } catch (const SetupError& e) {
     fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
   } catch (const EngineError& e) {
-    if (e.code() == EngineError::Code::kUnavailable)
-      fail(kExitUnavailable, "UNAVAILABLE", e.what());
-    fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
-         e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
-         e.what());
+    FailWith(who, e);
   } catch (const std::exception& e) {
     fail(kExitFailed, "INTERNAL", e.what());
   }
@@ -436,11 +442,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       group->Leave();  // no rank takes the first to leave for a lost one
     }
   } catch (const EngineError& e) {
-    if (e.code() == EngineError::Code::kUnavailable)
-      fail(kExitUnavailable, "UNAVAILABLE", e.what());
-    fail(e.code() == EngineError::Code::kInvalidArgument ? kExitBadConfig : kExitFailed,
-         e.code() == EngineError::Code::kInvalidArgument ? "INVALID_ARGUMENT" : "INTERNAL",
-         e.what());
+    FailWith(who, e);
   } catch (const std::exception& e) {
     fail(kExitFailed, "INTERNAL", e.what());
   }
