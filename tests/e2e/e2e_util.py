@@ -7,6 +7,7 @@ Without them the defaults point at ./build. Every wait is bounded.
 """
 import json
 import os
+import random
 import re
 import select
 import shutil
@@ -61,10 +62,32 @@ def chelsea():
         return fh.read()
 
 
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = (int(x) for x in fh.read().split())
+            return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and lies outside the kernel's ephemeral range, so that the
+    port-0 binds and outgoing connections of the tests running beside this one cannot take it
+    before the process it is meant for binds it."""
+    ephemeral = _ephemeral_ports()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free loopback port in 20000-32767")
 
 
 class Server:

@@ -1,17 +1,18 @@
 #include "tools/train/launch.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <iostream>
 #include <stdexcept>
 #include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 namespace vlmgraph::train {
 namespace {
@@ -30,24 +31,6 @@ int64_t IntVar(const char* name, const char* value, int64_t min) {
   }
   throw std::invalid_argument(std::string("environment variable ") + name + "='" + value +
                               "': must be an integer >= " + std::to_string(min));
-}
-
-// A free TCP port on loopback (the kernel's choice; a race with another process is possible but
-// the store then fails to bind and says so).
-int64_t FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  int64_t port = 29500;
-  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  if (fd >= 0) ::close(fd);
-  return port;
 }
 
 volatile sig_atomic_t g_forward_signal = 0;
@@ -99,11 +82,59 @@ RankEnv RankEnvFromEnvironment() {
 int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double grace_seconds) {
   if (nproc < 1) throw std::invalid_argument("--nproc-per-node: must be >= 1");
   const std::string master_addr = Get("MASTER_ADDR") ? Get("MASTER_ADDR") : "127.0.0.1";
-  const std::string master_port =
-      Get("MASTER_PORT") ? Get("MASTER_PORT") : std::to_string(FreePort());
+  // The store, served here as torchrun's agent serves it: on the kernel's choice of port unless
+  // MASTER_PORT names one, so that no other process can take the port between choosing and
+  // binding it. It outlives every rank, so a rank that dies takes nothing of the others' with it.
+  c10d::TCPStoreOptions so;
+  so.port = Get("MASTER_PORT") ? static_cast<uint16_t>(IntVar("MASTER_PORT", Get("MASTER_PORT"), 0))
+                               : 0;
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.numWorkers = static_cast<int>(nproc) + 1;
+  std::unique_ptr<c10d::TCPStore> store;
+  try {
+    store = std::make_unique<c10d::TCPStore>(master_addr, so);
+  } catch (const std::exception& e) {
+    std::cerr << "vlmgraph-train: launcher: cannot serve the store on " << master_addr << ":"
+              << so.port << ": " << e.what()
+              << " (set MASTER_PORT to a free port, or leave it unset for any free port)"
+              << std::endl;
+    return 1;
+  }
+  const std::string master_port = std::to_string(store->getPort());
   char exe[4096];
   const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   const std::string program = n > 0 ? std::string(exe, n) : argv.at(0);
+
+  // Every child's arguments and environment are built before the first fork: the store's threads
+  // run by then, so a child does nothing but exec.
+  std::vector<char*> args;
+  args.push_back(const_cast<char*>(program.c_str()));
+  for (size_t k = 1; k < argv.size(); ++k) args.push_back(const_cast<char*>(argv[k].c_str()));
+  args.push_back(nullptr);
+  const char* const set_here[] = {"RANK=",        "LOCAL_RANK=",  "WORLD_SIZE=",
+                                  "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
+                                  "TORCHELASTIC_USE_AGENT_STORE="};
+  std::vector<std::string> inherited;
+  for (char** e = environ; *e != nullptr; ++e) {
+    bool replaced = false;
+    for (const char* prefix : set_here) replaced |= std::strncmp(*e, prefix, std::strlen(prefix)) == 0;
+    if (!replaced) inherited.emplace_back(*e);
+  }
+  std::vector<std::vector<std::string>> child_env(nproc, inherited);
+  std::vector<std::vector<char*>> child_envp(nproc);
+  for (int64_t i = 0; i < nproc; ++i) {
+    auto& env = child_env[i];
+    env.push_back("RANK=" + std::to_string(i));
+    env.push_back("LOCAL_RANK=" + std::to_string(i));
+    env.push_back("WORLD_SIZE=" + std::to_string(nproc));
+    env.push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    env.push_back("MASTER_ADDR=" + master_addr);
+    env.push_back("MASTER_PORT=" + master_port);
+    env.push_back("TORCHELASTIC_USE_AGENT_STORE=True");
+    for (auto& v : env) child_envp[i].push_back(v.data());
+    child_envp[i].push_back(nullptr);
+  }
 
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -120,19 +151,9 @@ int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double
       return 1;
     }
     if (pid == 0) {
-      ::setenv("RANK", std::to_string(i).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(i).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", master_addr.c_str(), 1);
-      ::setenv("MASTER_PORT", master_port.c_str(), 1);
-      ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
-      std::vector<char*> args;
-      args.push_back(const_cast<char*>(program.c_str()));
-      for (size_t k = 1; k < argv.size(); ++k) args.push_back(const_cast<char*>(argv[k].c_str()));
-      args.push_back(nullptr);
-      ::execv(program.c_str(), args.data());
-      std::perror("vlmgraph-train: exec");
+      ::execve(program.c_str(), args.data(), child_envp[i].data());
+      static const char msg[] = "vlmgraph-train: launcher: exec failed\n";
+      (void)!::write(2, msg, sizeof(msg) - 1);
       ::_exit(127);
     }
     children.push_back(pid);

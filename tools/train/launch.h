@@ -13,11 +13,14 @@
 //   RankEnv env = RankEnvFromEnvironment();
 //   int status = LaunchLocalRanks(argv_without_the_flag, 4);  // forks 4 ranks, waits for them
 //
-// Launcher (as torchrun's local agent): each child gets RANK = LOCAL_RANK = i, WORLD_SIZE = n,
-// MASTER_ADDR = 127.0.0.1 and a free MASTER_PORT (unless already set), and runs this program
+// Launcher (as torchrun's local agent): it serves the store itself, on MASTER_PORT or, unset, on
+// the kernel's choice of free port (no race with other processes for it), and each child gets
+// RANK = LOCAL_RANK = i, WORLD_SIZE = LOCAL_WORLD_SIZE = n, MASTER_ADDR (127.0.0.1 unless set),
+// MASTER_PORT = the store's port and TORCHELASTIC_USE_AGENT_STORE=True, and runs this program
 // again. When a child exits non-zero or is killed, the others get SIGTERM, then SIGKILL after a
 // grace period, and the launcher returns that child's status (128 + signal for a signal). SIGINT
-// and SIGTERM to the launcher are passed on to the children.
+// and SIGTERM to the launcher are passed on to the children. A store that cannot be served
+// (MASTER_PORT taken) returns 1 with a message.
 //
 // Errors: std::invalid_argument naming the variable for a malformed environment.
 #pragma once
