@@ -70,6 +70,19 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
   if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+  // What every graph reads in place (Note [Static input check], engine/step_runner.h).
+  runner_->WatchStaticInputs([this] {
+    std::vector<at::Tensor> inputs = model_->parameters();
+    for (const at::Tensor& t : model_->buffers()) inputs.push_back(t);
+    const Buffers& bf = *buffers_;
+    for (const at::Tensor& t : {bf.ids, bf.slots, bf.last, bf.tiles, bf.image_rows, bf.dec_in,
+                                bf.dec_carry}) {
+      inputs.push_back(t);
+    }
+    inputs.insert(inputs.end(), bf.cache.key.begin(), bf.cache.key.end());
+    inputs.insert(inputs.end(), bf.cache.value.begin(), bf.cache.value.end());
+    return inputs;
+  });
   dispatch_ = std::make_unique<RegionDispatcher>(
       runner_.get(), [this](const BucketKey& exact, const std::string& reason) {
         CountEagerFallback(exact, reason);

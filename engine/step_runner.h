@@ -12,6 +12,26 @@
 // next replay: the engine consumes them before replaying that bucket again. The first graph owns
 // the pool and must outlive the others, so graphs are destroyed in reverse capture order.
 //
+// Note [Capture guard]: a region that throws between capture_begin and capture_end (a failed
+// check, an out-of-memory, a synchronising call that invalidates the capture) must not leave the
+// stream capturing: a capture begun in cudaStreamCaptureModeGlobal forbids cudaMalloc and other
+// unsafe calls to every thread of the process while it lasts, and c10's caching allocator would go
+// on routing the stream's allocations to the graph pool. As torch.cuda.graph's __exit__, the CUDA
+// runner always ends the capture: an intact capture through CUDAGraph::capture_end (its partial
+// graph is discarded), an invalidated one through cudaStreamEndCapture plus the allocators'
+// endAllocateToPool / releasePool that capture_end would have called. The region's exception then
+// propagates unchanged, the bucket has no graph, and the next Capture or Run may try again.
+//
+// Note [Static input check]: a graph reads its inputs at the addresses they had at capture. A
+// buffer or parameter that is reallocated instead of written in place (a new tensor assigned, or
+// set_ / set_data to new storage) leaves replays reading stale memory without any error. With
+// WatchStaticInputs the runner records, per graph, the data pointers of the tensors the provider
+// returns at capture and, when checking is on, compares them before each replay (vLLM's
+// CUDAGraphWrapper does the same in debug mode). Checking is on in builds without NDEBUG, when the
+// environment sets VLMGRAPH_CHECK_GRAPH_INPUTS=1, or after set_check_static_inputs(true); it costs
+// one call of the provider and one pointer compare per tensor per replay. A moved input throws
+// std::logic_error naming the bucket, the input's index and both addresses; nothing is replayed.
+//
 // Thread rules: used only from the engine's GPU thread.
 #pragma once
 
@@ -32,12 +52,24 @@ using RegionFn = std::function<std::vector<at::Tensor>()>;
 
 class StepRunner {
  public:
+  // The tensors every region of this runner reads at fixed addresses: static buffers, weights,
+  // KV cache (Note [Static input check]). Called on the runner's thread.
+  using StaticInputsFn = std::function<std::vector<at::Tensor>()>;
+
   virtual ~StepRunner() = default;
+  // Sets the provider of the static inputs; captures from now on record their addresses.
+  virtual void WatchStaticInputs(StaticInputsFn inputs) { (void)inputs; }
+  // Turns the replay check of Note [Static input check] on or off (a runner that does not
+  // capture ignores it).
+  virtual void set_check_static_inputs(bool check) { (void)check; }
   // Captures `fn` for `key` if this runner captures and `key` has no graph yet. Returns seconds
-  // spent (0 when nothing was captured).
+  // spent (0 when nothing was captured). What `fn` throws propagates after the capture is ended
+  // (Note [Capture guard]); `key` then has no graph.
   virtual double Capture(const BucketKey& key, const RegionFn& fn) = 0;
   // Runs the region at `key`: replays its graph (capturing first when `capture_if_missing`) or
   // calls fn. `outputs` receives the region's outputs (for graphs: the static output tensors).
+  // Throws what Capture throws, and std::logic_error for a moved static input (Note [Static
+  // input check]).
   virtual RunKind Run(const BucketKey& key, const RegionFn& fn, bool capture_if_missing,
                       std::vector<at::Tensor>* outputs) = 0;
   virtual bool Has(const BucketKey& key) const = 0;

@@ -261,6 +261,17 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
   if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+  // What every graph reads or updates in place: weights, master weights and the optimizer's
+  // state (Note [Static input check], engine/step_runner.h). The per-bucket input buffers are
+  // left out: they are made as buckets are first used.
+  runner_->WatchStaticInputs([this] {
+    std::vector<at::Tensor> inputs = model_->parameters();
+    for (const std::vector<at::Tensor>* list :
+         {&params_, &adamw_.params, &adamw_.grads, &adamw_.exp_avg, &adamw_.exp_avg_sq}) {
+      inputs.insert(inputs.end(), list->begin(), list->end());
+    }
+    return inputs;
+  });
   dispatch_ = std::make_unique<RegionDispatcher>(
       runner_.get(), [this](const BucketKey& exact, const std::string& reason) {
         if (options_.observer) options_.observer->OnEagerFallback(exact.region, reason);

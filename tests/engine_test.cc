@@ -11,7 +11,9 @@
 #include <ostream>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -933,6 +935,91 @@ TEST(EngineGraphs, EmptyBatchSizesAreDerivedFromDeviceMemory_CUDA) {
   for (auto& r : reqs) r.sampling.max_new_tokens = 4;
   for (const auto& tokens : engine->Generate(reqs)) EXPECT_EQ(tokens.size(), 4u);
   EXPECT_EQ(engine->Counters().TotalCaptures(), c.TotalCaptures());
+}
+
+// Note [Capture guard]: a region that throws inside its capture (after the two warm-up calls) or
+// invalidates it (a synchronising .item()) leaves no capture behind: another thread can still
+// allocate device memory (an abandoned capture in global mode forbids cudaMalloc to every thread),
+// the runner captures and replays a good region, the abandoned captures' holds on the graph pool
+// are released with the runner, and an engine then serves the reference tokens.
+TEST(CudaGraphCapture, ARegionThatThrowsEndsItsCaptureAndTheDeviceServesOn_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  at::globalContext().setAllowTF32CuBLAS(false);
+  const at::Device cuda(at::kCUDA, 0);
+  at::Tensor x = at::ones({256, 256}, at::TensorOptions().device(cuda));
+  ReleaseCachedMemory(cuda);
+  const int64_t reserved_before = DeviceMemory(cuda).reserved_bytes;
+  {
+    auto runner = MakeCudaGraphStepRunner(0);
+    ASSERT_NE(runner, nullptr);
+    const BucketKey thrown{Region::kPrefill, 1, 16, 0}, synced{Region::kPrefill, 2, 16, 0};
+    int calls = 0;
+    EXPECT_THROW(runner->Capture(thrown,
+                                 [&] {
+                                   at::Tensor y = x * 2 + 1;
+                                   if (++calls == 3) throw std::runtime_error("region failed");
+                                   return std::vector<at::Tensor>{y};
+                                 }),
+                 std::runtime_error);
+    EXPECT_EQ(calls, 3);
+    EXPECT_FALSE(runner->Has(thrown));
+    calls = 0;
+    EXPECT_ANY_THROW(runner->Capture(synced, [&] {
+      at::Tensor y = x.sum();
+      if (++calls == 3) (void)y.item<float>();
+      return std::vector<at::Tensor>{y};
+    }));
+    EXPECT_FALSE(runner->Has(synced));
+    EXPECT_EQ(runner->graph_count(), 0);
+    bool other_thread_ok = false;
+    std::thread other([&] {
+      at::Tensor fresh = at::ones({64 << 20}, at::TensorOptions().dtype(at::kByte).device(cuda));
+      other_thread_ok = fresh.sum().item<int64_t>() == (int64_t{64} << 20);
+    });
+    other.join();
+    EXPECT_TRUE(other_thread_ok);
+    std::vector<at::Tensor> out;
+    EXPECT_EQ(runner->Run(thrown, [&] { return std::vector<at::Tensor>{x * 3}; }, true, &out),
+              RunKind::kCaptureAndReplay);
+    EXPECT_EQ(out[0].sum().item<double>(), 3.0 * 256 * 256);
+    EXPECT_EQ(runner->graph_count(), 1);
+  }
+  ReleaseCachedMemory(cuda);
+  EXPECT_EQ(DeviceMemory(cuda).reserved_bytes, reserved_before);
+  {
+    auto engine = MakeEngine(at::kCUDA, true);
+    engine->Warmup();
+    const auto generated = engine->Generate(FixtureRequests(6));
+    const at::Tensor want = TinyReference().tensors.at("generated_ids");
+    for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(generated[r], Row(want, r));
+  }
+}
+
+// Note [Static input check]: a static input reallocated after capture (set_ to new storage) makes
+// the replay throw, naming the input, instead of reading stale memory; unchecked, it replays.
+TEST(CudaGraphCapture, ReplayRefusesAStaticInputThatMoved_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  const at::Device cuda(at::kCUDA, 0);
+  at::Tensor x = at::ones({1024}, at::TensorOptions().device(cuda));
+  auto runner = MakeCudaGraphStepRunner(0);
+  ASSERT_NE(runner, nullptr);
+  runner->WatchStaticInputs([&] { return std::vector<at::Tensor>{x}; });
+  runner->set_check_static_inputs(true);
+  const BucketKey key{Region::kDecode, 1, 32, 0};
+  const RegionFn fn = [&] { return std::vector<at::Tensor>{x * 2}; };
+  std::vector<at::Tensor> out;
+  runner->Run(key, fn, true, &out);
+  runner->Run(key, fn, false, &out);  // unmoved: replays
+  EXPECT_EQ(out[0].sum().item<double>(), 2048.0);
+  x.set_(at::full({1024}, 5.0, x.options()));
+  try {
+    runner->Run(key, fn, false, &out);
+    ADD_FAILURE() << "replayed a graph whose static input moved";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("static input 0"), std::string::npos) << e.what();
+  }
+  runner->set_check_static_inputs(false);
+  EXPECT_EQ(runner->Run(key, fn, false, &out), RunKind::kReplay);
 }
 
 // A Train job captures graphs of its own and destroys them at its end. What they leave behind

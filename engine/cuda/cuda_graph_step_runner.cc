@@ -1,21 +1,121 @@
 // engine/cuda/cuda_graph_step_runner.cc: StepRunner that captures one CUDA graph per bucket and
-// replays it. See Note [Graph memory pool] in engine/step_runner.h.
+// replays it. See Notes [Graph memory pool], [Capture guard] and [Static input check] in
+// engine/step_runner.h.
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "engine/device.h"
 #include "engine/step_runner.h"
+#include "model/log.h"
 
 namespace vlmgraph {
 namespace {
+
+bool CheckStaticInputsByDefault() {
+#ifndef NDEBUG
+  return true;
+#else
+  const char* v = std::getenv("VLMGRAPH_CHECK_GRAPH_INPUTS");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+#endif
+}
+
+// Note [Capture guard] (engine/step_runner.h): Begin() begins the capture of `graph` on the
+// current stream into `pool`; End() ends it; a guard destroyed between the two (an exception in
+// the region) ends the capture and undoes the allocators' state, so the process can go on using
+// the device. The CUDAGraph object must be destroyed after the guard.
+class CaptureGuard {
+ public:
+  CaptureGuard(at::cuda::CUDAGraph* graph, at::cuda::MempoolId_t pool, c10::DeviceIndex device)
+      : graph_(graph), pool_(pool), device_(device) {}
+  CaptureGuard(const CaptureGuard&) = delete;
+  CaptureGuard& operator=(const CaptureGuard&) = delete;
+  ~CaptureGuard() {
+    if (active_) Abort();
+  }
+
+  void Begin() {
+    stream_ = c10::cuda::getCurrentCUDAStream(device_).stream();
+    graph_->capture_begin(pool_);
+    active_ = true;
+  }
+
+  void End() {
+    if (Status() == cudaStreamCaptureStatusInvalidated) {
+      Abort();
+      throw std::runtime_error(
+          "CUDA graph capture was invalidated by an operation the region ran (a synchronising "
+          "call such as .item() or a host copy, or an operation unsupported in capture)");
+    }
+    graph_->capture_end();
+    active_ = false;
+  }
+
+ private:
+  cudaStreamCaptureStatus Status() const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_, &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cudaStreamCaptureStatusNone;
+    }
+    return status;
+  }
+
+  // Ends the capture without keeping a graph; never throws (it runs during unwinding).
+  void Abort() noexcept {
+    active_ = false;
+    const cudaStreamCaptureStatus status = Status();
+    if (status == cudaStreamCaptureStatusActive) {
+      // Intact: CUDAGraph::capture_end ends it and the allocators' pool routing; the CUDAGraph's
+      // destructor then releases its hold on the pool. The partial graph is never replayed.
+      try {
+        graph_->capture_end();
+        return;
+      } catch (const std::exception& e) {
+        LogError(std::string("ending an abandoned CUDA graph capture: ") + e.what());
+        return;
+      }
+    }
+    // Invalidated: CUDAGraph::capture_end would throw at cudaStreamEndCapture before undoing the
+    // allocators' state, so end the stream's capture and undo that state here (as capture_end
+    // and CUDAGraph::reset would: endAllocateToPool, then releasePool for capture_begin's hold).
+    if (status == cudaStreamCaptureStatusInvalidated) {
+      cudaGraph_t partial = nullptr;
+      (void)cudaStreamEndCapture(stream_, &partial);
+      if (partial != nullptr) (void)cudaGraphDestroy(partial);
+    }
+    (void)cudaGetLastError();  // capture errors are not sticky; clear the last one
+    try {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device_, pool_);
+      at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool_);
+      c10::cuda::CUDACachingAllocator::releasePool(device_, pool_);
+      at::getHostAllocator(at::kCUDA)->release_pool(pool_);
+    } catch (const std::exception& e) {
+      LogError(std::string("releasing an abandoned CUDA graph capture's pool: ") + e.what());
+    }
+  }
+
+  at::cuda::CUDAGraph* graph_;
+  at::cuda::MempoolId_t pool_;
+  c10::DeviceIndex device_;
+  cudaStream_t stream_ = nullptr;
+  bool active_ = false;
+};
 
 class CudaGraphStepRunner final : public StepRunner {
  public:
@@ -46,9 +146,15 @@ class CudaGraphStepRunner final : public StepRunner {
       for (int i = 0; i < 2; ++i) fn();
       side.synchronize();
       entry.graph = std::make_unique<at::cuda::CUDAGraph>();
-      entry.graph->capture_begin(pool_);
+      if (static_inputs_) {
+        for (const at::Tensor& t : static_inputs_()) {
+          entry.input_addresses.push_back(t.defined() ? t.data_ptr() : nullptr);
+        }
+      }
+      CaptureGuard capture(entry.graph.get(), pool_, device_);
+      capture.Begin();
       entry.outputs = fn();
-      entry.graph->capture_end();
+      capture.End();
     }
     at::cuda::CUDAEvent done;
     done.record(side);
@@ -71,11 +177,15 @@ class CudaGraphStepRunner final : public StepRunner {
       it = graphs_.find(key);
       kind = RunKind::kCaptureAndReplay;
     }
+    if (check_static_inputs_ && static_inputs_) CheckStaticInputs(key, it->second);
     c10::cuda::CUDAGuard device_guard(device_);
     it->second.graph->replay();
     *outputs = it->second.outputs;
     return kind;
   }
+
+  void WatchStaticInputs(StaticInputsFn inputs) override { static_inputs_ = std::move(inputs); }
+  void set_check_static_inputs(bool check) override { check_static_inputs_ = check; }
 
   bool Has(const BucketKey& key) const override { return graphs_.count(key) > 0; }
   bool captures() const override { return true; }
@@ -97,11 +207,35 @@ class CudaGraphStepRunner final : public StepRunner {
   struct Entry {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     std::vector<at::Tensor> outputs;  // static outputs, overwritten by each replay of this graph
+    std::vector<const void*> input_addresses;  // static inputs' data pointers at capture
   };
+
+  void CheckStaticInputs(const BucketKey& key, const Entry& entry) const {
+    const std::vector<at::Tensor> now = static_inputs_();
+    if (now.size() != entry.input_addresses.size()) {
+      throw std::logic_error("CUDA graph " + key.Label() + ": captured with " +
+                             std::to_string(entry.input_addresses.size()) +
+                             " static inputs, now " + std::to_string(now.size()));
+    }
+    for (size_t i = 0; i < now.size(); ++i) {
+      const void* address = now[i].defined() ? now[i].data_ptr() : nullptr;
+      if (address == entry.input_addresses[i]) continue;
+      char detail[96];
+      std::snprintf(detail, sizeof(detail), " was at %p at capture and is at %p now",
+                    entry.input_addresses[i], address);
+      throw std::logic_error("CUDA graph " + key.Label() + ": static input " + std::to_string(i) +
+                             detail +
+                             ": a buffer or weight was reallocated instead of written in place "
+                             "(copy_ into it); replaying would read stale memory");
+    }
+  }
+
   c10::DeviceIndex device_;
   at::cuda::MempoolId_t pool_;
   std::map<BucketKey, Entry> graphs_;
   std::vector<BucketKey> order_;
+  StaticInputsFn static_inputs_;
+  bool check_static_inputs_ = CheckStaticInputsByDefault();
 };
 
 }  // namespace
