@@ -234,7 +234,8 @@ def cmd_rollback(client, args):
     print(f"restored {r.tensors} tensors ({r.bytes} bytes) in {r.seconds * 1e3:.1f} ms", flush=True)
 
 
-def main(argv=None):
+def build_parser():
+    """The command line's parser (every subcommand and flag)."""
     p = argparse.ArgumentParser(prog="python3 -m vlmgraph_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=os.environ.get("VLMGRAPH_ADDRESS", "127.0.0.1:50051"))
@@ -291,7 +292,11 @@ def main(argv=None):
     t.set_defaults(fn=cmd_train)
     sub.add_parser("rollback", help="serve the weights from before the last publish (publish scope)"
                    ).set_defaults(fn=cmd_rollback)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.command == "demo" and len(args.image) > 1:
         args.image = args.image[1:]  # --image given: replace the default photo
     with VlmGraphClient(args.address, timeout=args.timeout) as client:
