@@ -26,12 +26,12 @@
 //
 // Names: the APIs call the rates <group>_learning_rate (TrainConfig's language_learning_rate,
 // vision_learning_rate, projector_learning_rate in proto/vlmgraph/v1/train.proto; vlmgraph-train's
-// train.<group>_learning_rate; the Python client's train_config keywords and --<group>-learning-rate
-// flags). Checkpoints (Trainer::SaveCheckpoint, optimizer.safetensors metadata) keep each group's
-// rate as learning_rate.<group> and the rate its last step took as scheduled_learning_rate.<group>;
-// a resumed job takes both back (Trainer::LoadOptimizerState). A checkpoint written before these
-// keys has one "lr", which resumes as every group's rate. docs/training.md ("Learning rates")
-// describes this for users.
+// train.<group>_learning_rate; the Python client's train_config keywords and
+// --<group>-learning-rate flags). Checkpoints (Trainer::SaveCheckpoint, optimizer.safetensors
+// metadata) keep each group's rate as learning_rate.<group> and the rate its last step took as
+// scheduled_learning_rate.<group>; a resumed job takes both back (Trainer::LoadOptimizerState). A
+// checkpoint written before these keys has one "lr", which resumes as every group's rate.
+// docs/training.md ("Learning rates") describes this for users.
 //
 // Thread rules: a value type.
 #pragma once

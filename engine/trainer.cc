@@ -1100,10 +1100,11 @@ void Trainer::LoadOptimizerState(const std::string& path) {
   }
   SetLearningRateScale(scale);
   if (learning_rates_ != job || scale != 1) {
-    LogInfo(LogFormat("resumed the learning rates of %s: projector %g, vision %g, language %g, "
-                      "schedule factor %g (the job set projector %g, vision %g, language %g)",
-                      path.c_str(), learning_rates_.projector, learning_rates_.vision,
-                      learning_rates_.language, scale, job.projector, job.vision, job.language));
+    LogInfo(
+        LogFormat("resumed the learning rates of %s: projector %g, vision %g, language %g, "
+                  "schedule factor %g (the job set projector %g, vision %g, language %g)",
+                  path.c_str(), learning_rates_.projector, learning_rates_.vision,
+                  learning_rates_.language, scale, job.projector, job.vision, job.language));
   }
 }
 

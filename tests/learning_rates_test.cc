@@ -76,8 +76,7 @@ TEST(LearningRates, CheckNamesTheFieldAndSaysWhatToChange) {
   EXPECT_NE(vision.Check()->message.find("upstream nanoVLM's default is 5e-05"), std::string::npos);
   LearningRates projector;
   projector.projector = -1;
-  EXPECT_NE(projector.Check()->message.find("0 freezes the modality projector"),
-            std::string::npos);
+  EXPECT_NE(projector.Check()->message.find("0 freezes the modality projector"), std::string::npos);
   EXPECT_FALSE(LearningRates::All(0).Check().has_value());
   EXPECT_FALSE(LearningRates::All(1).Check().has_value());
   EXPECT_FALSE(LearningRates::All(0).AnyTrained());

@@ -257,8 +257,8 @@ TEST(ServerConvert, TrainConfigLearningRates) {
   c.set_projector_learning_rate(1.5);
   s = StatusOf([&] { ToLearningRates(c); });
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(s.error_message().rfind("config.projector_learning_rate: must lie in [0, 1], got 1.5", 0),
-            0u)
+  EXPECT_EQ(
+      s.error_message().rfind("config.projector_learning_rate: must lie in [0, 1], got 1.5", 0), 0u)
       << s.error_message();
 }
 

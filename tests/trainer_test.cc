@@ -1417,12 +1417,9 @@ TEST(Trainer, CheckpointWithOnlyLrResumesItAsEveryGroupsRate) {
   const std::string path = (dir / "optimizer.safetensors").string();
   SafetensorsFile f = ReadSafetensors(path);
   std::map<std::string, at::Tensor> state(f.tensors.begin(), f.tensors.end());
-  std::map<std::string, std::string> old_meta = {{"optimizer", "adamw"},
-                                                 {"lr", "0.002000"},
-                                                 {"betas", "0.900000,0.999000"},
-                                                 {"eps", "0.000000"},
-                                                 {"weight_decay", "0.010000"},
-                                                 {"steps", "1"}};
+  std::map<std::string, std::string> old_meta = {
+      {"optimizer", "adamw"}, {"lr", "0.002000"},           {"betas", "0.900000,0.999000"},
+      {"eps", "0.000000"},    {"weight_decay", "0.010000"}, {"steps", "1"}};
   WriteSafetensors(path, state, old_meta);
 
   VisionLanguageModel saved = LoadModel(dir.string());
