@@ -224,9 +224,10 @@ class Trainer {
   // step took as scheduled_learning_rate.<group>) into `dir`.
   void SaveCheckpoint(const std::string& dir);
   // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
-  // LoadWeights): the AdamW state, the step count and, as torch.optim.Optimizer.load_state_dict
-  // restores each group's lr, each trained group's rate and the schedule's factor (Note [Learning
-  // rates]; a file with only "lr", from before per-group rates, gives every group that rate).
+  // LoadWeights): the AdamW state, the step count, each trained group's rate and the schedule's
+  // factor (as torch.optim.Optimizer.load_state_dict restores each param group's lr; Note
+  // [Learning rates]: a file with only "lr", from before per-group rates, gives every group that
+  // rate).
   // Throws std::runtime_error naming a missing or mis-shaped state tensor, and saying which
   // group's rate to set to 0 when the checkpoint froze a group this trainer trains.
   void LoadOptimizerState(const std::string& path);
