@@ -68,8 +68,8 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   }
   o.compute_dtype = at::kBFloat16;
   o.cuda_graphs = graphs;
-  o.lr = 1e-4;
-  o.lr_projector = 1e-3;
+  o.learning_rates = vlmgraph::LearningRates::All(1e-4);  // docs/benchmarks.md's settings
+  o.learning_rates.projector = 1e-3;
   o.max_grad_norm = 1.0;
   o.buckets.train_batch_sizes = {batch};
   o.buckets.train_seq_lens = {seq};

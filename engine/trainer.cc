@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -25,6 +26,63 @@ using Clock = std::chrono::steady_clock;
 
 EngineError Invalid(const std::string& m) {
   return EngineError(EngineError::Code::kInvalidArgument, m);
+}
+
+// A double as text that reads back to the same double.
+std::string ExactText(double v) {
+  char text[40];
+  std::snprintf(text, sizeof(text), "%.17g", v);
+  return text;
+}
+
+// The learning rates an optimizer.safetensors keeps (Note [Learning rates]): each group's rate
+// and the rate its last step took.
+struct SavedLearningRates {
+  LearningRates rates, scheduled;
+  bool per_group = false;  // false: a file from before per-group rates ("lr" only)
+};
+
+// The rates of `meta`: learning_rate.<group> and scheduled_learning_rate.<group>, or the one
+// "lr" of older files as every group's rate (and scheduled rate); nullopt when it has neither,
+// or an "lr" of 0 (older files wrote "lr" with 6 decimals: a rate below 5e-7 reads as 0), which
+// leaves the job's own rates. std::runtime_error naming the key for a value that is not a
+// number in range.
+std::optional<SavedLearningRates> ReadSavedLearningRates(
+    const std::map<std::string, std::string>& meta, const std::string& path) {
+  auto number = [&](const std::string& key) {
+    const std::string& text = meta.at(key);
+    char* end = nullptr;
+    const double v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || !(v >= 0 && std::isfinite(v))) {
+      throw std::runtime_error("optimizer state '" + path + "': metadata " + key + " is '" + text +
+                               "', not a learning rate (a finite number >= 0)");
+    }
+    return v;
+  };
+  SavedLearningRates saved;
+  int found = 0;
+  for (const auto& group : LearningRates::kGroups) {
+    const std::string key = std::string("learning_rate.") + group.name;
+    const std::string scheduled_key = "scheduled_" + key;
+    if (meta.count(key) == 0) continue;
+    ++found;
+    saved.rates.*group.rate = number(key);
+    saved.scheduled.*group.rate =
+        meta.count(scheduled_key) ? number(scheduled_key) : saved.rates.*group.rate;
+  }
+  if (found == static_cast<int>(LearningRates::kGroups.size())) {
+    saved.per_group = true;
+    return saved;
+  }
+  if (found > 0) {
+    throw std::runtime_error("optimizer state '" + path +
+                             "': metadata has learning_rate.<group> for some groups only");
+  }
+  if (meta.count("lr") == 0) return std::nullopt;
+  const double lr = number("lr");
+  if (lr == 0) return std::nullopt;
+  saved.rates = saved.scheduled = LearningRates::All(lr);
+  return saved;
 }
 
 // The optimizer part's graph key (no batch or sequence shape).
@@ -50,9 +108,8 @@ double SecondsSince(Clock::time_point t0) {
 }  // namespace
 
 struct Trainer::Group {
-  std::string name;
-  double configured_lr = 0;  // TrainOptions' rate for this group
-  at::Tensor lr;             // device float32 scalar, read by the captured optimizer graph
+  std::string name;  // "vision", "projector" or "language" (LearningRates::kGroups)
+  at::Tensor lr;     // device float32 scalar, read by the captured optimizer graph
   std::vector<std::string> names;
   // params/grads: float32 masters and gradient accumulators (the model's own parameters and
   // .grad in float32 mode); exp_avg, exp_avg_sq float32; steps device float32 scalars.
@@ -139,6 +196,9 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     throw Invalid(e.what());
   }
   if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
+  // Any finite rate >= 0: the APIs' [0, 1] is theirs (Note [Learning rates]).
+  options_.learning_rates.Validate(std::numeric_limits<double>::infinity());
+  learning_rates_ = options_.learning_rates;
   // The model has no dropout layers (upstream nanoVLM's configs set both rates to 0): a checkpoint
   // asking for dropout would silently train without it.
   if (source->cfg.vit_dropout != 0 || source->cfg.lm_dropout != 0) {
@@ -179,16 +239,19 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     }
   }
   model_->train();
+  // Each group's parameters (nanoVLM's module names); a group whose rate is 0 is frozen (Note
+  // [Learning rates] in engine/learning_rates.h).
   struct Spec {
     const char* name;
     const char* prefix;
-    bool train;
     double lr;
+    bool train;
   };
+  const LearningRates& rates = options_.learning_rates;
   const Spec specs[] = {
-      {"vision", "vision_encoder.", options_.train_vision, options_.lr_vision},
-      {"projector", "MP.", options_.train_projector, options_.lr_projector},
-      {"language", "decoder.", options_.train_language, options_.lr_language},
+      {"vision", "vision_encoder.", rates.vision, rates.vision > 0},
+      {"projector", "MP.", rates.projector, rates.projector > 0},
+      {"language", "decoder.", rates.language, rates.language > 0},
   };
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(options_.device);
   const bool mixed = mixed_precision();
@@ -204,8 +267,7 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   for (const auto& spec : specs) {
     Group g;
     g.name = spec.name;
-    g.configured_lr = spec.lr >= 0 ? spec.lr : options_.lr;
-    g.lr = at::full({}, g.configured_lr, f32);
+    g.lr = at::full({}, spec.lr, f32);
     for (auto& p : model_->named_parameters()) {
       if (p.key().rfind(spec.prefix, 0) != 0) continue;
       at::Tensor master = p.value();  // float32, on the device
@@ -239,7 +301,9 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     if (!g.params.empty()) groups_.push_back(std::move(g));
   }
   if (params_.empty())
-    throw Invalid("no parameters to train: enable train_vision, train_projector or train_language");
+    throw Invalid(
+        "nothing to train: every learning rate is 0 (a part whose rate is 0 is frozen); set "
+        "language_learning_rate, vision_learning_rate or projector_learning_rate above 0");
   if (data_parallel_) BuildReducer();
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
   micro_batches_ = at::ones({}, f32);
@@ -803,7 +867,9 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   }
   step->loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   TrainStepResult& r = step->result;
-  for (const auto& g : groups_) r.learning_rates[g.name] = g.configured_lr * lr_scale_;
+  r.learning_rates = LearningRates::All(0);
+  for (const auto& g : groups_)
+    *r.learning_rates.Find(g.name) = *learning_rates_.Find(g.name) * lr_scale_;
   r.kind = RunKind::kReplay;
   step->examples = std::move(examples);
   r.seconds = SecondsSince(t0);
@@ -961,7 +1027,7 @@ TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
 
 void Trainer::SetLearningRateScale(double scale) {
   lr_scale_ = scale;
-  for (auto& g : groups_) g.lr.fill_(g.configured_lr * scale);
+  for (auto& g : groups_) g.lr.fill_(*learning_rates_.Find(g.name) * scale);
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir) {
@@ -984,18 +1050,35 @@ void Trainer::SaveCheckpoint(const std::string& dir) {
   }
   std::map<std::string, std::string> meta = {
       {"optimizer", "adamw"},
-      {"lr", std::to_string(options_.lr * lr_scale_)},
       {"betas", std::to_string(options_.beta1) + "," + std::to_string(options_.beta2)},
       {"eps", std::to_string(options_.eps)},
       {"weight_decay", std::to_string(options_.weight_decay)},
       {"steps", std::to_string(steps_)},
   };
+  // Note [Learning rates]: each group's rate and the rate its last step took, exactly.
+  for (const auto& group : LearningRates::kGroups) {
+    const double rate = learning_rates_.*group.rate;
+    meta[std::string("learning_rate.") + group.name] = ExactText(rate);
+    meta[std::string("scheduled_learning_rate.") + group.name] = ExactText(rate * lr_scale_);
+  }
   WriteSafetensors((std::filesystem::path(dir) / "optimizer.safetensors").string(), state, meta);
 }
 
 void Trainer::LoadOptimizerState(const std::string& path) {
   Warmup();  // its captures reset the optimizer state: before loading it, not after
   SafetensorsFile f = ReadSafetensors(path);
+  const std::optional<SavedLearningRates> saved = ReadSavedLearningRates(f.metadata, path);
+  if (saved && saved->per_group) {
+    // A group the checkpoint froze has no AdamW state to resume.
+    for (const auto& g : groups_) {
+      if (*saved->rates.Find(g.name) == 0) {
+        throw std::runtime_error("the checkpoint '" + path + "' froze the " + g.name +
+                                 " part (learning_rate." + g.name + " 0) and has no optimizer " +
+                                 "state for it; set " + g.name +
+                                 "_learning_rate to 0 to resume it");
+      }
+    }
+  }
   at::NoGradGuard no_grad;
   for (auto& g : groups_) {
     for (size_t i = 0; i < g.params.size(); ++i) {
@@ -1012,6 +1095,28 @@ void Trainer::LoadOptimizerState(const std::string& path) {
     }
   }
   if (auto it = f.metadata.find("steps"); it != f.metadata.end()) steps_ = std::stoll(it->second);
+  if (!saved) return;
+  // Note [Learning rates]: the trained groups take the checkpoint's rates back, and every group
+  // the schedule's factor of its last step (one factor, as SetLearningRateScale keeps it).
+  const LearningRates job = learning_rates_;
+  double scale = 1;
+  bool have_scale = false;
+  for (const auto& g : groups_) {
+    const double rate = *saved->rates.Find(g.name);
+    *learning_rates_.Find(g.name) = rate;
+    if (!have_scale && rate > 0) {
+      scale = *saved->scheduled.Find(g.name) / rate;
+      have_scale = true;
+    }
+  }
+  SetLearningRateScale(scale);
+  if (learning_rates_ != job || scale != 1) {
+    LogInfo(
+        LogFormat("resumed the learning rates of %s: projector %g, vision %g, language %g, "
+                  "schedule factor %g (the job set projector %g, vision %g, language %g)",
+                  path.c_str(), learning_rates_.projector, learning_rates_.vision,
+                  learning_rates_.language, scale, job.projector, job.vision, job.language));
+  }
 }
 
 }  // namespace vlmgraph

@@ -15,7 +15,7 @@
 // (ids, targets, tiles in the compute dtype) is staged in pinned host memory and copied
 // asynchronously.
 //
-//   TrainOptions opt;  opt.device = at::kCUDA;  opt.lr = 1e-4;  opt.lr_vision = 1e-5;
+//   TrainOptions opt;  opt.device = at::kCUDA;  opt.learning_rates.vision = 0;  // frozen
 //   Trainer trainer(LoadModel(dir), opt);  // keeps its own copy and float32 master weights
 //   trainer.Warmup();                      // captures every train bucket
 //   TrainStepResult r = trainer.Step(examples);
@@ -68,7 +68,8 @@
 //
 // Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
 // Errors: EngineError(kInvalidArgument) at construction for a model whose config asks for dropout
-// (vit_dropout or lm_dropout not 0: the model has no dropout layers); for bad examples (ids out of range, image-token count not
+// (vit_dropout or lm_dropout not 0: the model has no dropout layers), for a learning rate out of
+// range (naming the field, LearningRates::Validate) or every rate 0; for bad examples (ids out of range, image-token count not
 // matching tiles, targets length) and for a batch that no trained parameter can learn from (the
 // language model is not trained and no example has an image); std::runtime_error for I/O
 // (std::system_error naming the file and errno when a checkpoint cannot be written).
@@ -87,6 +88,7 @@
 #include "engine/dispatch.h"
 #include "engine/engine_types.h"
 #include "engine/fused_optimizer.h"
+#include "engine/learning_rates.h"
 #include "engine/step_runner.h"
 #include "model/vision_language_model.h"
 
@@ -96,12 +98,11 @@ struct TrainOptions {
   at::Device device = at::kCPU;
   // kFloat, or kBFloat16 (bf16 working weights + float32 masters; see the file comment)
   at::ScalarType compute_dtype = at::kFloat;
-  // AdamW learning rate of each parameter group, as configured; a group's rate < 0 takes `lr`.
-  double lr = 1e-4;
-  double lr_vision = -1;
-  double lr_projector = -1;
-  double lr_language = -1;
-  bool train_vision = true, train_projector = true, train_language = true;
+  // AdamW learning rate of each parameter group (Note [Learning rates] in
+  // engine/learning_rates.h): upstream nanoVLM's by default; a group whose rate is 0 is frozen.
+  // Validated at construction: finite and >= 0 (EngineError naming the field); the APIs also
+  // bound them by LearningRates::kMaxLearningRate.
+  LearningRates learning_rates;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
   double max_grad_norm = 0;  // 0 = no clipping
   // Micro-batches per optimizer step, at least: a step takes more when its examples do not fit
@@ -160,8 +161,9 @@ struct TrainStepResult {
   // True when the gradients were not all finite: no weight or optimizer state changed (Note
   // [Skipped steps] in trainer.cc); `step` still counts it.
   bool skipped = false;
-  // The learning rate each trained group ("vision", "projector", "language") took this step.
-  std::map<std::string, double> learning_rates;
+  // The learning rate each group took this step (its rate x the schedule's factor); 0 for a
+  // frozen group.
+  LearningRates learning_rates;
   // Wall time of the step's own work: BeginStep and every RunNextMicroBatch call (not what the
   // caller ran between them), the step's host synchronisation included.
   double seconds = 0;
@@ -211,13 +213,23 @@ class Trainer {
   // A schedule's factor: every group's rate becomes its configured rate x `scale` (as PyTorch's
   // LambdaLR multiplies each group's initial rate). The rates are device scalars: no recapture.
   void SetLearningRateScale(double scale);
+  double learning_rate_scale() const { return lr_scale_; }
+  // Each group's configured rate: options().learning_rates, or the rates LoadOptimizerState
+  // took back from a checkpoint (0 for a frozen group).
+  const LearningRates& learning_rates() const { return learning_rates_; }
 
   // Writes config.json + model.safetensors (nanoVLM format, float32 master weights, tied head once)
   // and optimizer.safetensors (exp_avg.*, exp_avg_sq.*, step.* per trained parameter; metadata
-  // with the hyperparameters) into `dir`.
+  // with the hyperparameters, each group's rate as learning_rate.<group> and the rate its last
+  // step took as scheduled_learning_rate.<group>) into `dir`.
   void SaveCheckpoint(const std::string& dir);
   // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
-  // LoadWeights). Throws std::runtime_error naming a missing or mis-shaped state tensor.
+  // LoadWeights): the AdamW state, the step count, each trained group's rate and the schedule's
+  // factor (as torch.optim.Optimizer.load_state_dict restores each param group's lr; Note
+  // [Learning rates]: a file with only "lr", from before per-group rates, gives every group that
+  // rate).
+  // Throws std::runtime_error naming a missing or mis-shaped state tensor, and saying which
+  // group's rate to set to 0 when the checkpoint froze a group this trainer trains.
   void LoadOptimizerState(const std::string& path);
 
   // The working model the steps run: float32, or bf16 parameters equal to the masters rounded to
@@ -321,7 +333,8 @@ class Trainer {
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;
   int64_t steps_ = 0, skipped_steps_ = 0, captures_ = 0, replays_ = 0;
-  double lr_scale_ = 1;  // SetLearningRateScale
+  LearningRates learning_rates_;  // configured: options_.learning_rates or a checkpoint's
+  double lr_scale_ = 1;           // SetLearningRateScale
   // More than one rank (TrainOptions::data_parallel).
   bool data_parallel_ = false;
   std::unique_ptr<Reducer> reducer_;  // data parallel only

@@ -364,6 +364,36 @@ ForwardRequest ToEngineRequest(const v1::ForwardRequest& request, const VlmConfi
   return out;
 }
 
+LearningRates ToLearningRates(const v1::TrainConfig& c) {
+  LearningRates rates;  // upstream nanoVLM's
+  if (c.has_language_learning_rate()) rates.language = c.language_learning_rate();
+  if (c.has_vision_learning_rate()) rates.vision = c.vision_learning_rate();
+  if (c.has_projector_learning_rate()) rates.projector = c.projector_learning_rate();
+  if (auto problem = rates.Check()) {
+    throw InvalidArgument("config." + problem->field + ": " + problem->message);
+  }
+  if (c.trainable_parts_size() == 0) return rates;
+  LearningRates listed = LearningRates::All(0);
+  for (int i = 0; i < c.trainable_parts_size(); ++i) {
+    switch (c.trainable_parts(i)) {
+      case v1::MODEL_PART_VISION:
+        listed.vision = rates.vision;
+        break;
+      case v1::MODEL_PART_PROJECTOR:
+        listed.projector = rates.projector;
+        break;
+      case v1::MODEL_PART_LANGUAGE:
+        listed.language = rates.language;
+        break;
+      default:
+        throw InvalidArgument("config.trainable_parts[" + std::to_string(i) +
+                              "]: must be MODEL_PART_VISION, MODEL_PART_PROJECTOR or "
+                              "MODEL_PART_LANGUAGE");
+    }
+  }
+  return listed;
+}
+
 std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmConfig& cfg,
                                        const Limits& limits, int64_t max_tokens,
                                        const TextModel* text_model) {

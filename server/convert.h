@@ -97,6 +97,14 @@ std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmCon
                                        const Limits& limits, int64_t max_tokens,
                                        const TextModel* text_model = nullptr);
 
+// The job's learning rates (Note [Learning rates] in engine/learning_rates.h) from TrainConfig:
+// upstream nanoVLM's for unset fields, each checked against [0, 1] by LearningRates::Check
+// (INVALID_ARGUMENT "config.<group>_learning_rate: must lie in [0, 1], got ..."); with
+// trainable_parts, every part not listed gets rate 0 (frozen; INVALID_ARGUMENT
+// "config.trainable_parts[i]: ..." for a value that names no part). The one conversion of the
+// API's rates.
+LearningRates ToLearningRates(const v1::TrainConfig& config);
+
 // Checks a prompt before any work: 1 .. max_tokens ids, each inside the vocabulary, and as many
 // image tokens as the tiles give embeddings; `field` names the ids in messages. Train examples
 // use it (the trainer has no Validate; an over-long example would otherwise run eagerly at any

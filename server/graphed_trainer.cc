@@ -14,12 +14,11 @@ namespace {
 vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJobOptions& job,
                                             EngineObserver* observer) {
   vlmgraph::TrainOptions t = job.trainer;
-  // A part trains only when it is selected and its rate is above 0.
-  t.train_vision = t.train_vision && t.lr_vision > 0;
-  t.train_projector = t.train_projector && t.lr_projector > 0;
-  t.train_language = t.train_language && t.lr_language > 0;
-  if (!t.train_vision && !t.train_projector && !t.train_language) {
-    throw InvalidArgument("config: nothing to train (every part is frozen or has learning rate 0)");
+  // A part trains only when its rate is above 0 (Note [Learning rates]).
+  if (!t.learning_rates.AnyTrained()) {
+    throw InvalidArgument(
+        "config: nothing to train: every part is frozen (its learning rate is 0, or it is not in "
+        "trainable_parts)");
   }
   const EngineOptions& e = engine.options();
   t.device = e.device;

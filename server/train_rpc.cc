@@ -32,8 +32,8 @@ double SecondsSince(Clock::time_point t0) {
 // the range and the value. The ranges hold every setting that trains a model and refuse those
 // that can only destroy it: an AdamW update moves each weight by about the learning rate, so a
 // rate above 1 (or a decay factor 1 - lr * weight_decay below 0) overshoots any weight a model
-// has. The publish gate (server/publish_gate.h) still checks what a job publishes.
-constexpr double kMaxLearningRate = 1.0;
+// has. The learning rates' range is LearningRates::kMaxLearningRate (ToLearningRates). The publish
+// gate (server/publish_gate.h) still checks what a job publishes.
 constexpr double kMaxWeightDecay = 1.0;
 constexpr double kMinEps = 1e-12, kMaxEps = 1.0;
 constexpr double kMaxGradNorm = 1e6;
@@ -93,20 +93,7 @@ TrainJobOptions ToTrainJobOptions(const v1::TrainConfig& c) {
   }
   TrainJobOptions job;
   vlmgraph::TrainOptions& o = job.trainer;
-  o.lr_language = InRange(c.has_language_learning_rate(), c.language_learning_rate(), o.lr_language,
-                          0, kMaxLearningRate, "language_learning_rate");
-  o.lr = o.lr_language;
-  o.lr_vision = InRange(c.has_vision_learning_rate(), c.vision_learning_rate(), o.lr_vision, 0,
-                        kMaxLearningRate, "vision_learning_rate");
-  o.lr_projector = InRange(c.has_projector_learning_rate(), c.projector_learning_rate(),
-                           o.lr_projector, 0, kMaxLearningRate, "projector_learning_rate");
-  if (c.trainable_parts_size() > 0) {
-    o.train_language = o.train_vision = o.train_projector = false;
-    for (int i = 0; i < c.trainable_parts_size(); ++i) {
-      *PartFlag(c.trainable_parts(i), "trainable_parts", i, &o.train_vision, &o.train_projector,
-                &o.train_language) = true;
-    }
-  }
+  o.learning_rates = ToLearningRates(c);  // with trainable_parts
   o.weight_decay = InRange(c.has_weight_decay(), c.weight_decay(), o.weight_decay, 0,
                            kMaxWeightDecay, "weight_decay");
   o.beta1 = InRange(c.has_beta1(), c.beta1(), o.beta1, 0, 1, "beta1", /*open_max=*/true);
@@ -163,11 +150,11 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
   return p;
 }
 
-// The rate a step took, as the API reports it: the language model's, else the first trained
-// group's.
+// The rate a step took, as TrainStepResult.learning_rate reports it: the language model's, else
+// (language frozen) the projector's, else the vision encoder's.
 double LanguageLearningRate(const TrainStepResult& r) {
-  if (auto it = r.learning_rates.find("language"); it != r.learning_rates.end()) return it->second;
-  return r.learning_rates.empty() ? 0.0 : r.learning_rates.begin()->second;
+  const LearningRates& l = r.learning_rates;
+  return l.language > 0 ? l.language : l.projector > 0 ? l.projector : l.vision;
 }
 
 // Ends a Train stream that waits longer than `timeout` for its client's next message: a watchdog

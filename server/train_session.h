@@ -39,16 +39,14 @@ namespace vlmgraph::server {
 
 // A Train job's settings as the RPC gives them (v1::TrainConfig): the trainer's own
 // vlmgraph::TrainOptions (engine/trainer.h) plus where the job starts. MakeTrainBackend sets what
-// comes from the serving engine (device, dtype, buckets, CUDA graphs, the observer), freezes a part
-// whose learning rate is 0, and checks max_tiles_per_example against the server's limit.
+// comes from the serving engine (device, dtype, buckets, CUDA graphs, the observer) and checks
+// max_tiles_per_example against the server's limit. A part whose learning rate is 0 is frozen
+// (Note [Learning rates] in engine/learning_rates.h).
 struct TrainJobOptions {
-  // Upstream nanoVLM's training defaults (models/config.py, TrainConfig: lr_backbones 5e-5 for the
-  // vision and language parts, lr_mp 5.12e-3 for the projector, max_grad_norm 1; AdamW as
-  // torch.optim.AdamW), in place of the trainer's library defaults.
+  // The trainer's defaults (learning rates: upstream nanoVLM's, engine/learning_rates.h; AdamW as
+  // torch.optim.AdamW) with upstream's max_grad_norm 1 (models/config.py, TrainConfig).
   static vlmgraph::TrainOptions Defaults() {
     vlmgraph::TrainOptions t;
-    t.lr = t.lr_language = t.lr_vision = 5e-5;
-    t.lr_projector = 5.12e-3;
     t.max_grad_norm = 1.0;
     return t;
   }

@@ -117,8 +117,7 @@ Served Probe(Engine& engine) {
 
 TrainJobOptions LanguageJob(double lr) {
   TrainJobOptions o;
-  o.trainer.lr_language = lr;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates = {/*projector=*/0, /*vision=*/0, /*language=*/lr};
   return o;
 }
 

@@ -235,6 +235,33 @@ TEST(ServerConvert, ForwardAndTrainChecks) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+// TrainConfig's learning rates (Note [Learning rates]): unset fields take upstream nanoVLM's
+// defaults, each set one is checked against [0, 1] (INVALID_ARGUMENT "config.<field>: ..."), and
+// trainable_parts freezes (rate 0) every part it does not list.
+TEST(ServerConvert, TrainConfigLearningRates) {
+  v1::TrainConfig c;
+  EXPECT_EQ(ToLearningRates(c), LearningRates());
+  c.set_vision_learning_rate(0);
+  c.set_language_learning_rate(1e-3);
+  EXPECT_EQ(ToLearningRates(c), (LearningRates{/*projector=*/5.12e-3, /*vision=*/0, 1e-3}));
+  c.add_trainable_parts(v1::MODEL_PART_PROJECTOR);
+  EXPECT_EQ(ToLearningRates(c), (LearningRates{/*projector=*/5.12e-3, 0, /*language=*/0}));
+  c.add_trainable_parts(v1::MODEL_PART_LANGUAGE);
+  EXPECT_EQ(ToLearningRates(c), (LearningRates{5.12e-3, 0, /*language=*/1e-3}));
+  c.add_trainable_parts(v1::MODEL_PART_UNSPECIFIED);
+  grpc::Status s = StatusOf([&] { ToLearningRates(c); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(s.error_message().rfind("config.trainable_parts[2]: must be MODEL_PART_VISION", 0), 0u)
+      << s.error_message();
+  c.clear_trainable_parts();
+  c.set_projector_learning_rate(1.5);
+  s = StatusOf([&] { ToLearningRates(c); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(
+      s.error_message().rfind("config.projector_learning_rate: must lie in [0, 1], got 1.5", 0), 0u)
+      << s.error_message();
+}
+
 TEST(ServerConvert, CheckpointDirectoriesStayUnderTheRoot) {
   EXPECT_EQ(ResolveCheckpointDir("/srv/ckpt", "run1/step_10"), "/srv/ckpt/run1/step_10");
   for (const char* bad : {"", "../etc", "a/../../b", "/abs", "a b", "a;b"}) {

@@ -304,8 +304,7 @@ std::vector<TrainExample> Batch(int64_t rows, int64_t len) {
 TEST(ServerTrainer, LossGoesDownAndGradientsAreReleased) {
   auto engine = TinyEngine();
   TrainJobOptions o;
-  o.trainer.lr_language = 3e-3;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates = {/*projector=*/0, /*vision=*/0, /*language=*/3e-3};
   std::vector<double> losses;
   {
     auto job = MakeTrainBackend(*engine, o, nullptr);
@@ -348,7 +347,7 @@ TEST(ServerTrainer, SavesALoadableCheckpointAndRefusesNothingToTrain) {
   ::rmdir(dir.c_str());
   job.reset();
   TrainJobOptions none;
-  none.trainer.train_language = none.trainer.train_vision = none.trainer.train_projector = false;
+  none.trainer.learning_rates = LearningRates::All(0);
   EXPECT_THROW(MakeTrainBackend(*engine, none, nullptr), ServerError);
 }
 
@@ -359,8 +358,7 @@ TEST(ServerTrainer, ServingModelChangesOnlyWhenTheJobPublishes) {
   probe.target_ids = Batch(1, 12)[0].targets;
   const double before = engine->Forward(engine->Validate(probe)).loss;
   TrainJobOptions o;
-  o.trainer.lr_language = 3e-3;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates = {/*projector=*/0, /*vision=*/0, /*language=*/3e-3};
   std::vector<double> losses;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   for (int i = 0; i < 8; ++i) {
@@ -387,8 +385,7 @@ TEST(ServerTrainer, NonFiniteStepsAreSkippedAndNonFiniteWeightsNeverPublished) {
   // A learning rate of 1e30 (a reported attack): the first update is finite but enormous, later
   // steps see non-finite gradients and are skipped; serving never sees any of it.
   TrainJobOptions o;
-  o.trainer.lr_language = 1e30;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates = {/*projector=*/0, /*vision=*/0, /*language=*/1e30};
   {
     auto job = MakeTrainBackend(*engine, o, nullptr);
     int skipped = 0;
@@ -442,7 +439,7 @@ TEST(ServerScheduler, GenerateDecodesBetweenTheMicroBatchesOfATrainStep) {
   Scheduler scheduler(nullptr, SchedulerOptions{0, 16});
   scheduler.Start([&] { return TinyEngine({1, 2, 4}, &events); });
   TrainJobOptions o;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates.vision = o.trainer.learning_rates.projector = 0;
   std::unique_ptr<TrainBackend> job;
   scheduler.RunOnGpuThread("Train", [&](Engine& e) { job = MakeTrainBackend(e, o, nullptr); });
   // A gate holds the GPU thread while the Generate request and the Train step are queued, so
@@ -539,7 +536,7 @@ TEST(ServerScheduler, WorkInPiecesTakesTurnsAndStopsAtAnError) {
 TEST(ServerTrainer, WideBatchesAreSplitAndOnlyTooLongExamplesRefused) {
   auto engine = TinyEngine({1, 2, 4}, nullptr, OversizePolicy::kReject);
   TrainJobOptions o;
-  o.trainer.train_vision = o.trainer.train_projector = false;
+  o.trainer.learning_rates.vision = o.trainer.learning_rates.projector = 0;
   auto job = MakeTrainBackend(*engine, o, nullptr);
   const TrainStepResult r = job->Step(Batch(9, 12));  // 3 micro-batches of 3
   ASSERT_EQ(r.buckets.size(), 3u);
@@ -551,23 +548,21 @@ TEST(ServerTrainer, WideBatchesAreSplitAndOnlyTooLongExamplesRefused) {
   EXPECT_EQ(job->steps(), 1);
 }
 
-// A valid job config that trains no language weight (language learning rate 0, or
-// trainable_parts without LANGUAGE) refuses a text-only batch with INVALID_ARGUMENT that says what
-// to change, and the job goes on (before: INTERNAL, "element 0 of tensors does not require grad").
+// A valid job config that trains no language weight (language learning rate 0; trainable_parts
+// without LANGUAGE becomes that rate, ToLearningRates) refuses a text-only batch with
+// INVALID_ARGUMENT that says what to change, and the job goes on (before: INTERNAL, "element 0 of
+// tensors does not require grad").
 TEST(ServerTrainer, JobWithoutLanguageTrainingRefusesTextOnlyBatches) {
   auto engine = TinyEngine();
-  TrainJobOptions zero_rate, vision_parts;
-  zero_rate.trainer.lr_language = 0;
-  vision_parts.trainer.train_language = false;
-  for (const TrainJobOptions& o : {zero_rate, vision_parts}) {
-    auto job = MakeTrainBackend(*engine, o, nullptr);
-    const grpc::Status s = StatusOf([&] { job->Step(Batch(3, 12)); });
-    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-    EXPECT_NE(s.error_message().find("no example has an image"), std::string::npos)
-        << s.error_message();
-    EXPECT_NE(s.error_message().find("train the language model"), std::string::npos);
-    EXPECT_EQ(job->steps(), 0);
-  }
+  TrainJobOptions o;
+  o.trainer.learning_rates.language = 0;
+  auto job = MakeTrainBackend(*engine, o, nullptr);
+  const grpc::Status s = StatusOf([&] { job->Step(Batch(3, 12)); });
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("no example has an image"), std::string::npos)
+      << s.error_message();
+  EXPECT_NE(s.error_message().find("train the language model"), std::string::npos);
+  EXPECT_EQ(job->steps(), 0);
 }
 
 }  // namespace

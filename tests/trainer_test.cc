@@ -62,7 +62,7 @@ TrainOptions FixtureOptions(at::Device device, bool graphs) {
   TrainOptions o;
   o.device = device;
   o.cuda_graphs = graphs;
-  o.lr = j["lr"].get<double>();
+  o.learning_rates = LearningRates::All(j["lr"].get<double>());
   o.beta1 = j["betas"][0].get<double>();
   o.beta2 = j["betas"][1].get<double>();
   o.eps = j["eps"].get<double>();
@@ -188,14 +188,24 @@ TEST(Trainer, GradientAccumulationAveragesMicroBatchMeans) {
   EXPECT_NEAR(t.Step(batch).loss, want, 1e-5);
 }
 
+// Note [Learning rates]: a group whose rate is 0 is frozen: not trained at all (no master weight,
+// no gradient, no optimizer state), unchanged while the other groups learn.
 TEST(Trainer, FrozenGroupsStayUnchangedAndZeroLearningRateChangesNothing) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCPU, false);
-  o.train_vision = false;
+  o.learning_rates.vision = 0;
   Trainer t(m, o);
   auto before = Params(t);
-  t.Step(FixtureBatch());
+  const TrainStepResult r = t.Step(FixtureBatch());
+  EXPECT_EQ(r.learning_rates.vision, 0.0);
   auto after = Params(t);
+  EXPECT_EQ(Masters(t).count("vision_encoder.blocks.0.mlp.fc1.weight"), 0u);  // not trained
+  EXPECT_EQ(Masters(t).count("MP.proj.weight"), 1u);
+  for (const auto& p : t.model()->named_parameters()) {
+    if (p.key().rfind("vision_encoder.", 0) == 0) {
+      EXPECT_FALSE(p.value().requires_grad()) << p.key();
+    }
+  }
   EXPECT_TRUE(at::equal(before.at("vision_encoder.blocks.0.mlp.fc1.weight"),
                         after.at("vision_encoder.blocks.0.mlp.fc1.weight")));
   EXPECT_FALSE(at::equal(before.at("decoder.blocks.0.mlp.up_proj.weight"),
@@ -417,7 +427,7 @@ TEST(Trainer, BFloat16CheckpointHoldsTheFloat32Masters) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCPU, false);
   o.compute_dtype = at::kBFloat16;
-  o.train_vision = false;  // frozen: saved as the source's float32 values, not their bf16 rounding
+  o.learning_rates.vision = 0;  // frozen: saved as the source's float32 values, not bf16-rounded
   Trainer a(m, o);
   a.Step(FixtureBatch());
   a.Step(FixtureBatch());
@@ -556,7 +566,7 @@ TEST(Trainer, GraphedMatchesEagerAfterTwentySteps_CUDA) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCUDA, true);
   o.max_grad_norm = 1.0;
-  o.lr_projector = 2e-3;
+  o.learning_rates.projector = 2e-3;
   o.grad_accum_steps = 2;
   Trainer graphed(m, o);
   o.cuda_graphs = false;
@@ -720,7 +730,7 @@ TEST(FusedOptimizer, TrainerStepsMatchATenOptimizer_CUDA) {
     TrainOptions o = FixtureOptions(at::kCUDA, true);
     o.compute_dtype = dtype;
     o.max_grad_norm = 1.0;
-    o.lr_projector = 2e-3;
+    o.learning_rates.projector = 2e-3;
     o.grad_accum_steps = accum;
     Trainer fused(m, o);
     o.fused_optimizer = false;
@@ -1250,8 +1260,6 @@ TEST(DataParallel, TwoGlooProcessesMatchOneRank) {
 namespace vlmgraph {
 namespace {
 
-// Each group takes the rate configured for it (a group without one takes `lr`), the step reports
-// the rates it took, and a schedule's scale multiplies every group's configured rate.
 // The model has no dropout layers: a config that asks for dropout is refused, not trained without.
 TEST(Trainer, RefusesAModelThatAsksForDropout) {
   for (const char* field : {"vit_dropout", "lm_dropout"}) {
@@ -1268,21 +1276,162 @@ TEST(Trainer, RefusesAModelThatAsksForDropout) {
   }
 }
 
+// Each group takes the rate configured for it, the step reports the rates it took (0 for a frozen
+// group), and a schedule's scale multiplies every group's configured rate.
 TEST(Trainer, StepReportsTheRateEachGroupTook) {
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   TrainOptions o = FixtureOptions(at::kCPU, false);
-  o.lr = 1e-3;
-  o.lr_projector = 4e-3;
-  o.lr_vision = 0;
+  o.learning_rates = {/*projector=*/4e-3, /*vision=*/0, /*language=*/1e-3};
   Trainer t(m, o);
   TrainStepResult r = t.Step(FixtureBatch());
-  EXPECT_DOUBLE_EQ(r.learning_rates.at("language"), 1e-3);
-  EXPECT_DOUBLE_EQ(r.learning_rates.at("projector"), 4e-3);
-  EXPECT_DOUBLE_EQ(r.learning_rates.at("vision"), 0.0);
+  EXPECT_DOUBLE_EQ(r.learning_rates.language, 1e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.projector, 4e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.vision, 0.0);
   t.SetLearningRateScale(0.5);
   r = t.Step(FixtureBatch());
-  EXPECT_DOUBLE_EQ(r.learning_rates.at("language"), 5e-4);
-  EXPECT_DOUBLE_EQ(r.learning_rates.at("projector"), 2e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.language, 5e-4);
+  EXPECT_DOUBLE_EQ(r.learning_rates.projector, 2e-3);
+  EXPECT_DOUBLE_EQ(r.learning_rates.vision, 0.0);
+}
+
+// The trainer's defaults are upstream nanoVLM's rates, and it refuses a rate that is negative or
+// not finite with INVALID_ARGUMENT naming the field (any finite rate >= 0 is the library's to
+// use; the APIs bound them by 1); every rate 0 trains nothing and is refused.
+TEST(Trainer, ValidatesItsLearningRates) {
+  EXPECT_EQ(TrainOptions().learning_rates, LearningRates());
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (double bad : {-1e-3, nan, std::numeric_limits<double>::infinity()}) {
+    TrainOptions o = FixtureOptions(at::kCPU, false);
+    o.learning_rates.projector = bad;
+    try {
+      Trainer t(m, o);
+      ADD_FAILURE() << "projector rate " << bad << " accepted";
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+      EXPECT_EQ(e.field(), "projector_learning_rate");
+      EXPECT_NE(std::string(e.what()).find("must be finite and >= 0"), std::string::npos)
+          << e.what();
+    }
+  }
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.learning_rates = LearningRates::All(0);
+  try {
+    Trainer t(m, o);
+    ADD_FAILURE() << "every rate 0 accepted";
+  } catch (const EngineError& e) {
+    EXPECT_EQ(e.code(), EngineError::Code::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("nothing to train"), std::string::npos) << e.what();
+  }
+}
+
+// optimizer.safetensors' learning-rate metadata (Note [Learning rates]).
+std::map<std::string, std::string> OptimizerMetadata(const std::filesystem::path& dir) {
+  return ReadSafetensors((dir / "optimizer.safetensors").string()).metadata;
+}
+
+// A checkpoint directory's files and the directory (unlink/rmdir, not std::filesystem::remove_all:
+// the process may bind that symbol to libtorch.so's copy, whose use here crashes).
+void RemoveCheckpoint(const std::filesystem::path& dir) {
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors"})
+    ::unlink((dir / f).c_str());
+  ::rmdir(dir.c_str());
+}
+
+// A checkpoint keeps each group's rate and the rate its last step took (a schedule's factor
+// applied); a resumed trainer takes both back, whatever rates it was built with, and continues
+// the trajectory the saved one would have taken.
+TEST(Trainer, CheckpointKeepsAndResumesTheRateOfEachGroup) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_train_rates_" + std::to_string(::getpid()));
+  RemoveCheckpoint(dir);
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  o.learning_rates = {/*projector=*/4e-3, /*vision=*/1e-4, /*language=*/2e-3};
+  Trainer a(m, o);
+  a.Step(FixtureBatch());
+  a.SetLearningRateScale(0.5);
+  a.Step(FixtureBatch());
+  a.SaveCheckpoint(dir.string());
+  const auto meta = OptimizerMetadata(dir);
+  EXPECT_EQ(meta.count("lr"), 0u);
+  EXPECT_EQ(std::stod(meta.at("learning_rate.projector")), 4e-3);
+  EXPECT_EQ(std::stod(meta.at("learning_rate.vision")), 1e-4);
+  EXPECT_EQ(std::stod(meta.at("learning_rate.language")), 2e-3);
+  EXPECT_EQ(std::stod(meta.at("scheduled_learning_rate.projector")), 2e-3);
+  EXPECT_EQ(std::stod(meta.at("scheduled_learning_rate.vision")), 5e-5);
+  EXPECT_EQ(std::stod(meta.at("scheduled_learning_rate.language")), 1e-3);
+  const TrainStepResult next_in_memory = a.Step(FixtureBatch());
+  const double after_next_in_memory = a.Step(FixtureBatch()).loss;
+
+  VisionLanguageModel saved = LoadModel(dir.string());
+  Trainer b(saved, FixtureOptions(at::kCPU, false));  // other rates: the checkpoint's win
+  b.LoadOptimizerState((dir / "optimizer.safetensors").string());
+  EXPECT_EQ(b.learning_rates(), o.learning_rates);
+  EXPECT_DOUBLE_EQ(b.learning_rate_scale(), 0.5);
+  const TrainStepResult next = b.Step(FixtureBatch());
+  EXPECT_DOUBLE_EQ(next.learning_rates.projector, 2e-3);
+  EXPECT_DOUBLE_EQ(next.learning_rates.vision, 5e-5);
+  EXPECT_DOUBLE_EQ(next.learning_rates.language, 1e-3);
+  EXPECT_NEAR(next.loss, next_in_memory.loss, 1e-6);
+  EXPECT_NEAR(b.Step(FixtureBatch()).loss, after_next_in_memory, 1e-6);
+
+  // A checkpoint that froze a group cannot resume a trainer that trains it: the message says
+  // which rate to set to 0.
+  o.learning_rates.vision = 0;
+  Trainer frozen(m, o);
+  frozen.Step(FixtureBatch());
+  frozen.SaveCheckpoint(dir.string());
+  EXPECT_EQ(std::stod(OptimizerMetadata(dir).at("learning_rate.vision")), 0.0);
+  Trainer trains_vision(saved, FixtureOptions(at::kCPU, false));
+  try {
+    trains_vision.LoadOptimizerState((dir / "optimizer.safetensors").string());
+    ADD_FAILURE() << "resumed a frozen group's missing state";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("set vision_learning_rate to 0"), std::string::npos)
+        << e.what();
+  }
+  o.learning_rates = LearningRates();
+  o.learning_rates.vision = 0;
+  Trainer resumes(saved, o);
+  resumes.LoadOptimizerState((dir / "optimizer.safetensors").string());
+  EXPECT_DOUBLE_EQ(resumes.learning_rates().projector, 4e-3);
+  EXPECT_DOUBLE_EQ(resumes.learning_rates().language, 2e-3);
+  EXPECT_DOUBLE_EQ(resumes.learning_rates().vision, 0.0);
+  RemoveCheckpoint(dir);
+}
+
+// A checkpoint written before per-group rates has one "lr" (6 decimals) in its metadata: it
+// still resumes, with that rate for every trained group.
+TEST(Trainer, CheckpointWithOnlyLrResumesItAsEveryGroupsRate) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_train_old_lr_" + std::to_string(::getpid()));
+  RemoveCheckpoint(dir);
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  TrainOptions o = FixtureOptions(at::kCPU, false);
+  Trainer a(m, o);
+  a.Step(FixtureBatch());
+  a.SaveCheckpoint(dir.string());
+  const std::string path = (dir / "optimizer.safetensors").string();
+  SafetensorsFile f = ReadSafetensors(path);
+  std::map<std::string, at::Tensor> state(f.tensors.begin(), f.tensors.end());
+  std::map<std::string, std::string> old_meta = {
+      {"optimizer", "adamw"}, {"lr", "0.002000"},           {"betas", "0.900000,0.999000"},
+      {"eps", "0.000000"},    {"weight_decay", "0.010000"}, {"steps", "1"}};
+  WriteSafetensors(path, state, old_meta);
+
+  VisionLanguageModel saved = LoadModel(dir.string());
+  Trainer b(saved, FixtureOptions(at::kCPU, false));
+  b.LoadOptimizerState(path);
+  EXPECT_EQ(b.steps(), 1);
+  EXPECT_EQ(b.learning_rates(), LearningRates::All(2e-3));
+  EXPECT_DOUBLE_EQ(b.learning_rate_scale(), 1.0);
+  const TrainStepResult r = b.Step(FixtureBatch());
+  EXPECT_EQ(r.learning_rates, LearningRates::All(2e-3));
+  EXPECT_TRUE(std::isfinite(r.loss));
+  RemoveCheckpoint(dir);
 }
 
 // The trainer reports its own work to its observer, as the engine does.
@@ -1433,7 +1582,7 @@ TEST(Trainer, FrozenLanguageModelLearnsFromImagesAndRefusesTextOnlyBatches) {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     TrainOptions o = FixtureOptions(at::kCPU, false);
     o.compute_dtype = dtype;
-    o.train_language = false;
+    o.learning_rates.language = 0;
     o.grad_accum_steps = 2;
     Trainer t(m, o);
     const auto before = Masters(t);

@@ -15,7 +15,7 @@ import grpc
 
 from e2e_util import DEVICE, ROOT, Server, chelsea, scratch_dir
 from vlmgraph_client import build_prompt, image_tiles
-from vlmgraph_client.cli import next_token_targets
+from vlmgraph_client.cli import build_parser, learning_rates, next_token_targets
 
 
 class TrainTest(unittest.TestCase):
@@ -140,6 +140,21 @@ class TrainTest(unittest.TestCase):
         self.assertTrainFails(INVALID, "config.optimizer", [t.TrainRequest(config=t.TrainConfig(optimizer=7))])
         self.assertTrainFails(INVALID, "config.bucket_policy",
                               [t.TrainRequest(config=t.TrainConfig(bucket_policy=9))])
+
+    def test_unset_rates_are_upstream_nanovlms_and_the_cli_sets_only_what_it_is_given(self):
+        """docs/training.md, "Learning rates": an unset rate is upstream nanoVLM's default (the
+        language model's 5e-5 is the one a step reports); the client's train command has no rates
+        of its own: --<part>-learning-rate sets a part, --lr the parts those leave."""
+        cfg = self.client.train_config(vision_learning_rate=0, projector_learning_rate=0)
+        steps = list(self.client.train(cfg, iter([self.client.train_batch(self.examples[1:2])])))
+        self.assertAlmostEqual(steps[0].step.learning_rate, 5e-5, delta=1e-12)
+        parse = build_parser().parse_args
+        self.assertEqual(learning_rates(parse(["train", "--file", "x"])), {})
+        self.assertEqual(learning_rates(parse(["train", "--file", "x", "--lr", "1e-3", "--vision-learning-rate", "0"])),
+                         {"language_learning_rate": 1e-3, "vision_learning_rate": 0.0,
+                          "projector_learning_rate": 1e-3})
+        self.assertEqual(learning_rates(parse(["train", "--file", "x", "--projector-learning-rate", "2e-3"])),
+                         {"projector_learning_rate": 2e-3})
 
     def test_hyperparameters_outside_their_ranges(self):
         """Every number of TrainConfig has a documented range (train.proto): INVALID_ARGUMENT names

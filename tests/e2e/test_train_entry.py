@@ -44,6 +44,13 @@ def png(width, height, seed):
             chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
 
 
+def safetensors_metadata(path):
+    """The "__metadata__" object of a safetensors file."""
+    with open(path, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        return json.loads(fh.read(n)).get("__metadata__", {})
+
+
 def read_safetensors(path):
     """{name: list of float} of a float32 safetensors file."""
     with open(path, "rb") as fh:
@@ -167,8 +174,15 @@ class TrainEntryTest(unittest.TestCase):
         self.assertEqual(re.findall(r"^step (\d+)/2", out, re.M), ["1", "2"])
         with open(os.path.join(half, "trainer_state.json")) as fh:
             self.assertEqual((json.load(fh)["step"]), 2)
+        # Each part's rate and the rate its last step took (docs/training.md, "Learning rates").
+        meta = safetensors_metadata(os.path.join(half, "optimizer.safetensors"))
+        for part in ("language", "vision", "projector"):
+            self.assertEqual(float(meta[f"learning_rate.{part}"]), 0.002, part)
+            self.assertEqual(float(meta[f"scheduled_learning_rate.{part}"]), 0.002, part)
+        # The resumed job continues with the checkpoint's rates, not the other ones it was given.
         resumed = os.path.join(self.dir, "resumed")
-        out = self.run_train(f"train.save_dir={resumed}", f"train.resume={half}", constant, nproc=2)
+        out = self.run_train(f"train.save_dir={resumed}", f"train.resume={half}", constant,
+                             "train.language_learning_rate=0.5", "train.projector_learning_rate=0.3", nproc=2)
         self.assertEqual(re.findall(r"^step (\d+)/4", out, re.M), ["3", "4"])
         self.assertWeightsClose(self.weights(full), self.weights(resumed))
         # Resuming a finished job does nothing.
@@ -235,6 +249,10 @@ class TrainEntryTest(unittest.TestCase):
         cases = [(["--set=train.dataset_path=x"], "train.dataset_path: --set: unknown key"),
                  (["--set=train.global_batch_size=0"], "train.global_batch_size: must be >= 1, got 0"),
                  (["--set=train.lr_schedule=linear"], "train.lr_schedule: must be one of"),
+                 (["--set=train.vision_learning_rate=-1"],
+                  "train.vision_learning_rate: must lie in [0, 1], got -1; set a rate in that range (0 freezes"),
+                 (["--set=train.language_learning_rate=0", "--set=train.vision_learning_rate=0",
+                   "--set=train.projector_learning_rate=0"], "every learning rate is 0: nothing to train"),
                  (["--set=train.global_batch_size=3", "--nproc-per-node", "2"], "must be a multiple of the number of ranks")]
         for args, text in cases:
             with self.subTest(args=args):

@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
       vlmgraph::TrainOptions t;
       t.device = e.device;
       t.compute_dtype = t.device.is_cuda() ? e.dtype : at::kFloat;
-      t.lr = 1e-4;
+      t.learning_rates = vlmgraph::LearningRates::All(1e-4);
       t.max_grad_norm = 1.0;
       t.buckets = e.buckets;
       t.cuda_graphs = graphs && config.capture.enabled;

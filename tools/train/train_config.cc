@@ -127,6 +127,20 @@ Key MakeKey(std::string name, T TrainRunConfig::*f, std::string doc,
   return k;
 }
 
+// train.<group>_learning_rate: one group's rate. Its range is checked with the others' by
+// LearningRates::Check (LoadTrainRunConfig).
+Key RateKey(std::string name, double LearningRates::*rate, std::string doc) {
+  Key k;
+  k.name = name;
+  k.doc = std::move(doc);
+  k.parse = [name, rate](const YAML::Node& n, TrainRunConfig& c) {
+    c.learning_rates.*rate = Scalar<double>(n, name, "a number");
+  };
+  k.check = [](const TrainRunConfig&) {};
+  k.text = [rate](const TrainRunConfig& c) { return Number(c.learning_rates.*rate); };
+  return k;
+}
+
 const std::vector<Key>& Keys() {
   using C = TrainRunConfig;
   static const std::vector<Key> keys = {
@@ -178,13 +192,13 @@ const std::vector<Key>& Keys() {
       MakeKey("train.shuffle", &C::shuffle,
               "Shuffle the examples each epoch (seeded by seed and the epoch: every rank draws "
               "the same order)."),
-      MakeKey("train.language_learning_rate", &C::language_learning_rate,
-              "AdamW learning rate of the language model (0 freezes it), as TrainConfig.", 0.0,
-              1.0),
-      MakeKey("train.vision_learning_rate", &C::vision_learning_rate,
-              "Learning rate of the vision encoder (0 freezes it).", 0.0, 1.0),
-      MakeKey("train.projector_learning_rate", &C::projector_learning_rate,
-              "Learning rate of the modality projector (0 freezes it).", 0.0, 1.0),
+      RateKey("train.language_learning_rate", &LearningRates::language,
+              "AdamW learning rate of the language model (decoder), in [0, 1]; 0 freezes it. "
+              "docs/training.md, \"Learning rates\"."),
+      RateKey("train.vision_learning_rate", &LearningRates::vision,
+              "Learning rate of the vision encoder, in [0, 1]; 0 freezes it."),
+      RateKey("train.projector_learning_rate", &LearningRates::projector,
+              "Learning rate of the modality projector (MP), in [0, 1]; 0 freezes it."),
       MakeKey("train.lr_schedule", &C::lr_schedule,
               "constant, or cosine: upstream nanoVLM's get_lr (linear warm-up over 3% of the "
               "steps, cosine decay to 10% of each rate).",
@@ -323,10 +337,13 @@ TrainRunConfig LoadTrainRunConfig(
   if (c.dataset.empty()) throw ServerConfigError("train.dataset", "required: a JSONL file");
   if (c.save_every_steps > 0 && c.save_dir.empty())
     throw ServerConfigError("train.save_dir", "required when train.save_every_steps is set");
-  if (c.language_learning_rate == 0 && c.vision_learning_rate == 0 &&
-      c.projector_learning_rate == 0) {
+  if (auto problem = c.learning_rates.Check())
+    throw ServerConfigError("train." + problem->field, problem->message);
+  if (!c.learning_rates.AnyTrained()) {
     throw ServerConfigError("train.language_learning_rate",
-                            "every learning rate is 0: nothing to train");
+                            "every learning rate is 0: nothing to train; set at least one of "
+                            "train.language_learning_rate, vision_learning_rate, "
+                            "projector_learning_rate above 0");
   }
   return c;
 }

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/learning_rates.h"
 #include "server/config.h"
 
 namespace vlmgraph::train {
@@ -43,8 +44,8 @@ struct TrainRunConfig {
   int64_t steps = 0;              // 0 = epochs x (dataset lines / global_batch_size)
   double epochs = 1;
   bool shuffle = true;
-  double language_learning_rate = 5e-5, vision_learning_rate = 5e-5,
-         projector_learning_rate = 5.12e-3;
+  // train.<group>_learning_rate (Note [Learning rates] in engine/learning_rates.h).
+  LearningRates learning_rates;
   std::string lr_schedule = "constant";  // constant | cosine (upstream nanoVLM's get_lr)
   double weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double max_grad_norm = 1.0;

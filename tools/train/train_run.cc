@@ -302,13 +302,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     TrainOptions t;
     t.device = device;
     t.compute_dtype = c.dtype == "bfloat16" && device.is_cuda() ? at::kBFloat16 : at::kFloat;
-    t.lr = c.language_learning_rate;
-    t.lr_language = c.language_learning_rate;
-    t.lr_vision = c.vision_learning_rate;
-    t.lr_projector = c.projector_learning_rate;
-    t.train_language = c.language_learning_rate > 0;
-    t.train_vision = c.vision_learning_rate > 0;
-    t.train_projector = c.projector_learning_rate > 0;
+    t.learning_rates = c.learning_rates;
     t.beta1 = c.beta1;
     t.beta2 = c.beta2;
     t.eps = c.eps;

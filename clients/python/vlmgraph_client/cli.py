@@ -179,13 +179,29 @@ def _examples(client, info, path):
                 sys.exit(f"{path}:{n}: needs messages, text_ids, or input_ids and target_ids")
 
 
+RATE_FIELDS = ("language_learning_rate", "vision_learning_rate", "projector_learning_rate")
+
+
+def learning_rates(args):
+    """The TrainConfig rates the flags set: --<part>-learning-rate, else --lr for every part; a rate
+    neither sets stays unset (the server's defaults, upstream nanoVLM's: docs/training.md)."""
+    rates = {}
+    for field in RATE_FIELDS:
+        value = getattr(args, field)
+        if value is None:
+            value = args.lr
+        if value is not None:
+            rates[field] = value
+    return rates
+
+
 def cmd_train(client, args):
     info = client.model_info()
     examples = list(_examples(client, info, args.file))
     # The tile buffer of the graphed step is sized by the example with the most tiles.
     most_tiles = max([sum(image_tiles(img, info) for img in e["images"]) for e in examples] + [1])
-    cfg = {"language_learning_rate": args.lr, "vision_learning_rate": args.lr, "projector_learning_rate": args.lr,
-           "max_tiles_per_example": most_tiles}
+    cfg = {"max_tiles_per_example": most_tiles}
+    cfg.update(learning_rates(args))
     if args.parts:
         cfg["trainable_parts"] = args.parts.split(",")
     if args.publish:
@@ -218,7 +234,8 @@ def cmd_rollback(client, args):
     print(f"restored {r.tensors} tensors ({r.bytes} bytes) in {r.seconds * 1e3:.1f} ms", flush=True)
 
 
-def main(argv=None):
+def build_parser():
+    """The command line's parser (every subcommand and flag)."""
     p = argparse.ArgumentParser(prog="python3 -m vlmgraph_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=os.environ.get("VLMGRAPH_ADDRESS", "127.0.0.1:50051"))
@@ -263,7 +280,11 @@ def main(argv=None):
     t.add_argument("--file", required=True)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--lr", type=float, default=1e-3)
+    for part, name in (("language", "language model"), ("vision", "vision encoder"), ("projector", "modality projector")):
+        t.add_argument(f"--{part}-learning-rate", type=float, default=None, dest=f"{part}_learning_rate",
+                       help=f"{name}'s learning rate in [0, 1], 0 freezes it (default: the server's, upstream nanoVLM's)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="every part's learning rate, where --<part>-learning-rate does not set it")
     t.add_argument("--parts", default="", help="vision,projector,language (default: all)")
     t.add_argument("--save", default="", help="checkpoint directory under the server's train.checkpoint_dir")
     t.add_argument("--publish", action="store_true",
@@ -271,7 +292,11 @@ def main(argv=None):
     t.set_defaults(fn=cmd_train)
     sub.add_parser("rollback", help="serve the weights from before the last publish (publish scope)"
                    ).set_defaults(fn=cmd_rollback)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.command == "demo" and len(args.image) > 1:
         args.image = args.image[1:]  # --image given: replace the default photo
     with VlmGraphClient(args.address, timeout=args.timeout) as client:
