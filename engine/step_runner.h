@@ -22,6 +22,13 @@
 // endAllocateToPool / releasePool that capture_end would have called. The region's exception then
 // propagates unchanged, the bucket has no graph, and the next Capture or Run may try again.
 //
+// Note [Capture mode]: captures run in cudaStreamCaptureModeThreadLocal, not PyTorch's default
+// global mode. One process drives several GPUs from several threads (one engine per GPU, and a
+// Train job's ranks, which capture at the same time), and c10's caching allocator calls cudaMalloc
+// without relaxing the mode on a thread that is not capturing: in global mode any thread's capture
+// makes every other thread's cudaMalloc, synchronisation and host copies fail. Thread-local mode
+// still forbids them on the capturing thread, where they would break the graph.
+//
 // Note [Static input check]: a graph reads its inputs at the addresses they had at capture. A
 // buffer or parameter that is reallocated instead of written in place (a new tensor assigned, or
 // set_ / set_data to new storage) leaves replays reading stale memory without any error. With

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <future>
 #include <limits>
 #include <map>
 #include <optional>
@@ -20,6 +22,11 @@
 
 #if defined(__GLIBC__)
 #include <malloc.h>
+#endif
+
+#if VLMGRAPH_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include "engine/bucket_sizing.h"
@@ -993,6 +1000,49 @@ TEST(CudaGraphCapture, ARegionThatThrowsEndsItsCaptureAndTheDeviceServesOn_CUDA)
     const at::Tensor want = TinyReference().tensors.at("generated_ids");
     for (int64_t r = 0; r < 2; ++r) EXPECT_EQ(generated[r], Row(want, r));
   }
+}
+
+// Note [Capture mode]: while one thread captures, another thread of the process allocates fresh
+// device memory (a cudaMalloc) and synchronises on its own stream, as a second engine's GPU thread
+// does; in global capture mode both calls fail.
+TEST(CudaGraphCapture, AnotherThreadAllocatesAndSynchronisesWhileAGraphCaptures_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+#if VLMGRAPH_WITH_CUDA
+  const at::Device cuda(at::kCUDA, 0);
+  at::Tensor x = at::ones({1024}, at::TensorOptions().device(cuda));
+  auto runner = MakeCudaGraphStepRunner(0);
+  ASSERT_NE(runner, nullptr);
+  std::promise<void> capturing, allocated;
+  std::shared_future<void> allocated_done = allocated.get_future().share();
+  int calls = 0;
+  std::string other_error;
+  int64_t other_sum = 0;
+  std::thread other([&, started = capturing.get_future()]() mutable {
+    started.wait();
+    try {
+      c10::cuda::CUDAStreamGuard stream(c10::cuda::getStreamFromPool(false, 0));
+      // An odd size no cached block fits: the allocator calls cudaMalloc.
+      at::Tensor fresh =
+          at::ones({(int64_t{300} << 20) + 4093}, at::TensorOptions().dtype(at::kByte).device(cuda));
+      other_sum = fresh.sum().item<int64_t>();
+    } catch (const std::exception& e) {
+      other_error = e.what();
+    }
+    allocated.set_value();
+  });
+  runner->Capture(BucketKey{Region::kDecode, 1, 32, 0}, [&] {
+    at::Tensor y = x * 2;
+    if (++calls == 3) {  // inside the capture
+      capturing.set_value();
+      allocated_done.wait_for(std::chrono::seconds(60));
+    }
+    return std::vector<at::Tensor>{y};
+  });
+  other.join();
+  EXPECT_EQ(other_error, "");
+  EXPECT_EQ(other_sum, (int64_t{300} << 20) + 4093);
+  EXPECT_TRUE(runner->Has(BucketKey{Region::kDecode, 1, 32, 0}));
+#endif
 }
 
 // Note [Static input check]: a static input reallocated after capture (set_ to new storage) makes

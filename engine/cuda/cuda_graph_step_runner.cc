@@ -21,7 +21,7 @@
 
 #include "engine/device.h"
 #include "engine/step_runner.h"
-#include "model/log.h"
+#include "base/log.h"
 
 namespace vlmgraph {
 namespace {
@@ -51,7 +51,9 @@ class CaptureGuard {
 
   void Begin() {
     stream_ = c10::cuda::getCurrentCUDAStream(device_).stream();
-    graph_->capture_begin(pool_);
+    // Thread-local mode (Note [Capture mode], engine/step_runner.h): other GPU threads of the
+    // process go on allocating and synchronising while this one captures.
+    graph_->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
     active_ = true;
   }
 
