@@ -1,4 +1,4 @@
-// model/atomic_file.h: writing a file as a fresh temporary that is renamed into place, never
+// base/atomic_file.h: writing a file as a fresh temporary that is renamed into place, never
 // through a symbolic link and never leaving a partial file behind.
 //
 // A checkpoint directory may hold entries the server did not make (a client with the train

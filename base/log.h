@@ -1,4 +1,4 @@
-// model/log.h: the project's logger: one-line, timestamped messages on stderr, filtered by the
+// base/log.h: the project's logger: one-line, timestamped messages on stderr, filtered by the
 // server config's log_level. In the lowest layer, so the model, the engine, the trainer and the
 // server all log through it.
 //

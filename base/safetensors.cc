@@ -1,4 +1,4 @@
-#include "model/safetensors.h"
+#include "base/safetensors.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
-#include "model/atomic_file.h"
+#include "base/atomic_file.h"
 
 namespace vlmgraph {
 namespace {
@@ -145,7 +145,7 @@ void WriteSafetensors(const std::string& path, const std::map<std::string, at::T
   }
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');
-  // A fresh temporary renamed into place (model/atomic_file.h): never written through a symbolic
+  // A fresh temporary renamed into place (base/atomic_file.h): never written through a symbolic
   // link planted in the directory, and removed when a write fails.
   AtomicFile out(path);
   const uint64_t len = h.size();

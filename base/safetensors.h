@@ -1,4 +1,4 @@
-// model/safetensors.h: reading and writing the safetensors format that nanoVLM checkpoints use.
+// base/safetensors.h: reading and writing the safetensors format that nanoVLM checkpoints use.
 //
 // Format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length N,
 // then N bytes of JSON mapping each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
@@ -36,7 +36,7 @@ SafetensorsFile ReadSafetensors(const std::string& path);
 
 // Writes `tensors` (any device, any layout: copied to contiguous CPU) with `metadata`. The header
 // is padded with spaces to a multiple of 8 bytes, as the reference implementation does. Writes a
-// fresh `path + ".tmp"` and renames it (model/atomic_file.h), so a crash never leaves a truncated
+// fresh `path + ".tmp"` and renames it (base/atomic_file.h), so a crash never leaves a truncated
 // checkpoint behind, a failed write leaves no temporary, and a symbolic link at either name is
 // replaced, never written through. Throws std::system_error when a write fails (e.g. disk full).
 void WriteSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,

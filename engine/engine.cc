@@ -15,8 +15,8 @@
 #include "engine/engine_internal.h"
 #include "engine/sampler.h"
 #include "model/fused_ops.h"
-#include "model/image_processor.h"
-#include "model/log.h"
+#include "image/image_processor.h"
+#include "base/log.h"
 #include "model/prompt_check.h"
 
 namespace vlmgraph {

@@ -14,9 +14,9 @@
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
-#include "model/log.h"
+#include "base/log.h"
 #include "model/prompt_check.h"
-#include "model/safetensors.h"
+#include "base/safetensors.h"
 #include "model/weight_init.h"
 
 namespace vlmgraph {

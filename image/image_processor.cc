@@ -1,4 +1,4 @@
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 
 #include <ATen/ATen.h>
 

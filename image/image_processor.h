@@ -1,4 +1,4 @@
-// model/image_processor.h: images -> ViT tiles, as upstream nanoVLM preprocesses them
+// image/image_processor.h: images -> ViT tiles, as upstream nanoVLM preprocesses them
 // (data/processors.py get_image_processor, data/custom_transforms.py DynamicResize and
 // GlobalAndSplitImages).
 //

@@ -8,8 +8,8 @@
 #include <set>
 #include <sstream>
 
-#include "model/atomic_file.h"
-#include "model/safetensors.h"
+#include "base/atomic_file.h"
+#include "base/safetensors.h"
 #include "model/weight_init.h"
 
 namespace vlmgraph {
@@ -128,7 +128,7 @@ void SaveModel(VisionLanguageModel& model, const std::string& dir) {
 void SaveModel(const VlmConfig& cfg, std::map<std::string, at::Tensor> tensors,
                const std::string& dir) {
   std::filesystem::create_directories(dir);
-  // Each file as a fresh temporary renamed into place (model/atomic_file.h).
+  // Each file as a fresh temporary renamed into place (base/atomic_file.h).
   WriteFileAtomically((std::filesystem::path(dir) / "config.json").string(), cfg.ToJson().dump(4));
   std::map<std::string, std::string> metadata;
   if (cfg.lm_tie_weights) metadata[kEmbedding] = kHead;

@@ -10,7 +10,7 @@
 // saving writes it as upstream does. `decoder.rotary_embd.inv_freq` is loaded when present and
 // recomputed from the config otherwise.
 //
-// Saving writes each file as a fresh temporary renamed into place (model/atomic_file.h): a
+// Saving writes each file as a fresh temporary renamed into place (base/atomic_file.h): a
 // symbolic link planted in the directory under a file's name (or its temporary's) is replaced,
 // never written through, and a failed write leaves no temporary behind.
 //

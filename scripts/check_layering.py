@@ -1,25 +1,28 @@
 #!/usr/bin/env python3
 """Checks that no source file includes a project header from a layer above its own.
 
-The layers, lowest first (docs/design/overview.md, "Layers"):
+The layers ("rooms"), lowest first (docs/design/overview.md, "Layers"):
 
-  model/  <  engine/  <  server/  <  tools/, bench/, tests/
+  base/  <  model/  <  text/, image/  <  engine/
+         <  server/config/  <  server/http/  <  server/ (the serving core)
+         <  server/grpc/, server/openai/  <  server/main.cc  <  tools/, bench/, tests/
 
-A file may include headers of its own layer and of the layers below it, never of a layer above:
-model/ includes neither engine/ nor server/, engine/ does not include server/, and none of the
-three includes a header of tools/, bench/ or tests/. tools/, bench/ and tests/ sit side by side on
-top and may include anything. Subfolders belong to their top folder's layer (model/cuda/ is
-model/, engine/cuda/ is engine/).
+A file may include headers of its own room and of the rooms below it, never of a room above, and
+never of a sibling room of the same rank (text/ and image/ stay apart, as do the gRPC API in
+server/grpc/ and the OpenAI API in server/openai/), except that tools/, bench/ and tests/ sit side
+by side on top and may include anything. A path belongs to the room of its longest matching
+prefix: server/grpc/service.h is server/grpc, server/scheduler.h is server; other subfolders belong
+to their folder's room (model/cuda/ is model/, engine/cuda/ is engine/).
 
-Every `#include "..."` line of the *.h, *.cc, *.cu and *.cuh files under those six folders is
-read. An include names a project header when its first path component is one of the six folders
+Every `#include "..."` line of the *.h, *.cc, *.cu and *.cuh files under the top folders is read.
+An include names a project header when its first path component is one of the top folders
 (`#include "engine/bucket.h"`), or when it resolves, relative to the including file's folder, to
 a file under one of them (`#include "../engine/bucket.h"`). Other includes (system headers, the
 generated `vlmgraph/v1/*.pb.h`) are not checked.
 
 Each violation is printed as
   FILE:LINE: FILE (layer X) includes HEADER (layer Y)
-and the exit status is 1; 0 when there is none; 2 when --root holds none of the six folders.
+and the exit status is 1; 0 when there is none; 2 when --root holds none of the top folders.
 CTest runs it as `layering_check` (label unit).
 
   scripts/check_layering.py [--root REPO]
@@ -29,16 +32,43 @@ import os
 import re
 import sys
 
-# Folder -> rank; a file may include a header whose rank is at most its own.
-LAYER_RANK = {"model": 0, "engine": 1, "server": 2, "tools": 3, "bench": 3, "tests": 3}
+# Room (a path prefix) -> rank; a file may include a header of its own room or of a lower rank.
+LAYER_RANK = {
+    "base": 0,
+    "model": 1,
+    "text": 2, "image": 2,
+    "engine": 3,
+    "server/config": 4,
+    "server/http": 5,
+    "server": 6,
+    "server/grpc": 7, "server/openai": 7,
+    "server/main.cc": 8,
+    "tools": 9, "bench": 9, "tests": 9,
+}
+# Rooms of one rank that may include each other.
+OPEN_RANKS = {9}
+TOP_FOLDERS = sorted({room.split("/", 1)[0] for room in LAYER_RANK})
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
 INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"')
 
 
 def layer_of(rel_path):
-    """The layer folder of a repository-relative path, or None outside the six folders."""
-    top = rel_path.replace(os.sep, "/").split("/", 1)[0]
-    return top if top in LAYER_RANK else None
+    """The room of a repository-relative path (its longest prefix in LAYER_RANK), or None outside
+    the top folders."""
+    path = rel_path.replace(os.sep, "/")
+    parts = path.split("/")
+    for n in range(len(parts), 0, -1):
+        prefix = "/".join(parts[:n])
+        if prefix in LAYER_RANK:
+            return prefix
+    return None
+
+
+def allowed(own, theirs):
+    """Whether a file of room `own` may include a header of room `theirs`."""
+    if own == theirs or LAYER_RANK[theirs] < LAYER_RANK[own]:
+        return True
+    return LAYER_RANK[theirs] == LAYER_RANK[own] and LAYER_RANK[own] in OPEN_RANKS
 
 
 def included_header(root, including_rel, name):
@@ -54,7 +84,7 @@ def included_header(root, including_rel, name):
 
 def source_files(root):
     """Repository-relative paths of the C++ and CUDA sources under the layer folders, sorted."""
-    for layer in sorted(LAYER_RANK):
+    for layer in TOP_FOLDERS:
         top = os.path.join(root, layer)
         for dirpath, dirnames, filenames in os.walk(top):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -80,7 +110,7 @@ def violations(root):
                     continue
                 includes += 1
                 theirs = layer_of(header)
-                if LAYER_RANK[theirs] > LAYER_RANK[own]:
+                if not allowed(own, theirs):
                     found.append(f"{rel}:{lineno}: {rel} (layer {own}) includes {header} (layer {theirs})")
     return files, includes, found
 
@@ -91,16 +121,18 @@ def main(argv=None):
     parser.add_argument("--root", default=default_root, help="repository root (default: this script's repository)")
     args = parser.parse_args(argv)
     root = os.path.abspath(args.root)
-    if not any(os.path.isdir(os.path.join(root, layer)) for layer in LAYER_RANK):
-        print(f"check_layering.py: {root} holds none of {', '.join(sorted(LAYER_RANK))}; pass the "
+    if not any(os.path.isdir(os.path.join(root, layer)) for layer in TOP_FOLDERS):
+        print(f"check_layering.py: {root} holds none of {', '.join(TOP_FOLDERS)}; pass the "
               "repository root with --root", file=sys.stderr)
         return 2
     files, includes, found = violations(root)
     for line in found:
         print(line)
     if found:
-        print(f"check_layering.py: {len(found)} includes go up a layer (model < engine < server < "
-              "tools, bench, tests); move the code to the lower layer or the include out of it",
+        print(f"check_layering.py: {len(found)} includes go up a layer or across to a sibling (base < "
+              "model < text, image < engine < server/config < server/http < server < server/grpc, "
+              "server/openai < server/main.cc < tools, bench, tests); move the code to the lower "
+              "layer or the include out of it",
               file=sys.stderr)
         return 1
     print(f"check_layering.py: {files} files, {includes} project includes, none goes up a layer")

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 #include "model/prompt_check.h"
 #include "server/image_workers.h"
 #include "server/status.h"
@@ -250,7 +250,7 @@ Prompt ToPrompt(const google::protobuf::RepeatedField<int64_t>& input_ids, const
                           "checkpoint with a tokenizer.json, or set the config key tokenizer)");
   }
   // Limits before work: the text's length before any tokenizing or image decoding (Note [Tokens
-  // from bytes] in model/tokenizer.cc), the images' tiles before any decoding.
+  // from bytes] in text/tokenizer.cc), the images' tiles before any decoding.
   if (!text.empty()) {
     text_model->CheckTextLength({text}, "text");
     std::vector<ImageTiles> tiles = DecodeImages(images, cfg, limits, "images");

@@ -26,9 +26,9 @@
 
 #include "engine/engine_types.h"
 #include "engine/trainer.h"
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "model/config.h"
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 #include "server/config.h"
 #include "server/text_prompt.h"
 #include "vlmgraph/v1/chat.pb.h"

@@ -4,7 +4,7 @@
 #include <cctype>
 #include <stdexcept>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {

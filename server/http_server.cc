@@ -14,7 +14,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/config.h"
 
 namespace vlmgraph::server {

@@ -1,7 +1,7 @@
 // server/image_workers.h: the few fixed threads that decode and tile request images.
 //
 // Image preprocessing (PNG/JPEG decoding, ATen's antialiased bicubic resize, tiling:
-// model/image_processor.h) runs ATen ops whose intra-op parallelism (OpenMP) gives every thread
+// image/image_processor.h) runs ATen ops whose intra-op parallelism (OpenMP) gives every thread
 // that calls them a team of at::get_num_threads() - 1 worker threads of its own, kept for as long
 // as that thread lives. RPC handler threads are many (the HTTP API's pool holds the largest batch
 // + batching.max_queue_size workers, gRPC's synchronous server grows its own), so preprocessing on

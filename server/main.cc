@@ -30,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/auth.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"

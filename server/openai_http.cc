@@ -14,7 +14,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/generation.h"
 #include "server/openai_protocol.h"
 #include "server/status.h"

@@ -9,8 +9,8 @@
 #include <limits>
 #include <random>
 
-#include "model/image_processor.h"
-#include "model/tokenizer.h"
+#include "image/image_processor.h"
+#include "text/tokenizer.h"
 #include "server/image_workers.h"
 
 namespace vlmgraph::server::openai {
@@ -637,7 +637,7 @@ std::string DecodeImageUrl(const std::string& url, const Limits& limits, const s
 // ------------------------------------------------------------------------------
 
 // Limits before work: the text's length (no tokenizing), then the images' headers (no decoding),
-// then the work. Note [Tokens from bytes] in model/tokenizer.cc.
+// then the work. Note [Tokens from bytes] in text/tokenizer.cc.
 PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
                                          const TextModel& text, const VlmConfig& cfg,
                                          const Limits& limits, int64_t max_context) {

@@ -56,7 +56,7 @@
 #include <vector>
 
 #include "engine/engine_types.h"
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "model/config.h"
 #include "server/config.h"
 #include "server/status.h"

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {

@@ -2,7 +2,7 @@
 
 #include <exception>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/convert.h"
 #include "server/generation.h"
 #include "server/status.h"

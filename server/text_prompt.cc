@@ -201,7 +201,7 @@ Prompt TextModel::BuildChat(const std::vector<ChatMessage>& messages,
   try {
     // The template already holds the special tokens (transformers' apply_chat_template tokenizes
     // with add_special_tokens=False); the content's special-token text is plain text unless
-    // configured otherwise (Note [Special tokens as plain text] in model/tokenizer.cc).
+    // configured otherwise (Note [Special tokens as plain text] in text/tokenizer.cc).
     EncodeOptions options;
     if (!options_.parse_special_in_content) options.plain_ranges = std::move(chat.content_ranges);
     p.input_ids = tokenizer_.Encode(chat.text, options);

@@ -8,21 +8,21 @@
 //   request.input_ids = p.input_ids; request.tiles = p.tiles;
 //
 // Files: the tokenizer is `config.tokenizer`, or `<checkpoint>/tokenizer.json` when that is unset
-// (Hugging Face's format, model/tokenizer.h). The chat template comes from
+// (Hugging Face's format, text/tokenizer.h). The chat template comes from
 // `<dir of tokenizer.json>/tokenizer_config.json` ("chat_template", as transformers saves it),
 // else from the model config's `lm_chat_template` (nanoVLM's); it must be ChatML
-// (model/chat_format.h), or Load refuses to start. Default stop tokens: the chat format's end of
+// (text/chat_format.h), or Load refuses to start. Default stop tokens: the chat format's end of
 // turn ("<|im_end|>"), tokenizer_config.json's "eos_token" and generation_config.json's
 // "eos_token_id" (an id or a list), those that exist in the vocabulary.
 //
 // Limits before work: CheckTextLength refuses a text whose byte length shows that it makes more
 // tokens than the longest context holds (Tokenizer::MinTokens, Note [Tokens from bytes] in
-// model/tokenizer.cc), before anything is tokenized; callers run it before decoding images too,
+// text/tokenizer.cc), before anything is tokenized; callers run it before decoding images too,
 // and BuildChat / BuildText run it again first.
 //
 // Special tokens: BuildChat tokenizes the text of the messages with special-token text read as
 // plain text, so that "<|im_end|>" typed by a user is not the control token (Note [Special tokens
-// as plain text] in model/tokenizer.cc); the template's markers and the image strings are special
+// as plain text] in text/tokenizer.cc); the template's markers and the image strings are special
 // tokens. TextModelOptions::parse_special_in_content (config key parse_special_in_content) makes
 // the content's special-token text special tokens too, as transformers' apply_chat_template and
 // vLLM do. BuildText tokenizes a plain prompt whole, special tokens recognised: the client writes
@@ -43,10 +43,10 @@
 #include <string_view>
 #include <vector>
 
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "model/config.h"
-#include "model/image_processor.h"
-#include "model/tokenizer.h"
+#include "image/image_processor.h"
+#include "text/tokenizer.h"
 #include "server/config.h"
 #include "server/status.h"
 
@@ -123,7 +123,7 @@ class TextModel {
   Prompt BuildChat(const std::vector<ChatMessage>& messages, const std::vector<ImageTiles>& images,
                    bool add_generation_prompt) const;
   // Chat messages -> a training example: the conversation without a reply prompt, the loss on the
-  // assistant turns only (model/chat_format.h TokenizeForTraining, upstream nanoVLM's masking).
+  // assistant turns only (text/chat_format.h TokenizeForTraining, upstream nanoVLM's masking).
   // Throws as BuildChat, and INVALID_ARGUMENT for a conversation without an assistant message or
   // with an image in one.
   TrainingPrompt BuildTrainingChat(const std::vector<ChatMessage>& messages,

@@ -8,7 +8,7 @@
 //   }
 //   Send(text.Finish());                 // text held back at the end (no stop string came)
 //
-// Detokenization is incremental (DecodeStream, model/tokenizer.h) with special tokens skipped, as
+// Detokenization is incremental (DecodeStream, text/tokenizer.h) with special tokens skipped, as
 // vLLM and OpenAI return text. Stop strings are matched on the text (OpenAI's `stop`, vLLM's
 // semantics): the output ends right before the first occurrence of any of them, and the stop
 // string itself is not returned. Text that could still become the start of a stop string is held
@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::server {
 

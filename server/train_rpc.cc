@@ -13,8 +13,8 @@
 
 #include "engine/device.h"
 #include "model/checkpoint.h"
-#include "model/log.h"
-#include "model/safetensors.h"
+#include "base/log.h"
+#include "base/safetensors.h"
 #include "server/graphed_trainer.h"
 #include "server/service.h"
 #include "server/status.h"

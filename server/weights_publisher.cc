@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdio>
 
-#include "model/log.h"
+#include "base/log.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {

@@ -1,7 +1,7 @@
-// Chat format (ChatML recognition and rendering) and nanoVLM's image string (model/chat_format.h).
+// Chat format (ChatML recognition and rendering) and nanoVLM's image string (text/chat_format.h).
 // The expected strings are what Jinja renders for the templates below (transformers'
 // apply_chat_template); upstream's get_image_string gives the image strings.
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Image preprocessing (model/image_processor.h) as the server uses it: nanoVLM's resize rule,
+// Image preprocessing (image/image_processor.h) as the server uses it: nanoVLM's resize rule,
 // tiling order, the global tile, RGB conversion and refusal of bad or oversized images; the
 // image workers that run it (server/image_workers.h).
 #include <ATen/ATen.h>
@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 #include "server/convert.h"
 #include "server/image_workers.h"
 #include "server/status.h"

@@ -14,9 +14,9 @@
 
 #include "engine/engine.h"
 #include "engine/engine_types.h"
-#include "model/chat_format.h"
-#include "model/image_processor.h"
-#include "model/tokenizer.h"
+#include "text/chat_format.h"
+#include "image/image_processor.h"
+#include "text/tokenizer.h"
 #include "server/config.h"
 #include "server/openai_http.h"
 #include "server/openai_protocol.h"

@@ -18,8 +18,8 @@
 
 #include "engine/engine.h"
 #include "engine/engine_types.h"
-#include "model/image_processor.h"
-#include "model/log.h"
+#include "image/image_processor.h"
+#include "base/log.h"
 #include "server/config.h"
 #include "server/convert.h"
 #include "server/metrics.h"

@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "model/safetensors.h"
+#include "base/safetensors.h"
 
 namespace vlmgraph::testing {
 

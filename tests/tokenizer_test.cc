@@ -1,8 +1,8 @@
-// The tokenizer (model/tokenizer.h) on small hand-built tokenizer.json files: BPE merge ranks,
+// The tokenizer (text/tokenizer.h) on small hand-built tokenizer.json files: BPE merge ranks,
 // added-token matching, pre-tokenizer splits, the post-processor template, lossy and streaming
 // decoding, errors, and encoding from many threads. Parity with the Python `tokenizers` package on
 // real text is tests/tokenizer/test_parity.py.
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 #include <gtest/gtest.h>
 
@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
-#include "model/tokenizer_bpe.h"
-#include "model/tokenizer_pre_tokenizer.h"
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_bpe.h"
+#include "text/tokenizer_pre_tokenizer.h"
+#include "text/tokenizer_unicode.h"
 
 namespace vlmgraph {
 namespace {

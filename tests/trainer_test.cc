@@ -29,7 +29,7 @@
 #include <thread>
 
 #include "model/checkpoint.h"
-#include "model/safetensors.h"
+#include "base/safetensors.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {

@@ -1,4 +1,4 @@
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 
 #include <regex>
 

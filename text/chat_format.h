@@ -1,4 +1,4 @@
-// model/chat_format.h: chat messages -> prompt text (the chat template), and nanoVLM's image
+// text/chat_format.h: chat messages -> prompt text (the chat template), and nanoVLM's image
 // string.
 //
 //   ChatFormat chat = ChatFormat::FromTemplate(tokenizer_config["chat_template"]);  // ChatML only
@@ -22,11 +22,11 @@
 // when the prompt has several images, then the global image token followed by
 // mp_image_token_length image tokens, then, when the image was cut into more than one tile, for
 // each grid cell (row-major) its "<row_r_col_c>" token followed by mp_image_token_length image
-// tokens. The tile order matches ImageTiles (model/image_processor.h): global tile first.
+// tokens. The tile order matches ImageTiles (image/image_processor.h): global tile first.
 //
 // Content ranges: RenderWithRanges also returns where each text part of the messages lies in the
 // prompt text, so that the tokenizer can read special-token text there as plain text (Note
-// [Special tokens as plain text] in model/tokenizer.cc); the template's own text and the image
+// [Special tokens as plain text] in text/tokenizer.cc); the template's own text and the image
 // strings lie outside them.
 //
 // Training (TokenizeForTraining): the conversation's token ids and per-position targets, the loss
@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "model/config.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph {
 

@@ -1,4 +1,4 @@
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 #include <algorithm>
 #include <array>
@@ -9,10 +9,10 @@
 #include <unordered_set>
 #include <utility>
 
-#include "model/tokenizer_added_tokens.h"
-#include "model/tokenizer_bpe.h"
-#include "model/tokenizer_pre_tokenizer.h"
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_added_tokens.h"
+#include "text/tokenizer_bpe.h"
+#include "text/tokenizer_pre_tokenizer.h"
+#include "text/tokenizer_unicode.h"
 
 namespace vlmgraph {
 namespace tokenizer_detail {

@@ -1,4 +1,4 @@
-// model/tokenizer.h: text <-> token ids with a Hugging Face `tokenizer.json` of the byte-level BPE
+// text/tokenizer.h: text <-> token ids with a Hugging Face `tokenizer.json` of the byte-level BPE
 // family (GPT-2, SmolLM2, Llama-3, Qwen2 style), giving the ids of the Python `tokenizers` package.
 //
 //   vlmgraph::Tokenizer tok = vlmgraph::Tokenizer::FromFile("tokenizer.json");
@@ -67,7 +67,7 @@
 #include <string_view>
 #include <vector>
 
-#include "model/tokenizer_error.h"
+#include "text/tokenizer_error.h"
 
 namespace vlmgraph {
 

@@ -1,8 +1,8 @@
-#include "model/tokenizer_added_tokens.h"
+#include "text/tokenizer_added_tokens.h"
 
 #include <algorithm>
 
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_unicode.h"
 
 namespace vlmgraph::tokenizer_detail {
 

@@ -1,5 +1,5 @@
-// model/tokenizer_added_tokens.h: finding a tokenizer.json's added tokens in text before it is
-// pre-tokenized (model/tokenizer.h).
+// text/tokenizer_added_tokens.h: finding a tokenizer.json's added tokens in text before it is
+// pre-tokenized (text/tokenizer.h).
 //
 //   AddedTokenMatcher matcher({{"<|im_end|>", 2, false, false, false, /*special=*/true}});
 //   std::vector<AddedSegment> segments;
@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::tokenizer_detail {
 

@@ -1,11 +1,11 @@
-#include "model/tokenizer_bpe.h"
+#include "text/tokenizer_bpe.h"
 
 #include <cstring>
 #include <functional>
 #include <queue>
 
-#include "model/tokenizer_error.h"
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_error.h"
+#include "text/tokenizer_unicode.h"
 
 namespace vlmgraph::tokenizer_detail {
 

@@ -1,4 +1,4 @@
-// model/tokenizer_bpe.h: the BPE model of a byte-level tokenizer.json (model/tokenizer.h): one word
+// text/tokenizer_bpe.h: the BPE model of a byte-level tokenizer.json (text/tokenizer.h): one word
 // (the raw bytes of a pre-token) in, token ids out.
 //
 //   BpeModel bpe(vocab, merges, BpeOptions{});

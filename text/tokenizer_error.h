@@ -1,4 +1,4 @@
-// model/tokenizer_error.h: the error every part of the tokenizer throws (model/tokenizer.h and its
+// text/tokenizer_error.h: the error every part of the tokenizer throws (text/tokenizer.h and its
 // components: tokenizer_bpe.h, tokenizer_pre_tokenizer.h, tokenizer_unicode.h,
 // tokenizer_added_tokens.h), in a header of its own so the components need not include the
 // tokenizer they make up.

@@ -1,4 +1,4 @@
-#include "model/tokenizer_pre_tokenizer.h"
+#include "text/tokenizer_pre_tokenizer.h"
 
 #include <unicode/regex.h>
 #include <unicode/unistr.h>
@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <utility>
 
-#include "model/tokenizer_error.h"
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_error.h"
+#include "text/tokenizer_unicode.h"
 
 namespace vlmgraph::tokenizer_detail {
 

@@ -1,5 +1,5 @@
-// model/tokenizer_pre_tokenizer.h: the pre-tokenizers of tokenizer.json (ByteLevel, Digits,
-// Split), which cut text into the words that BPE encodes one at a time (model/tokenizer.h).
+// text/tokenizer_pre_tokenizer.h: the pre-tokenizers of tokenizer.json (ByteLevel, Digits,
+// Split), which cut text into the words that BPE encodes one at a time (text/tokenizer.h).
 //
 //   auto pre = MakeByteLevel(/*add_prefix_space=*/false, /*use_regex=*/true);
 //   PreTokenizeScratch scratch;

@@ -1,4 +1,4 @@
-#include "model/tokenizer_unicode.h"
+#include "text/tokenizer_unicode.h"
 
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "model/tokenizer_error.h"
+#include "text/tokenizer_error.h"
 
 namespace vlmgraph::tokenizer_detail {
 namespace {

@@ -1,4 +1,4 @@
-// model/tokenizer_unicode.h: the UTF-8 and Unicode pieces of the tokenizer (model/tokenizer.h):
+// text/tokenizer_unicode.h: the UTF-8 and Unicode pieces of the tokenizer (text/tokenizer.h):
 // GPT-2's byte-to-unicode table, UTF-8 validation and lossy decoding, the character classes that
 // tokenizers' Rust code tests (White_Space, \w, numeric) and ICU normalizers.
 //

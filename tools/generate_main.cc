@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "model/image_processor.h"
-#include "model/safetensors.h"
+#include "image/image_processor.h"
+#include "base/safetensors.h"
 #include "server/engine_from_config.h"
 #include "server/flags.h"
 

@@ -1,4 +1,4 @@
-// vlmgraph-tokenize: encodes or decodes with a Hugging Face tokenizer.json (model/tokenizer.h),
+// vlmgraph-tokenize: encodes or decodes with a Hugging Face tokenizer.json (text/tokenizer.h),
 // one JSON value per line, for scripts and for checking against the Python `tokenizers` package.
 //
 //   echo '"Hello world"' | vlmgraph-tokenize tokenizer.json            # [19556,905]
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-"""Chat conversations -> training ids and targets (model/chat_format.h TokenizeForTraining, through
+"""Chat conversations -> training ids and targets (text/chat_format.h TokenizeForTraining, through
 `vlmgraph-train --dump-examples`) against the reference: upstream nanoVLM's masking code
 (data/datasets.py: BaseDataset._get_prefix_len, _prepare_inputs_and_loss_mask, VQADataset._get_labels,
 reproduced below) run with transformers' apply_chat_template and the Hugging Face tokenizer of

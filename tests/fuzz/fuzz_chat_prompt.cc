@@ -1,4 +1,4 @@
-// Fuzz target: chat prompt building (model/chat_format.h: ChatFormat::FromTemplate, Render,
+// Fuzz target: chat prompt building (text/chat_format.h: ChatFormat::FromTemplate, Render,
 // ImageString; server/text_prompt.h: TextModel::BuildChat and BuildText with a tiny tokenizer).
 // Input: FuzzedDataProvider bytes: a chat template (tokenizer_config.json's chat_template, from
 // the checkpoint), then messages (role, text and image parts), image grids and a text prompt.
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "tests/fuzz/fuzz_util.h"

@@ -1,4 +1,4 @@
-// Fuzz target: encoded images (PNG, JPEG) -> pixels -> ViT tiles (model/image_processor.h:
+// Fuzz target: encoded images (PNG, JPEG) -> pixels -> ViT tiles (image/image_processor.h:
 // DetectImageFormat, DecodeImage, TileImage). Input: the file's bytes. Expected error: ImageError.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

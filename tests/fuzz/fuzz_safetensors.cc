@@ -1,4 +1,4 @@
-// Fuzz target: safetensors files (model/safetensors.h: ReadSafetensors), header and data. Input:
+// Fuzz target: safetensors files (base/safetensors.h: ReadSafetensors), header and data. Input:
 // the file's bytes, handed to ReadSafetensors through a memfd (no disk writes). Expected error:
 // SafetensorsError.
 #include <ATen/ATen.h>
@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "model/safetensors.h"
+#include "base/safetensors.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

@@ -1,11 +1,11 @@
-// Fuzz target: loading tokenizer.json (model/tokenizer.h: Tokenizer::FromJson), then encoding and
+// Fuzz target: loading tokenizer.json (text/tokenizer.h: Tokenizer::FromJson), then encoding and
 // decoding a few texts with what loaded. Input: the file's text. Expected error: TokenizerError.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -1,4 +1,4 @@
-// Fuzz target: encoding and decoding untrusted text and ids (model/tokenizer.h: Encode, Decode,
+// Fuzz target: encoding and decoding untrusted text and ids (text/tokenizer.h: Encode, Decode,
 // DecodeStream) with a fixed tokenizer that has every supported component: NFKC normalization,
 // added tokens of each kind (special, single_word, lstrip, rstrip, normalized), a Split regex, Digits
 // and ByteLevel pre-tokenizers, merges and a TemplateProcessing post-processor. Input: one byte of
@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {
@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       try {
         stream.Step(id);
       } catch (const TokenizerError&) {
-        // The stream is unchanged after an unknown id (model/tokenizer.h); keep going.
+        // The stream is unchanged after an unknown id (text/tokenizer.h); keep going.
       }
     }
     stream.Flush();

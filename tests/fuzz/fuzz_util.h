@@ -21,9 +21,9 @@
 #include <string>
 #include <typeinfo>
 
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "model/config.h"
-#include "model/tokenizer.h"
+#include "text/tokenizer.h"
 #include "server/config.h"
 #include "server/text_prompt.h"
 

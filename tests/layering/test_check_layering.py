@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Tests for scripts/check_layering.py: it passes includes that go down a layer and fails one that goes up.
+"""Tests for scripts/check_layering.py: it passes includes that go down a layer and fails one that
+goes up or across to a sibling room (text/ and image/, server/grpc/ and server/openai/).
 
-Each case writes a tiny fake repository (model/, engine/, server/, tests/) into a temporary
-folder and runs the checker on it with --root. CTest runs this as `layering_check_selftest`.
+Each case writes a tiny fake repository (model/, engine/, server/, tests/, and rooms as a case
+needs them) into a temporary folder and runs the checker on it with --root. CTest runs this as `layering_check_selftest`.
 
   tests/layering/test_check_layering.py
 """
@@ -71,6 +72,41 @@ class CheckLayeringTest(unittest.TestCase):
         self.assertEqual(rc, 1, out)
         self.assertIn("model/cuda/kernel.cuh:1: model/cuda/kernel.cuh (layer model) includes server/config.h "
                       "(layer server)", out)
+
+    def test_rooms_below_the_model_and_beside_each_other(self):
+        self.write("base/log.h", "#pragma once\n")
+        self.write("text/tokenizer.h", '#pragma once\n#include "base/log.h"\n#include "model/tensor.h"\n')
+        self.write("image/decode.h", '#pragma once\n#include "model/tensor.h"\n')
+        self.assertEqual(self.check()[0], 0)
+        self.write("base/atomic_file.cc", '#include "model/tensor.h"\n')
+        self.write("image/tiles.cc", '#include "text/tokenizer.h"\n')
+        rc, out = self.check()
+        self.assertEqual(rc, 1, out)
+        self.assertEqual(out.splitlines(), [
+            "base/atomic_file.cc:1: base/atomic_file.cc (layer base) includes model/tensor.h (layer model)",
+            "image/tiles.cc:1: image/tiles.cc (layer image) includes text/tokenizer.h (layer text)"])
+
+    def test_server_rooms(self):
+        # config < http < the serving core < grpc, openai < main.cc; the APIs stay apart.
+        self.write("server/config/listen_address.h", "#pragma once\n")
+        self.write("server/http/http_server.h", '#pragma once\n#include "server/config/listen_address.h"\n')
+        self.write("server/scheduler.h", '#pragma once\n#include "server/http/http_server.h"\n')
+        self.write("server/grpc/service.h", '#pragma once\n#include "server/scheduler.h"\n')
+        self.write("server/openai/openai_http.h", '#pragma once\n#include "server/scheduler.h"\n')
+        self.write("server/main.cc", '#include "server/grpc/service.h"\n#include "server/openai/openai_http.h"\n')
+        self.assertEqual(self.check()[0], 0, self.check()[1])
+        self.write("server/config/flags.cc", '#include "server/scheduler.h"\n')
+        self.write("server/generation.cc", '#include "server/grpc/service.h"\n')
+        self.write("server/openai/errors.cc", '#include "server/grpc/service.h"\n')
+        rc, out = self.check()
+        self.assertEqual(rc, 1, out)
+        self.assertEqual(sorted(out.splitlines()), [
+            "server/config/flags.cc:1: server/config/flags.cc (layer server/config) includes server/scheduler.h "
+            "(layer server)",
+            "server/generation.cc:1: server/generation.cc (layer server) includes server/grpc/service.h "
+            "(layer server/grpc)",
+            "server/openai/errors.cc:1: server/openai/errors.cc (layer server/openai) includes "
+            "server/grpc/service.h (layer server/grpc)"])
 
     def test_root_without_layers_is_an_error(self):
         empty = tempfile.mkdtemp(prefix="layering-empty-")

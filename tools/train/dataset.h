@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "engine/trainer.h"
-#include "model/chat_format.h"
+#include "text/chat_format.h"
 #include "model/config.h"
-#include "model/image_processor.h"
+#include "image/image_processor.h"
 #include "server/text_prompt.h"
 
 namespace vlmgraph::train {

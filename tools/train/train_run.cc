@@ -17,7 +17,7 @@
 
 #include "engine/data_parallel.h"
 #include "engine/trainer.h"
-#include "model/atomic_file.h"
+#include "base/atomic_file.h"
 #include "model/checkpoint.h"
 #include "server/engine_from_config.h"
 #include "server/text_prompt.h"
