@@ -698,9 +698,10 @@ std::vector<ConfigKey> BuildKeys() {
           .Doc("A Train job on a server with several engines (data_parallel_size) runs on every "
                "serving engine as data-parallel ranks in this process (docs/deployment.md): the "
                "ranks' rendezvous, each collective (the gradient all-reduce of every step) and "
-               "their heartbeats wait at most this long for the slowest engine. A rank that fails "
-               "ends the job on every rank at once (CPU) or, at the latest, after this long; the "
-               "engines keep serving.")
+               "their heartbeats wait at most this long for the slowest engine. On the CPU (gloo) "
+               "a rank that fails ends the job on every rank at once or, at the latest, after "
+               "this long, and the engines keep serving; on CUDA (NCCL) a collective whose peer "
+               "failed cannot be cancelled (docs/deployment.md).")
           .Default(60)
           .Range(1, 86400),
       Key("train.publish_gate", &SC::train, &SC::Train::publish_gate)

@@ -41,8 +41,9 @@
 //   died or timed out, INTERNAL for a bug, INVALID_ARGUMENT for a bad batch), its message naming
 //   the rank and its device. The engines keep serving and the next job creates its ranks afresh.
 //   On CUDA a collective whose peer never joins cannot be cancelled (Note [A rank that dies] in
-//   engine/trainer.cc): the NCCL group's watchdogs end the process after the timeout, as they end
-//   a vlmgraph-train rank, and the container's restart policy brings the server back.
+//   engine/trainer.cc): the other ranks' steps fail after the timeout, and their engines may stay
+//   blocked behind the collective on the device, or the NCCL heartbeat ends the process (status
+//   3), until the container's restart policy restarts it (not yet measured on GPUs).
 // - Ending: every rank leaves the group (stops its heartbeats) before any is destroyed, so rank 0
 //   taking the store with it is not taken for a lost peer.
 // With one serving engine there is no group and everything runs as a one-engine job.

@@ -210,6 +210,7 @@ ServerConfig NonDefaultConfig() {
   c.limits.max_request_bytes = 5000;
   c.train.checkpoint_dir = "ckpt";
   c.train.idle_timeout_seconds = 1.5;
+  c.train.data_parallel_timeout_seconds = 45;
   c.train.publish_gate = false;
   c.train.publish_gate_prompts_file = "/held-out.txt";
   c.train.publish_gate_max_loss_increase = 2.5;
