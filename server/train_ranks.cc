@@ -191,13 +191,20 @@ void TrainRanks::EndAll() noexcept {
     EndRank(0, /*leave_only=*/false);
     return;
   }
-  for (bool leave_only : {true, false}) {
-    std::vector<std::thread> threads;
-    for (size_t r = 0; r < n; ++r) {
-      if (!ranks_[r].job && !ranks_[r].group) continue;
-      threads.emplace_back([this, r, leave_only] { EndRank(r, leave_only); });
-    }
-    for (auto& t : threads) t.join();
+  LeaveAll();
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < n; ++r) {
+    if (!ranks_[r].job && !ranks_[r].group) continue;
+    threads.emplace_back([this, r] { EndRank(r, /*leave_only=*/false); });
+  }
+  for (auto& t : threads) t.join();
+}
+
+void TrainRanks::LeaveAll() noexcept {
+  // No rank's work runs now (every call waits for all of its ranks), so this thread may stop
+  // the groups' heartbeat and watchdog threads (collectives are not touched).
+  for (Rank& rank : ranks_) {
+    if (rank.group) rank.group->Leave();
   }
 }
 
@@ -241,6 +248,9 @@ void TrainRanks::OnEveryRank(const std::string& rpc,
   }
   for (auto& t : threads) t.join();
   if (first) {
+    // The job is over: no rank may take the ones ended above for lost peers meanwhile (an NCCL
+    // rank would end the process), e.g. during the job's final autosave.
+    LeaveAll();
     LogError("Train job: rank " + std::to_string(*first) + " failed: " +
              LogSafe(WhatOf(errors[*first]), 512) + "; ending the job on every rank");
     throw RankError(errors[*first], *first, n, ranks_[*first].device);

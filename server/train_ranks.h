@@ -45,7 +45,8 @@
 //   blocked behind the collective on the device, or the NCCL heartbeat ends the process (status
 //   3), until the container's restart policy restarts it (not yet measured on GPUs).
 // - Ending: every rank leaves the group (stops its heartbeats) before any is destroyed, so rank 0
-//   taking the store with it is not taken for a lost peer.
+//   taking the store with it is not taken for a lost peer; after a failure they all leave at once,
+//   so the job's final autosave cannot be taken for a hang.
 // With one serving engine there is no group and everything runs as a one-engine job.
 //
 // Thread rules: one thread (the Train handler) drives a TrainRanks; it queues work on the engines'
@@ -121,6 +122,8 @@ class TrainRanks {
   void EndRank(size_t r, bool leave_only);
   // Every rank: leave, then destroy (see ~TrainRanks).
   void EndAll() noexcept;
+  // Every rank leaves its group (heartbeats and watchdog stop); from this thread, between calls.
+  void LeaveAll() noexcept;
 
   EngineRouter& router_;
   // The job trains the language model, which learns from every token (else only examples with
