@@ -44,10 +44,10 @@ std::string WhatOf(std::exception_ptr error) {
 ServerError RankError(std::exception_ptr error, size_t rank, size_t ranks,
                       const std::string& device) {
   const grpc::Status status = StatusFromException(error);
-  return ServerError(status.error_code(),
-                     "training rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
-                         " (engine on " + device + "): " + status.error_message() +
-                         "; the job ended on every rank");
+  return ServerError(status.error_code(), "training rank " + std::to_string(rank) + " of " +
+                                              std::to_string(ranks) + " (engine on " + device +
+                                              "): " + status.error_message() +
+                                              "; the job ended on every rank");
 }
 
 }  // namespace
@@ -85,13 +85,13 @@ TrainRanks::TrainRanks(EngineRouter& router, const TrainJobOptions& options, Met
   const bool cuda = at::Device(ranks_[0].device).is_cuda();
   const std::string backend = cuda ? "nccl" : "gloo";
   if (!DataParallelGroup::BackendAvailable(backend)) {
-    throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                      "this server trains on its " + std::to_string(n) +
-                          " engines as data-parallel ranks, and its build has no " + backend +
-                          " backend (" +
-                          (cuda ? std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")
-                                : std::string("install Debian's libgloo-dev and rebuild")) +
-                          ")");
+    throw ServerError(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        "this server trains on its " + std::to_string(n) +
+            " engines as data-parallel ranks, and its build has no " + backend + " backend (" +
+            (cuda ? std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")
+                  : std::string("install Debian's libgloo-dev and rebuild")) +
+            ")");
   }
   const std::string group_name = NextGroupName();
   // Rank 0 serves the store on a port of the kernel's choice; the others are queued once it is
@@ -155,15 +155,13 @@ TrainRanks::TrainRanks(EngineRouter& router, const TrainJobOptions& options, Met
     EndAll();
     throw RankError(errors[*first], *first, n, ranks_[*first].device);
   }
-  LogInfo("Train job runs on " + std::to_string(n) + " engines as data-parallel ranks (" +
-          backend + ", group " + group_name + ")");
+  LogInfo("Train job runs on " + std::to_string(n) + " engines as data-parallel ranks (" + backend +
+          ", group " + group_name + ")");
 }
 
 TrainRanks::~TrainRanks() { EndAll(); }
 
-int64_t TrainRanks::steps() const {
-  return ranks_[0].job ? ranks_[0].job->steps() : 0;
-}
+int64_t TrainRanks::steps() const { return ranks_[0].job ? ranks_[0].job->steps() : 0; }
 
 void TrainRanks::EndRank(size_t r, bool leave_only) {
   Rank& rank = ranks_[r];
@@ -251,8 +249,8 @@ void TrainRanks::OnEveryRank(const std::string& rpc,
     // The job is over: no rank may take the ones ended above for lost peers meanwhile (an NCCL
     // rank would end the process), e.g. during the job's final autosave.
     LeaveAll();
-    LogError("Train job: rank " + std::to_string(*first) + " failed: " +
-             LogSafe(WhatOf(errors[*first]), 512) + "; ending the job on every rank");
+    LogError("Train job: rank " + std::to_string(*first) +
+             " failed: " + LogSafe(WhatOf(errors[*first]), 512) + "; ending the job on every rank");
     throw RankError(errors[*first], *first, n, ranks_[*first].device);
   }
 }
@@ -291,9 +289,9 @@ TrainStepResult TrainRanks::Step(std::vector<TrainExample> batch, Clock::time_po
                             " engines (data_parallel_size), each on a contiguous share of "
                             "ceil(examples / " +
                             std::to_string(n) + ") examples, and a batch of " +
-                            std::to_string(examples) +
-                            " leaves an engine none: send at least " + std::to_string(n) +
-                            " examples (a multiple of " + std::to_string(n) + " always works)");
+                            std::to_string(examples) + " leaves an engine none: send at least " +
+                            std::to_string(n) + " examples (a multiple of " + std::to_string(n) +
+                            " always works)");
     }
   }
   std::vector<TrainStepResult> results(n);
@@ -330,8 +328,7 @@ TrainStepResult TrainRanks::Step(std::vector<TrainExample> batch, Clock::time_po
   return out;
 }
 
-void TrainRanks::OnFirstRank(const std::string& rpc,
-                             const std::function<void(TrainBackend&)>& work,
+void TrainRanks::OnFirstRank(const std::string& rpc, const std::function<void(TrainBackend&)>& work,
                              Clock::time_point received, Scheduler::Admission admission) {
   Rank& rank = ranks_[0];
   rank.scheduler->RunOnGpuThread(

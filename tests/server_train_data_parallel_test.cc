@@ -42,7 +42,9 @@ constexpr const char* kInjectedFault = "injected training fault";
 class TrainFaultInjector : public EngineObserver {
  public:
   explicit TrainFaultInjector(EngineMetrics* metrics) : metrics_(metrics) {}
-  void OnCapture(const BucketKey& key, double seconds) override { metrics_->OnCapture(key, seconds); }
+  void OnCapture(const BucketKey& key, double seconds) override {
+    metrics_->OnCapture(key, seconds);
+  }
   void OnStep(const BucketKey& key, bool graphed, double seconds) override {
     metrics_->OnStep(key, graphed, seconds);
     if (key.region == Region::kTrain) ++train_steps;
@@ -240,8 +242,7 @@ JobRun RunJob(v1::VlmGraph::Stub& stub, int steps, bool publish,
   while (stream->Read(&rest)) {
   }
   run.status = stream->Finish();
-  run.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return run;
 }
 
@@ -260,8 +261,8 @@ double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   return worst;
 }
 
-#define SKIP_WITHOUT_GLOO()                                                       \
-  do {                                                                            \
+#define SKIP_WITHOUT_GLOO()                                                      \
+  do {                                                                           \
     if (!DataParallelGroup::BackendAvailable("gloo")) GTEST_SKIP() << "no gloo"; \
   } while (0)
 
@@ -315,7 +316,8 @@ TEST(ServerTrainDataParallel, PublishAndRollbackChangeEveryEngineAndServingGoesO
   for (size_t i = 0; i < 2; ++i) server.injector(i).step_delay_ms = 3;
   std::vector<std::future<std::pair<grpc::Status, int64_t>>> generations;
   for (int i = 0; i < 4; ++i) {
-    generations.push_back(std::async(std::launch::async, [&server] { return server.Generate(48); }));
+    generations.push_back(
+        std::async(std::launch::async, [&server] { return server.Generate(48); }));
   }
   const JobRun job = RunJob(server.stub(), 4, /*publish=*/true);
   ASSERT_TRUE(job.status.ok()) << job.status.error_message();
