@@ -244,6 +244,8 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
     so.waitWorkers = false;  // the backend's rendezvous below waits for every rank
     so.timeout = Millis(options.timeout_seconds);
     group->state_->tcp_store = c10::make_intrusive<c10d::TCPStore>(options.store_host, so);
+    if (so.isServer && options.on_store_serving)
+      options.on_store_serving(group->state_->tcp_store->getPort());
     auto store =
         c10::make_intrusive<c10d::PrefixStore>(options.group_name, group->state_->tcp_store);
     const int rank = static_cast<int>(options.rank), size = static_cast<int>(options.world_size);

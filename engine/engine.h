@@ -167,6 +167,7 @@ class Engine {
   EngineCounters Counters() const;
   MemoryStats Memory() const;
   void SetObserver(EngineObserver* observer);  // before Warmup; nullptr = none
+  EngineObserver* observer() const { return observer_; }  // SetObserver's, or nullptr
   const VlmConfig& model_config() const { return model_->cfg; }
   const EngineOptions& options() const { return options_; }
   bool graphs_enabled() const;

@@ -133,6 +133,9 @@ struct ServerConfig {
     // A Train stream that sends nothing for this long is cancelled (counted as DEADLINE_EXCEEDED);
     // 0 = never.
     double idle_timeout_seconds = 0;
+    // A job on several engines (server/train_ranks.h): rendezvous, every collective and the
+    // ranks' heartbeats, seconds.
+    double data_parallel_timeout_seconds = 0;
     // The publish gate (server/publish_gate.h): a Train job's weights are scored on held-out
     // prompts before they replace the served weights.
     bool publish_gate{};

@@ -410,9 +410,11 @@ std::vector<ConfigKey> BuildKeys() {
                "thread. 0 = every CUDA device from `device` on. Each request goes to the "
                "least-loaded engine (running + waiting); an engine whose GPU fails fails only its "
                "own requests (UNAVAILABLE / 503) and the others keep serving. On cpu N engines "
-               "share the CPU (tests). max_queue_size is per engine. The Train RPC and "
-               "checkpoint saves run on the first engine, and publishing is refused with more "
-               "than one.")
+               "share the CPU (tests). max_queue_size is per engine. A Train job runs on every "
+               "serving engine as data-parallel ranks (each engine trains on its share of every "
+               "batch and keeps serving between the pieces of a step; "
+               "train.data_parallel_timeout_seconds), and a publish or rollback changes every "
+               "engine.")
           .Default(1)
           .AtLeast(0),
       Key("model_stop_token_ids", &SC::model_stop_token_ids)
@@ -691,6 +693,17 @@ std::vector<ConfigKey> BuildKeys() {
                "(counted as DEADLINE_EXCEEDED), which frees the one-job slot; 0 = never.")
           .Default(600)
           .Range(0, 86400),
+      Key("train.data_parallel_timeout_seconds", &SC::train,
+          &SC::Train::data_parallel_timeout_seconds)
+          .Doc("A Train job on a server with several engines (data_parallel_size) runs on every "
+               "serving engine as data-parallel ranks in this process (docs/deployment.md): the "
+               "ranks' rendezvous, each collective (the gradient all-reduce of every step) and "
+               "their heartbeats wait at most this long for the slowest engine. On the CPU (gloo) "
+               "a rank that fails ends the job on every rank at once or, at the latest, after "
+               "this long, and the engines keep serving; on CUDA (NCCL) a collective whose peer "
+               "failed cannot be cancelled (docs/deployment.md).")
+          .Default(60)
+          .Range(1, 86400),
       Key("train.publish_gate", &SC::train, &SC::Train::publish_gate)
           .Doc("Score a Train job's weights on held-out prompts before they replace the served "
                "weights (a publish request or publish_on_end), and refuse them "

@@ -24,8 +24,8 @@
 // UNAVAILABLE naming each device's error. A submission refused by a scheduler that failed
 // between the pick and the submission is tried on the next serving engine.
 //
-// The Train RPC, checkpoint saves and weights publishing run on the first engine
-// (scheduler(0)); with several engines, publishing is refused (server/weights_publisher.h).
+// A Train job runs on every serving engine, one data-parallel rank per engine
+// (server/train_ranks.h); a publish or rollback changes every engine (server/weights_publisher.h).
 //
 // Thread rules: the constructor, Start, StopAccepting and Stop from the owning (main) thread; Start
 // every engine before requests arrive. Pick, RunOnGpuThread, States, serving_engines, engine() and
@@ -81,7 +81,7 @@ class EngineRouter {
   void Start(size_t i, const Scheduler::EngineStartup& make_engine);
 
   // The first engine: for Validate and the model's accessors (thread-safe, the same for every
-  // engine), and for the Train RPC. Valid from its Start until Stop, also after its device failed
+  // engine). Valid from its Start until Stop, also after its device failed
   // (a failed engine is never destroyed: Note [Device faults], server/scheduler.h).
   Engine& engine() const { return *engines_.front(); }
 

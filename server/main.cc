@@ -127,8 +127,10 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   LogInfo(gate.options().enabled
               ? "publish gate: " + std::to_string(gate.prompts()) + " held-out prompts"
               : "publish gate: off (train.publish_gate: false)");
-  WeightsPublisher publisher(&router.scheduler(0), &gate, &metrics,
-                             static_cast<int64_t>(router.size()));
+  // A publish (and a rollback) changes every engine (Note [Publishing on several engines]).
+  std::vector<Scheduler*> schedulers;
+  for (size_t i = 0; i < router.size(); ++i) schedulers.push_back(&router.scheduler(i));
+  WeightsPublisher publisher(std::move(schedulers), &gate, &metrics);
   VlmGraphService service(&router, &metrics, config, text.get(), &keys, &publisher);
   GrpcServer grpc_server(config, &service);
   grpc_server.SetServing(true);

@@ -3,8 +3,8 @@
 // Handlers run on gRPC's synchronous-server threads: they convert and check requests
 // (server/convert.h, Engine::Validate) on their own thread, hand the work to the Scheduler's GPU
 // thread of the engine the router picks (server/engine_router.h: Generate and Forward go to the
-// least-loaded engine; Train, saves and publishing run on the first engine), and stream results
-// back. Every handler body runs inside RpcGuard, the one place where exceptions become
+// least-loaded engine; a Train job runs on every serving engine, server/train_ranks.h), and
+// stream results back. Every handler body runs inside RpcGuard, the one place where exceptions become
 // grpc::Status and where vlmgraph_requests_total / request_duration_seconds are recorded.
 //
 //   VlmGraphService service(&router, &metrics, config, text_model.get());
@@ -87,8 +87,8 @@ class VlmGraphService final : public v1::VlmGraph::Service {
                 grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream);
 
   EngineRouter* router_;
-  Engine* engine_;        // the first engine: Validate, the model's accessors, Train
-  Scheduler* scheduler_;  // the first engine's: the Train RPC (server/train_rpc.cc)
+  Engine* engine_;        // the first engine: Validate and the model's accessors
+  Scheduler* scheduler_;  // the first engine's
   Metrics* metrics_;
   const ServerConfig config_;
   const TextModel* text_;

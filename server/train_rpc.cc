@@ -1,6 +1,8 @@
 // The Train RPC of VlmGraphService (server/service.h): one training job per stream, its steps
-// and saves run on the scheduler's GPU thread by a TrainBackend on the engine's Trainer
-// (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT.
+// and saves run on the engines' GPU threads by TrainBackends on the engines' Trainers
+// (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT. A
+// server with several engines trains on every one of them, as data-parallel ranks of one job
+// (server/train_ranks.h, Note [In-process ranks]).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -11,13 +13,13 @@
 #include <system_error>
 #include <thread>
 
-#include "engine/device.h"
 #include "model/checkpoint.h"
 #include "base/log.h"
 #include "base/safetensors.h"
 #include "server/graphed_trainer.h"
 #include "server/service.h"
 #include "server/status.h"
+#include "server/train_ranks.h"
 #include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
@@ -290,29 +292,10 @@ void VlmGraphService::RunTrain(
         config_.train.checkpoint_dir, message.config().resume_from(), "config.resume_from");
   }
 
-  // The job lives on the GPU thread: created, stepped and destroyed there.
-  std::unique_ptr<TrainBackend> job;
-  scheduler_->RunOnGpuThread(
-      "Train", [&](Engine& engine) { job = MakeTrainBackend(engine, options, metrics_); });
-  struct Destroy {
-    Scheduler* scheduler;
-    std::unique_ptr<TrainBackend>* job;
-    ~Destroy() {
-      try {
-        scheduler->RunOnGpuThread(
-            "Train",
-            [this](Engine& engine) {
-              job->reset();
-              // The job's graphs, weights and optimizer state are gone: give their cached
-              // device, pinned and heap memory back (engine/device.h).
-              ReleaseCachedMemory(engine.options().device);
-            },
-            Clock::now(), Scheduler::Admission::kCleanup);
-      } catch (...) {
-        job->reset();  // the GPU thread has stopped: nothing else touches the model now
-      }
-    }
-  } destroy{scheduler_, &job};
+  // The job lives on the GPU threads: one rank per serving engine, each created, stepped and
+  // destroyed on its engine's GPU thread (server/train_ranks.h, Note [In-process ranks]).
+  std::unique_ptr<TrainRanks> job = std::make_unique<TrainRanks>(
+      *router_, options, metrics_, config_.train.data_parallel_timeout_seconds);
   LogInfo("Train job started by " + context->peer() +
           (options.resume_from.empty()
                ? ""
@@ -322,11 +305,11 @@ void VlmGraphService::RunTrain(
   auto save = [&](const std::string& dir, Clock::time_point received,
                   Scheduler::Admission admission) {
     int64_t steps = 0;
-    scheduler_->RunOnGpuThread(
+    job->OnFirstRank(
         "Train",
-        [&](Engine&) {
+        [&](TrainBackend& rank) {
           try {
-            job->Save(dir);
+            rank.Save(dir);
           } catch (const std::system_error& e) {  // std::filesystem_error included
             throw SaveFailed(dir, e.what());
           } catch (const CheckpointError& e) {
@@ -334,26 +317,20 @@ void VlmGraphService::RunTrain(
           } catch (const SafetensorsError& e) {
             throw SaveFailed(dir, e.what());
           }
-          steps = job->steps();
+          steps = rank.steps();
         },
         received, admission);
     return steps;
   };
-  // Publishes run on the GPU thread, through the publish gate (server/weights_publisher.h).
+  // Publishes run on the GPU threads, through the publish gate: each rank's weights into its own
+  // engine (server/weights_publisher.h, Note [Publishing on several engines]).
   auto publish = [&](Clock::time_point received, v1::WeightsPublished* out) {
     if (publisher_ == nullptr) {
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
                         "this server cannot publish weights (no publisher is set up)");
     }
-    PublishReport report;
-    int64_t steps = 0;
-    scheduler_->RunOnGpuThread(
-        "Train",
-        [&](Engine& engine) {
-          report = publisher_->Publish(engine, job->weights());
-          steps = job->steps();
-        },
-        received, Scheduler::Admission::kInFlight);
+    const PublishReport report = publisher_->Publish(job->Weights(), "Train", received);
+    const int64_t steps = job->steps();
     out->set_step(steps);
     out->set_seconds(SecondsSince(received));
     if (report.gated) {
@@ -407,24 +384,10 @@ void VlmGraphService::RunTrain(
         std::vector<TrainExample> batch =
             ToTrainBatch(message.batch(), engine_->model_config(), config_.limits,
                          engine_->max_context(), text_);
-        TrainStepResult stats;
+        // Each rank's shard in pieces, one micro-batch per piece: the GPU threads decode between
+        // them (Note [Interleaving bound] in server/scheduler.h).
         double queue_seconds = 0;
-        bool begun = false;
-        // One micro-batch per piece: the GPU thread decodes between them (Note [Interleaving
-        // bound] in server/scheduler.h).
-        scheduler_->RunPiecesOnGpuThread(
-            "Train",
-            [&](Engine&) {
-              if (!begun) {
-                begun = true;
-                queue_seconds = SecondsSince(received);
-                job->BeginStep(std::move(batch));
-              }
-              if (!job->RunNextMicroBatch()) return false;
-              stats = job->StepResult();
-              return true;
-            },
-            received, Scheduler::Admission::kInFlight);
+        const TrainStepResult stats = job->Step(std::move(batch), received, &queue_seconds);
         const double learning_rate = LanguageLearningRate(stats);
         metrics_->ObserveTrainStep(stats.target_tokens, stats.loss, learning_rate, stats.skipped);
         consecutive_skips = stats.skipped ? consecutive_skips + 1 : 0;

@@ -91,8 +91,9 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
                default_max_new_tokens, max_logits_positions, max_train_batch_examples,
                max_train_batch_tokens, max_request_bytes] = limits;
-  const auto& [checkpoint_dir, idle_timeout_seconds, publish_gate, publish_gate_prompts_file,
-               publish_gate_max_loss_increase, publish_gate_max_abs_weight] = train;
+  const auto& [checkpoint_dir, idle_timeout_seconds, data_parallel_timeout_seconds, publish_gate,
+               publish_gate_prompts_file, publish_gate_max_loss_increase,
+               publish_gate_max_abs_weight] = train;
   return {Text(model),
           Text(seed),
           Text(dtype),
@@ -145,6 +146,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(max_request_bytes),
           Text(checkpoint_dir),
           Text(idle_timeout_seconds),
+          Text(data_parallel_timeout_seconds),
           Text(publish_gate),
           Text(publish_gate_prompts_file),
           Text(publish_gate_max_loss_increase),
@@ -208,6 +210,7 @@ ServerConfig NonDefaultConfig() {
   c.limits.max_request_bytes = 5000;
   c.train.checkpoint_dir = "ckpt";
   c.train.idle_timeout_seconds = 1.5;
+  c.train.data_parallel_timeout_seconds = 45;
   c.train.publish_gate = false;
   c.train.publish_gate_prompts_file = "/held-out.txt";
   c.train.publish_gate_max_loss_increase = 2.5;
