@@ -54,9 +54,8 @@ std::shared_ptr<VlmGraphService::GenerateThreads> VlmGraphService::StartGenerate
 // through a shared_ptr, the GPU thread's notification through a weak_ptr. Everything below the
 // mutex is touched under it only, and nothing touches the gRPC call once it ended (Finish called):
 // then OnDone may free the context and the request.
-class VlmGraphService::GenerateCall final
-    : public grpc::ServerWriteReactor<v1::GenerateResponse>,
-      public std::enable_shared_from_this<GenerateCall> {
+class VlmGraphService::GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                            public std::enable_shared_from_this<GenerateCall> {
  public:
   GenerateCall(VlmGraphService* service, grpc::CallbackServerContext* context,
                const v1::GenerateRequest* request)
@@ -139,9 +138,8 @@ class VlmGraphService::GenerateCall final
       const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
       if (LogEnabled(LogLevel::kDebug)) {
         LogDebug("Generate " + LogSafe(request_->request_id()) + " from " + context_->peer() +
-                 ": " + std::to_string(prompt_tokens) + " prompt tokens, " +
-                 std::to_string(tiles) + " tiles, max_new_tokens " +
-                 std::to_string(request->sampling.max_new_tokens));
+                 ": " + std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
+                 " tiles, max_new_tokens " + std::to_string(request->sampling.max_new_tokens));
       }
       std::unique_ptr<TextStream> text;
       if (service_->text_) {
@@ -158,12 +156,12 @@ class VlmGraphService::GenerateCall final
             ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client"));
       } else {
         // The GPU thread only posts a drain; the call may have ended by the time it runs.
-        std::weak_ptr<GenerateCall> weak = weak_from_this();
-        session_ = std::make_unique<GenerationSession>(
-            *service_->router_, service_->metrics_, std::move(request), accepted_, text_.get(),
-            [weak] {
-              if (auto s = weak.lock()) s->ScheduleDrain();
-            });
+        auto on_update = [weak = weak_from_this()] {
+          if (auto s = weak.lock()) s->ScheduleDrain();
+        };
+        session_ = std::make_unique<GenerationSession>(*service_->router_, service_->metrics_,
+                                                       std::move(request), accepted_, text_.get(),
+                                                       on_update);
         phase_ = Phase::kRunning;
       }
     } catch (...) {
@@ -226,8 +224,7 @@ class VlmGraphService::GenerateCall final
     const GenerationOutcome& r = outcome_;
     writing_.Clear();
     v1::GenerateSummary* s = writing_.mutable_summary();
-    s->set_finish_reason(r.stop_string_matched ? v1::FINISH_REASON_STOP_STRING
-                                               : ToProto(r.reason));
+    s->set_finish_reason(r.stop_string_matched ? v1::FINISH_REASON_STOP_STRING : ToProto(r.reason));
     s->set_prompt_tokens(prompt_tokens_);
     s->set_image_tiles(tiles_);
     s->set_generated_tokens(r.generated_tokens);

@@ -63,7 +63,8 @@
 
 namespace vlmgraph::server {
 
-class VlmGraphService final : public v1::VlmGraph::WithCallbackMethod_Generate<v1::VlmGraph::Service> {
+class VlmGraphService final
+    : public v1::VlmGraph::WithCallbackMethod_Generate<v1::VlmGraph::Service> {
  public:
   // Threads that convert and validate Generate requests (Note [Generate on the callback API]).
   static constexpr int kPrepareThreads = 4;

@@ -43,7 +43,9 @@ constexpr int kServerThreads = 4;
 class DecodeGate : public EngineObserver {
  public:
   explicit DecodeGate(EngineMetrics* metrics) : metrics_(metrics) {}
-  void OnCapture(const BucketKey& key, double seconds) override { metrics_->OnCapture(key, seconds); }
+  void OnCapture(const BucketKey& key, double seconds) override {
+    metrics_->OnCapture(key, seconds);
+  }
   void OnStep(const BucketKey& key, bool graphed, double seconds) override {
     metrics_->OnStep(key, graphed, seconds);
     if (key.region != Region::kDecode) return;
@@ -59,7 +61,9 @@ class DecodeGate : public EngineObserver {
   void OnTokens(Region region, int64_t real, int64_t padded) override {
     metrics_->OnTokens(region, real, padded);
   }
-  void OnBatch(Region region, int64_t real_batch) override { metrics_->OnBatch(region, real_batch); }
+  void OnBatch(Region region, int64_t real_batch) override {
+    metrics_->OnBatch(region, real_batch);
+  }
 
   void Set(bool open) {
     {
@@ -197,8 +201,7 @@ TEST_F(GrpcServiceTest, GenerateStreamsInFlightAtOnceNeedNoThreadEach) {
   gate_->Set(false);
   std::vector<std::future<StreamResult>> calls;
   for (int i = 0; i < kStreams; ++i) {
-    calls.push_back(
-        std::async(std::launch::async, [this, i] { return Generate(i, kNewTokens); }));
+    calls.push_back(std::async(std::launch::async, [this, i] { return Generate(i, kNewTokens); }));
   }
   // Every stream is accepted and waits for its tokens while the GPU thread is held, although the
   // server has 4 threads: a stream that held one would leave the others waiting for it.
