@@ -3,7 +3,8 @@
 // VlmGraphService on a gRPC server built with at most 4 threads for synchronous calls. Generate
 // streams hold no thread while they wait for their tokens, so 32 of them are in flight at once
 // and all complete; a cancelled stream ends (counted CANCELLED) while the GPU thread is still
-// busy, and its sequence is freed.
+// busy, and its sequence is freed; the shutdown's cancel ends a stream the same way (counted
+// UNAVAILABLE, cut by the shutdown deadline).
 #include <grpcpp/create_channel.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/resource_quota.h>
@@ -95,7 +96,8 @@ bool WaitFor(const std::function<bool()>& done, milliseconds timeout) {
   return true;
 }
 
-// The value of the series `name{...}` whose labels include every one of `labels` (-1: none).
+// The value of the series `name{...}` whose labels include every one of `labels` (0: none, as a
+// counter that never counted).
 double MetricValue(const std::string& text, const std::string& name,
                    const std::vector<std::string>& labels) {
   std::istringstream lines(text);
@@ -105,7 +107,7 @@ double MetricValue(const std::string& text, const std::string& name,
     for (const std::string& l : labels) all = all && line.find(l) != std::string::npos;
     if (all) return std::stod(line.substr(line.rfind(' ') + 1));
   }
-  return -1;
+  return 0;
 }
 
 struct StreamResult {
@@ -255,6 +257,31 @@ TEST_F(GrpcServiceTest, ACancelledStreamEndsWhileTheGpuThreadIsBusy) {
   const StreamResult next = Generate(2, 4);
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
   EXPECT_EQ(next.tokens, 4);
+}
+
+TEST_F(GrpcServiceTest, ShutdownCutsAStreamWhoseEngineIsBusy) {
+  gate_->Set(false);
+  auto call = std::async(std::launch::async, [this] { return Generate(1, 8); });
+  ASSERT_TRUE(WaitFor([&] { return gate_->holding(); }, seconds(30)));
+  // Note [Graceful shutdown]: the drain is over; gRPC cancels what still runs. The stream ends at
+  // once, although its engine still holds the GPU thread, so Shutdown returns.
+  service_->SetShutdownDeadline(Clock::now());
+  const auto start = std::chrono::steady_clock::now();
+  server_->Shutdown(std::chrono::system_clock::now());
+  server_->Wait();
+  server_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(10));
+  EXPECT_TRUE(gate_->holding());
+  EXPECT_FALSE(call.get().status.ok());
+  EXPECT_EQ(service_->in_flight(), 0);
+  // Recorded as cut by the shutdown deadline, not as cancelled by its client.
+  const std::string metrics = metrics_.Render();
+  EXPECT_EQ(
+      MetricValue(metrics, "vlmgraph_requests_total", {"rpc=\"Generate\"", "code=\"UNAVAILABLE\""}),
+      1);
+  EXPECT_EQ(
+      MetricValue(metrics, "vlmgraph_requests_total", {"rpc=\"Generate\"", "code=\"CANCELLED\""}),
+      0);
 }
 
 TEST_F(GrpcServiceTest, InvalidGenerateRequestIsRefusedFromThePrepareThread) {
