@@ -1,7 +1,8 @@
 // server/convert.h: protobuf requests -> engine requests (the gRPC API's parsing).
 //
-// Runs on the RPC handler's thread, before a request is queued, so bad input is refused at once
-// and image decoding runs in parallel across requests. Checks here are only the ones the engine
+// Runs before a request is queued (on a synchronous handler's thread, or a Generate prepare
+// thread: server/service.h), so bad input is refused at once and image decoding runs in parallel
+// across requests. Checks here are only the ones the engine
 // cannot make: the proto's shapes (one prompt form, set fields), images (bytes, format, pixels,
 // tiles from their headers before decoding), stop strings, text length before tokenizing, and
 // the Forward and Train limits. Whether a generation or scoring request is valid (ids, image

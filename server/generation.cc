@@ -2,8 +2,6 @@
 
 #include <exception>
 
-#include "server/status.h"
-
 namespace vlmgraph::server {
 namespace {
 
@@ -107,24 +105,6 @@ GenerationSession::Taken GenerationSession::Take(std::chrono::milliseconds timeo
     taken.outcome = out_;
   }
   return taken;
-}
-
-GenerationOutcome RunGeneration(EngineRouter& router, Metrics* metrics, ValidatedRequest request,
-                                Clock::time_point accepted, TextStream* text,
-                                const std::function<bool(const GenerationDelta&)>& write,
-                                const std::function<bool()>& is_cancelled) {
-  GenerationSession session(router, metrics, std::move(request), accepted, text, nullptr);
-  while (true) {
-    GenerationSession::Taken t = session.Take(kGenerationPollInterval);
-    for (const GenerationDelta& d : t.deltas) {
-      if (!write(d)) throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
-    }
-    if (t.finished) {
-      if (t.error) std::rethrow_exception(t.error);
-      return t.outcome;
-    }
-    if (is_cancelled()) throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
-  }
 }
 
 }  // namespace vlmgraph::server

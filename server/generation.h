@@ -2,27 +2,16 @@
 // every API (gRPC Generate, OpenAI chat and text completions). The transports differ only in how
 // they write a delta.
 //
-//   GenerationOutcome r = RunGeneration(
-//       router, metrics, std::move(request), accepted, text_stream.get(),      // text: optional
-//       [&](const GenerationDelta& d) { return writer->Write(ToProto(d)); },   // false: gone
-//       [&] { return context->IsCancelled(); });
-//
 // The request is validated (Engine::Validate makes a ValidatedRequest) and goes to the engine the
 // router picks (Note [Data-parallel routing], server/engine_router.h). Deltas come in order; each
 // carries the new token ids and, with a TextStream, their new text (stop strings already applied:
 // the text ends before a stop string, and the generation is cancelled in the engine when one
 // matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
 //
-// Errors: ServerError CANCELLED when `is_cancelled` turns true or `write` returns false (the
-// sequence is cancelled in the engine first); what the router and scheduler throw
-// (RESOURCE_EXHAUSTED, UNAVAILABLE: no engine serves, or the engine's device failed) and what the
-// engine reported for the request. Thread rules: call from the
-// request's own thread (an RPC handler); it blocks until the generation ends.
-//
-// GenerationSession is the same generation without a thread of its own, for event-driven
-// transports (the HTTP front, server/http_server.h): it submits at construction, calls
-// `on_update` (from the GPU thread; it must only post work) whenever something arrived, and
-// Take() turns what arrived into deltas without blocking:
+// GenerationSession has no thread of its own: event-driven transports (the HTTP front,
+// server/openai_http.cc; gRPC's callback API, server/generate_rpc.cc) drive it. It submits at
+// construction, calls `on_update` (from the GPU thread; it must only post work) whenever something
+// arrived, and Take() turns what arrived into deltas without blocking:
 //
 //   auto session = std::make_shared<GenerationSession>(router, metrics, std::move(request),
 //                                                      accepted, text, [=] { post(drain); });
@@ -30,6 +19,10 @@
 //   GenerationSession::Taken t = session->Take();
 //   for (const GenerationDelta& d : t.deltas) write(d);
 //   if (t.finished) { ... t.outcome or t.error ... }
+//
+// Errors: the constructor throws what the router and scheduler throw (RESOURCE_EXHAUSTED,
+// UNAVAILABLE: no engine serves, or the engine's device failed); Taken::error carries what the
+// engine reported for the request, or CANCELLED after Cancel().
 #pragma once
 
 #include <atomic>
@@ -65,9 +58,6 @@ struct GenerationOutcome {
   double time_to_first_token_seconds = 0;  // acceptance -> first delta written
   double total_seconds = 0;                // acceptance -> end
 };
-
-// How often a waiting request checks `is_cancelled`.
-inline constexpr std::chrono::milliseconds kGenerationPollInterval{50};
 
 class GenerationSession {
  public:
@@ -108,10 +98,5 @@ class GenerationSession {
   std::atomic<bool> finished_{false};
   bool engine_done_ = false;  // the engine ended the sequence (no cancel needed)
 };
-
-GenerationOutcome RunGeneration(EngineRouter& router, Metrics* metrics, ValidatedRequest request,
-                                Clock::time_point accepted, TextStream* text,
-                                const std::function<bool(const GenerationDelta&)>& write,
-                                const std::function<bool()>& is_cancelled);
 
 }  // namespace vlmgraph::server

@@ -11,8 +11,10 @@
 // the scheduler accepting new work while the port stays open, so probes and load balancers see
 // NOT_SERVING; calls in flight (Train streams included) run until none is left or
 // shutdown_timeout_seconds pass. Then Shutdown(time left) closes the port, and gRPC cancels the
-// rest, whose handlers notice within VlmGraphService::kPollInterval and cancel their sequences.
-// Only then is the scheduler stopped.
+// rest: a Generate stream ends at its OnCancel (Note [Generate on the callback API],
+// server/service.h), a synchronous handler when it next checks its context, and each cancels its
+// sequence. Shutdown returns once every handler returned and every callback call is done; only
+// then is the scheduler stopped.
 //
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
 // Errors: the constructor throws std::runtime_error naming server.grpc_address and the reason when
@@ -42,7 +44,7 @@ class GrpcServer {
 
   void SetServing(bool serving);
   // Stops accepting calls, waits up to `timeout_seconds` for running calls, cancels the rest and
-  // waits for their handlers to return. Idempotent.
+  // waits for their handlers to return (callback calls: for their OnDone). Idempotent.
   void Shutdown(double timeout_seconds);
 
   static constexpr const char* kServiceName = "vlmgraph.v1.VlmGraph";

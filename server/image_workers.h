@@ -3,9 +3,9 @@
 // Image preprocessing (PNG/JPEG decoding, ATen's antialiased bicubic resize, tiling:
 // image/image_processor.h) runs ATen ops whose intra-op parallelism (OpenMP) gives every thread
 // that calls them a team of at::get_num_threads() - 1 worker threads of its own, kept for as long
-// as that thread lives. RPC handler threads are many (the HTTP API's pool holds the largest batch
-// + batching.max_queue_size workers, gRPC's synchronous server grows its own), so preprocessing on
-// them leaves up to handlers x cores threads (and their stacks) behind. Running it on a few fixed
+// as that thread lives. Threads that prepare requests are many (http.workers, the gRPC service's
+// Generate prepare threads, and gRPC's synchronous server grows its own for Forward and Train),
+// so preprocessing on them leaves up to threads x cores threads (and their stacks) behind. Running it on a few fixed
 // threads bounds that to image_worker_threads() x cores, and bounds the CPU that images take from
 // the engine's thread.
 //

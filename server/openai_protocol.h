@@ -8,7 +8,7 @@
 //   ValidatedRequest request = ...;
 //   try { request = engine.Validate(std::move(g.request)); }  // the one validation
 //   catch (const EngineError& e) { throw FromEngineError(e, g); }  // in this API's words
-//   ... RunGeneration(..., std::move(request), ...) ...
+//   ... GenerationSession(router, metrics, std::move(request), ...) ...  // server/generation.h
 //   ResponseMeta meta = NewResponseMeta("chatcmpl", ctx.served_model_name);
 //   std::string body = Dump(ChatCompletionJson(meta, text, FinishReasonString(outcome), usage));
 //
@@ -200,7 +200,7 @@ std::string DecodeImageUrl(const std::string& url, const Limits& limits, const s
 // --- engine requests
 // ------------------------------------------------------------------------------
 
-// A request ready for Engine::Validate and RunGeneration.
+// A request ready for Engine::Validate and a GenerationSession.
 struct PreparedGeneration {
   GenerateRequest request;
   std::vector<std::string> stop_strings;  // for the TextStream

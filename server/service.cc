@@ -14,19 +14,6 @@ double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-v1::FinishReason ToProto(FinishReason r) {
-  switch (r) {
-    case FinishReason::kLength:
-      return v1::FINISH_REASON_LENGTH;
-    case FinishReason::kStopToken:
-      return v1::FINISH_REASON_STOP_TOKEN;
-    case FinishReason::kContextFull:
-      return v1::FINISH_REASON_CONTEXT_FULL;
-    default:
-      return v1::FINISH_REASON_UNSPECIFIED;
-  }
-}
-
 }  // namespace
 
 VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics,
@@ -34,7 +21,6 @@ VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics,
                                  const ApiKeys* keys, WeightsPublisher* publisher)
     : router_(router),
       engine_(&router->engine()),
-      scheduler_(&router->scheduler(0)),
       metrics_(metrics),
       config_(config),
       text_(text),
@@ -46,7 +32,8 @@ void VlmGraphService::SetShutdownDeadline(Clock::time_point deadline) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(deadline.time_since_epoch()).count());
 }
 
-void VlmGraphService::Authorize(grpc::ServerContext* context, Scope scope, const char* rpc) const {
+void VlmGraphService::Authorize(const grpc::ServerContextBase* context, Scope scope,
+                                const char* rpc) const {
   if (keys_ == nullptr || !keys_->enabled()) return;
   const auto& metadata = context->client_metadata();
   const auto it = metadata.find("authorization");
@@ -56,28 +43,16 @@ void VlmGraphService::Authorize(grpc::ServerContext* context, Scope scope, const
   keys_->Authorize(value, scope, rpc);
 }
 
-grpc::Status VlmGraphService::RpcGuard(const char* rpc, Scope scope, grpc::ServerContext* context,
-                                       Clock::time_point accepted,
-                                       const std::function<void()>& body) {
-  struct Count {
-    std::atomic<int64_t>* n;
-    explicit Count(std::atomic<int64_t>* c) : n(c) { ++*n; }
-    ~Count() { --*n; }
-  } count(&in_flight_);
-  grpc::Status status;
-  try {
-    Authorize(context, scope, rpc);
-    body();
-  } catch (...) {
-    status = StatusFromException(std::current_exception());
-  }
+grpc::Status VlmGraphService::FinishRpc(const char* rpc, const grpc::ServerContextBase& context,
+                                        Clock::time_point accepted, std::exception_ptr error) {
+  grpc::Status status = error ? StatusFromException(error) : grpc::Status::OK;
   // A call the server itself cancelled keeps its reason (UNAVAILABLE at shutdown,
   // DEADLINE_EXCEEDED for an idle Train stream); one cancelled after the drain ended was cut by
   // the shutdown deadline (gRPC cancels what still runs then), not by its client.
-  if (!status.ok() && context->IsCancelled() &&
+  if (!status.ok() && context.IsCancelled() &&
       status.error_code() != grpc::StatusCode::UNAVAILABLE &&
       status.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-    const bool expired = context->deadline() <= std::chrono::system_clock::now();
+    const bool expired = context.deadline() <= std::chrono::system_clock::now();
     const bool shut_down =
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
             .count() >= shutdown_deadline_ns_.load();
@@ -98,11 +73,25 @@ grpc::Status VlmGraphService::RpcGuard(const char* rpc, Scope scope, grpc::Serve
   if (!status.ok()) {
     const bool server_fault = status.error_code() == grpc::StatusCode::INTERNAL;
     Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-        std::string(rpc) + " from " + context->peer() + " -> " +
+        std::string(rpc) + " from " + context.peer() + " -> " +
             StatusCodeName(status.error_code()) + ": " +
             LogSafe(status.error_message(), /*max_bytes=*/1024));  // it may echo client text
   }
   return status;
+}
+
+grpc::Status VlmGraphService::RpcGuard(const char* rpc, Scope scope, grpc::ServerContext* context,
+                                       Clock::time_point accepted,
+                                       const std::function<void()>& body) {
+  const CallCount count(&in_flight_);
+  std::exception_ptr error;
+  try {
+    Authorize(context, scope, rpc);
+    body();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  return FinishRpc(rpc, *context, accepted, error);
 }
 
 grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext* context,
@@ -150,56 +139,6 @@ grpc::Status VlmGraphService::GetModelInfo(grpc::ServerContext* context,
     info->set_chat_format(text_->chat_format().name());
   }
   return grpc::Status::OK;
-}
-
-grpc::Status VlmGraphService::Generate(grpc::ServerContext* context,
-                                       const v1::GenerateRequest* request,
-                                       grpc::ServerWriter<v1::GenerateResponse>* writer) {
-  const auto accepted = Clock::now();
-  return RpcGuard("Generate", Scope::kInference, context, accepted,
-                  [&] { RunGenerate(context, *request, writer, accepted); });
-}
-
-void VlmGraphService::RunGenerate(grpc::ServerContext* context, const v1::GenerateRequest& request,
-                                  grpc::ServerWriter<v1::GenerateResponse>* writer,
-                                  Clock::time_point accepted) {
-  // The one validation (thread-safe): ids, image tokens vs tiles, context, sampling.
-  ValidatedRequest req =
-      engine_->Validate(ToEngineRequest(request, engine_->model_config(), config_.limits, text_));
-  const int64_t prompt_tokens = static_cast<int64_t>(req->input_ids.size());
-  const int64_t tiles = req->tiles.defined() ? req->tiles.size(0) : 0;
-  if (LogEnabled(LogLevel::kDebug)) {
-    LogDebug("Generate " + LogSafe(request.request_id()) + " from " + context->peer() + ": " +
-             std::to_string(prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
-             " tiles, max_new_tokens " + std::to_string(req->sampling.max_new_tokens));
-  }
-  std::unique_ptr<TextStream> text;
-  if (text_) {
-    text = std::make_unique<TextStream>(&text_->tokenizer(),
-                                        std::vector<std::string>(request.sampling().stop().begin(),
-                                                                 request.sampling().stop().end()));
-  }
-  const GenerationOutcome r = RunGeneration(
-      *router_, metrics_, std::move(req), accepted, text.get(),
-      [&](const GenerationDelta& d) {
-        v1::GenerateResponse chunk;
-        v1::TokenChunk* c = chunk.mutable_tokens();
-        for (int64_t t : d.token_ids) c->add_token_ids(t);
-        c->set_text(d.text);
-        return writer->Write(chunk);
-      },
-      [&] { return context->IsCancelled(); });
-  v1::GenerateResponse last;
-  v1::GenerateSummary* s = last.mutable_summary();
-  s->set_finish_reason(r.stop_string_matched ? v1::FINISH_REASON_STOP_STRING : ToProto(r.reason));
-  s->set_prompt_tokens(prompt_tokens);
-  s->set_image_tiles(tiles);
-  s->set_generated_tokens(r.generated_tokens);
-  s->set_queue_seconds(r.queue_seconds);
-  s->set_time_to_first_token_seconds(r.time_to_first_token_seconds);
-  s->set_total_seconds(SecondsSince(accepted));
-  if (!writer->Write(last))
-    throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
 }
 
 grpc::Status VlmGraphService::Forward(grpc::ServerContext* context,

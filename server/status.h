@@ -1,9 +1,10 @@
 // server/status.h: errors of the server layer and their one conversion to gRPC status.
 //
 // Error policy of server/: code throws (ServerError for the server's own conditions, EngineError
-// from the engine, ImageError / std::invalid_argument from the model); RPC handlers catch
-// everything in exactly one place, RpcGuard (server/service.cc), which calls StatusFromException
-// below. Nothing else builds a grpc::Status from an exception.
+// from the engine, ImageError / std::invalid_argument from the model); every gRPC call ends in
+// exactly one place, VlmGraphService::FinishRpc (server/service.cc; synchronous handlers reach it
+// through RpcGuard, which catches everything), which calls StatusFromException below. Nothing
+// else builds a grpc::Status from an exception.
 //
 //   throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full: ...");
 //   grpc::Status s = StatusFromException(std::current_exception());

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "engine/device.h"
-#include "model/log.h"
+#include "base/log.h"
 #include "server/graphed_trainer.h"
 #include "server/status.h"
 
