@@ -55,7 +55,7 @@ ServerError RankError(std::exception_ptr error, size_t rank, size_t ranks,
 TrainRanks::TrainRanks(EngineRouter& router, const TrainJobOptions& options, Metrics* metrics,
                        double timeout_seconds)
     : router_(router),
-      learns_from_text_(options.trainer.train_language && options.trainer.lr_language > 0) {
+      learns_from_text_(options.trainer.learning_rates.language > 0) {
   for (size_t i = 0; i < router.size(); ++i) {
     if (!router.scheduler(i).serving()) continue;
     Rank r;
