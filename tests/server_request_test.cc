@@ -16,11 +16,11 @@
 #include <set>
 #include <sstream>
 
+#include "base/log.h"
 #include "engine/engine.h"
 #include "engine/engine_types.h"
 #include "image/image_processor.h"
-#include "base/log.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/convert.h"
 #include "server/metrics.h"
 #include "server/status.h"
@@ -567,7 +567,8 @@ std::string HttpGet(int port, const std::string& path) {
     close(fd);
     return "";
   }
-  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  // Connection: close, so that the server ends the response by closing (not after keep-alive).
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
   send(fd, req.data(), req.size(), 0);
   std::string out;
   char buf[4096];
