@@ -50,7 +50,7 @@ class EngineError : public std::runtime_error {
   // API's field path: "input_ids", "tiles", "sampling.max_new_tokens", "sampling.temperature",
   // "sampling.top_p", "sampling.top_k", "sampling.stop_token_ids", "target_ids",
   // "logits_positions"; "" when the error is about no one field. what() starts with it. Other
-  // protocols translate it to their own names (server/openai_protocol.h).
+  // protocols translate it to their own names (server/openai/requests.h).
   const std::string& field() const { return field_; }
   // Set when a generation does not fit the longest context (field input_ids or
   // sampling.max_new_tokens).

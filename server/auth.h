@@ -38,7 +38,7 @@
 #include <string_view>
 #include <vector>
 
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::server {
 

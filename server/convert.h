@@ -1,13 +1,13 @@
 // server/convert.h: protobuf requests -> engine requests (the gRPC API's parsing).
 //
 // Runs before a request is queued (on a synchronous handler's thread, or a Generate prepare
-// thread: server/service.h), so bad input is refused at once and image decoding runs in parallel
-// across requests. Checks here are only the ones the engine
-// cannot make: the proto's shapes (one prompt form, set fields), images (bytes, format, pixels,
-// tiles from their headers before decoding), stop strings, text length before tokenizing, and
-// the Forward and Train limits. Whether a generation or scoring request is valid (ids, image
-// tokens, max_new_tokens >= 1 and within limits.max_new_tokens, context fit, sampling ranges,
-// stop ids) is decided by Engine::Validate alone, once, after the conversion:
+// thread: server/grpc/service.h), so bad input is refused at once and image decoding runs in
+// parallel across requests. Checks here are only the ones the engine cannot make: the proto's
+// shapes (one prompt form, set fields), images (bytes, format, pixels, tiles from their headers
+// before decoding), stop strings, text length before tokenizing, and the Forward and Train limits.
+// Whether a generation or scoring request is valid (ids, image tokens, max_new_tokens >= 1 and
+// within limits.max_new_tokens, context fit, sampling ranges, stop ids) is decided by
+// Engine::Validate alone, once, after the conversion:
 //
 //   ValidatedRequest r =
 //       engine.Validate(ToEngineRequest(proto, engine.model_config(), config.limits, text));
@@ -27,11 +27,11 @@
 
 #include "engine/engine_types.h"
 #include "engine/trainer.h"
-#include "text/chat_format.h"
-#include "model/config.h"
 #include "image/image_processor.h"
-#include "server/config.h"
+#include "model/config.h"
+#include "server/config/config.h"
 #include "server/text_prompt.h"
+#include "text/chat_format.h"
 #include "vlmgraph/v1/chat.pb.h"
 #include "vlmgraph/v1/forward.pb.h"
 #include "vlmgraph/v1/generate.pb.h"

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::server {
 

@@ -9,9 +9,9 @@
 // matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
 //
 // GenerationSession has no thread of its own: event-driven transports (the HTTP front,
-// server/openai_http.cc; gRPC's callback API, server/generate_rpc.cc) drive it. It submits at
-// construction, calls `on_update` (from the GPU thread; it must only post work) whenever something
-// arrived, and Take() turns what arrived into deltas without blocking:
+// server/openai/openai_http.cc; gRPC's callback API, server/grpc/generate_rpc.cc) drive it. It
+// submits at construction, calls `on_update` (from the GPU thread; it must only post work) whenever
+// something arrived, and Take() turns what arrived into deltas without blocking:
 //
 //   auto session = std::make_shared<GenerationSession>(router, metrics, std::move(request),
 //                                                      accepted, text, [=] { post(drain); });

@@ -4,17 +4,17 @@
 //   vlmgraph-server                                  # built-in nanovlm-tiny on CPU (quick start)
 //   vlmgraph-server --config deploy/config.yaml      # a deployment
 //   vlmgraph-server --config c.yaml --device cuda:1 --grpc-address 0.0.0.0:50051
-//   vlmgraph-server --config c.yaml --device cuda --data-parallel-size 0   # every GPU, one endpoint
-//   vlmgraph-server --config c.yaml --print-config-documented  # every key documented, then exit
+//   vlmgraph-server --config c.yaml --device cuda --data-parallel-size 0   # every GPU, one
+//   endpoint vlmgraph-server --config c.yaml --print-config-documented  # every key documented,
+//   then exit
 //
 // Only wiring lives here: config -> metrics -> engines (one per device, each on its scheduler's GPU
 // thread, behind one router: server/engine_router.h) -> gRPC and
-// the OpenAI-compatible HTTP API (server/openai_http.h) -> wait for SIGTERM/SIGINT -> graceful
-// shutdown (Note [Graceful shutdown], server/grpc_server.h).
-// Prints one line "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT[ http HOST:PORT]" on
-// stdout when it serves (scripts and tests wait for it; http when server.http_address is set).
-// Exit status: 0 after a clean shutdown, 2 for a bad config or flags, 1 for other start-up
-// failures.
+// the OpenAI-compatible HTTP API (server/openai/openai_http.h) -> wait for SIGTERM/SIGINT ->
+// graceful shutdown (Note [Graceful shutdown], server/grpc/grpc_server.h). Prints one line
+// "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT[ http HOST:PORT]" on stdout when it
+// serves (scripts and tests wait for it; http when server.http_address is set). Exit status: 0
+// after a clean shutdown, 2 for a bad config or flags, 1 for other start-up failures.
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -32,15 +32,15 @@
 
 #include "base/log.h"
 #include "server/auth.h"
+#include "server/config/flags.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"
-#include "server/flags.h"
-#include "server/grpc_server.h"
+#include "server/grpc/grpc_server.h"
+#include "server/grpc/service.h"
 #include "server/metrics.h"
-#include "server/openai_http.h"
+#include "server/openai/openai_http.h"
 #include "server/publish_gate.h"
 #include "server/scheduler.h"
-#include "server/service.h"
 #include "server/text_prompt.h"
 #include "server/weights_publisher.h"
 
@@ -232,9 +232,10 @@ int main(int argc, char** argv) {
     if (!cl.positional.empty())
       throw ServerConfigError(cl.positional[0], "unexpected argument; see --help");
     if (cl.print_config_documented) {
-      // The values the file and flags set (not VLMGRAPH_API_KEY), checked like a start would.
+      // The values the file and flags set (not VLMGRAPH_API_KEY), checked like a start would,
+      // except for the files of the machine that will serve it (the model, the tokenizer).
       const ConfigSource source = ReadServerConfig(cl);
-      ValidateConfig(FillDefaults(source.raw));
+      ValidateConfig(FillDefaults(source.raw), /*check_files=*/false);
       std::cout << DocumentedConfigYaml(source.raw, source.header);
       return 0;
     }

@@ -7,7 +7,7 @@
 // observations (queue time, queue depth, active sequences, memory, health). Metrics owns them
 // and takes the front's own observations (time to first token, inter-token latency, requests by
 // RPC and status code, HTTP requests by endpoint and status, training). `/metrics` is served on
-// its own port by MetricsHttpServer (Note [Own metrics endpoint], server/metrics_http.h).
+// its own port by MetricsHttpServer (Note [Own metrics endpoint], server/http/metrics_http.h).
 //
 //   Metrics metrics(config.server.metrics_address);  // Metrics() = no endpoint (tests: Render())
 //   EngineMetrics& gpu0 = metrics.ForGpu("0");
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "engine/engine_types.h"
-#include "server/metrics_http.h"
+#include "server/http/metrics_http.h"
 
 namespace prometheus {
 class Counter;
@@ -118,8 +118,8 @@ class Metrics : public EngineObserver {
   // front's counters: main sets it, and clears it with nullptr before what it reads goes away).
   // Any thread.
   void SetScrapeHook(std::function<void()> hook);
-  // The HTTP front's state (server/http_server.h HttpServerStats): open connections now, and the
-  // totals of connections refused over the limits and of requests cut by a deadline.
+  // The HTTP front's state (server/http/http_server.h HttpServerStats): open connections now, and
+  // the totals of connections refused over the limits and of requests cut by a deadline.
   void ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
                         int64_t timed_out_requests_total);
 
@@ -128,7 +128,8 @@ class Metrics : public EngineObserver {
   EngineMetrics& ForGpu(const std::string& gpu);
 
   // --- EngineObserver: the first engine's series (ForGpu's first call; gpu="0" before any), which
-  // is the engine the Train RPC's jobs run on (server/train_rpc.cc) -------------------------------
+  // is the engine the Train RPC's jobs run on (server/grpc/train_rpc.cc)
+  // -------------------------------
   void OnCapture(const BucketKey& key, double seconds) override;
   void OnStep(const BucketKey& key, bool graphed, double seconds) override;
   void OnEagerFallback(Region region, const std::string& reason) override;
@@ -140,7 +141,7 @@ class Metrics : public EngineObserver {
   void ObserveInterTokenLatency(double seconds);
   // A finished RPC: vlmgraph_requests_total{rpc, code} and vlmgraph_request_duration_seconds{rpc}.
   void ObserveRequest(const std::string& rpc, grpc::StatusCode code, double seconds);
-  // A finished request of the OpenAI-compatible HTTP API (server/openai_http.h):
+  // A finished request of the OpenAI-compatible HTTP API (server/openai/openai_http.h):
   // vlmgraph_http_requests_total{endpoint, status} and
   // vlmgraph_http_request_duration_seconds{endpoint}. `endpoint` is a route ("/v1/completions")
   // or "other", never a raw path; `status` the HTTP status (499: the client went away).

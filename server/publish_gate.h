@@ -47,7 +47,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/text_prompt.h"
 
 namespace vlmgraph::server {

@@ -119,7 +119,7 @@ class GenerationStream {
 
   // Called after every change (tokens, end, failure), from the thread that made it (the GPU
   // thread, or the canceller's), outside the stream's lock; it must not block and must not call
-  // Wait itself (post the work elsewhere: event-driven transports, server/http_server.h). Set
+  // Wait itself (post the work elsewhere: event-driven transports, server/http/http_server.h). Set
   // once, before the change it should see; a change made before it was set is signalled at once.
   void SetListener(std::function<void()> listener);
 

@@ -2,8 +2,8 @@
 //
 // Error policy of server/: code throws (ServerError for the server's own conditions, EngineError
 // from the engine, ImageError / std::invalid_argument from the model); every gRPC call ends in
-// exactly one place, VlmGraphService::FinishRpc (server/service.cc; synchronous handlers reach it
-// through RpcGuard, which catches everything), which calls StatusFromException below. Nothing
+// exactly one place, VlmGraphService::FinishRpc (server/grpc/service.cc; synchronous handlers reach
+// it through RpcGuard, which catches everything), which calls StatusFromException below. Nothing
 // else builds a grpc::Status from an exception.
 //
 //   throw ServerError(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full: ...");

@@ -43,12 +43,12 @@
 #include <string_view>
 #include <vector>
 
-#include "text/chat_format.h"
-#include "model/config.h"
 #include "image/image_processor.h"
-#include "text/tokenizer.h"
-#include "server/config.h"
+#include "model/config.h"
+#include "server/config/config.h"
 #include "server/status.h"
+#include "text/chat_format.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::server {
 

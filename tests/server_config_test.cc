@@ -1,6 +1,6 @@
 // Server config: parse -> defaults -> validate, key paths in errors, flag overrides, the key
-// table (server/config_schema.h) against ServerConfig, and the shipped deploy/config*.yaml files
-// (deploy/config.yaml must be the documented YAML the table generates).
+// table (server/config/config_schema.h) against ServerConfig, and the shipped deploy/config*.yaml
+// files (deploy/config.yaml must be the documented YAML the table generates).
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
@@ -10,10 +10,10 @@
 #include <set>
 #include <sstream>
 
-#include "server/config.h"
-#include "server/config_schema.h"
+#include "server/config/config.h"
+#include "server/config/config_schema.h"
+#include "server/config/flags.h"
 #include "server/engine_from_config.h"
-#include "server/flags.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -74,7 +74,7 @@ std::string Text(const std::vector<int64_t>& v) {
 
 // Every field of a ServerConfig as text, in declaration order. The structured bindings stop
 // compiling when a field is added to ServerConfig or one of its parts: then extend this list and
-// NonDefaultConfig below, and give the field a key in server/config_schema.cc.
+// NonDefaultConfig below, and give the field a key in server/config/config_schema.cc.
 std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [model, seed, dtype, device, data_parallel_size, stop_ids, tokenizer,
                parse_special_in_content, served_model_name, buckets, capture, batching, endpoints, http, auth, tls, limits,
@@ -499,6 +499,26 @@ TEST(ServerConfig, RangesComeFromTheTable) {
   EXPECT_THROW(ValidateConfig(c), ServerConfigError);
 }
 
+// --print-config-documented describes a file for the machine that serves it: a model directory
+// or tokenizer that this machine lacks is no error there, while every other check still is.
+TEST(ServerConfig, ValidationWithoutFilesLeavesOutOnlyTheModelAndTokenizerFiles) {
+  ServerConfig c = FillDefaults(RawConfig{});
+  c.model = "/nonexistent/vlmgraph-model";
+  c.tokenizer = "/nonexistent/tokenizer.json";
+  EXPECT_THROW(ValidateConfig(c), ServerConfigError);
+  EXPECT_NO_THROW(ValidateConfig(c, /*check_files=*/false));
+  c.tokenizer = "";
+  try {
+    ValidateConfig(c);
+    ADD_FAILURE() << "a missing model directory passed";
+  } catch (const ServerConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model: '/nonexistent/vlmgraph-model'"), std::string::npos)
+        << e.what();
+  }
+  c.device = "gpu";
+  EXPECT_THROW(ValidateConfig(c, /*check_files=*/false), ServerConfigError);
+}
+
 TEST(ServerConfig, TableKeysAreUniqueDocumentedAndGroupedBySection) {
   std::set<std::string> names;
   std::vector<std::string> sections;
@@ -612,7 +632,7 @@ TEST(ServerConfig, ReadServerConfigKeepsTheHeaderAndTheSetKeys) {
 }
 
 // deploy/config.yaml is generated from the key table: a key's doc, default or range changed in
-// server/config_schema.cc (or a value edited by hand out of format) must be regenerated.
+// server/config/config_schema.cc (or a value edited by hand out of format) must be regenerated.
 TEST(ServerConfig, DeployConfigYamlIsTheDocumentedSchema) {
   const std::filesystem::path path = DeployDir() / "config.yaml";
   const std::string text = ReadFile(path);
@@ -629,13 +649,14 @@ TEST(ServerConfig, DeployConfigYamlIsTheDocumentedSchema) {
     if (!more_want && !more_have) break;
     if (!more_want || !more_have || want_line != have_line) break;
   }
-  ADD_FAILURE() << "deploy/config.yaml differs from the key table (server/config_schema.cc), "
-                   "first at line "
-                << line << ":\n  file:      " << have_line << "\n  generated: " << want_line
-                << "\nRegenerate it from the repository root:\n"
-                   "  build/server/vlmgraph-server --config deploy/config.yaml "
-                   "--print-config-documented > /tmp/config.yaml && mv /tmp/config.yaml "
-                   "deploy/config.yaml";
+  ADD_FAILURE()
+      << "deploy/config.yaml differs from the key table (server/config/config_schema.cc), "
+         "first at line "
+      << line << ":\n  file:      " << have_line << "\n  generated: " << want_line
+      << "\nRegenerate it from the repository root:\n"
+         "  build/server/vlmgraph-server --config deploy/config.yaml "
+         "--print-config-documented > /tmp/config.yaml && mv /tmp/config.yaml "
+         "deploy/config.yaml";
 }
 
 }  // namespace

@@ -23,13 +23,13 @@
 #include <thread>
 #include <vector>
 
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"
-#include "server/grpc_server.h"
+#include "server/grpc/grpc_server.h"
+#include "server/grpc/service.h"
 #include "server/metrics.h"
-#include "server/openai_http.h"
-#include "server/service.h"
+#include "server/openai/openai_http.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "tests/tiny_tokenizer.h"

@@ -1,5 +1,5 @@
-// The gRPC service in this process (server/service.h, Note [Generate on the callback API]): one
-// CPU engine of the tiny preset whose decode steps wait at a gate the test opens, and the real
+// The gRPC service in this process (server/grpc/service.h, Note [Generate on the callback API]):
+// one CPU engine of the tiny preset whose decode steps wait at a gate the test opens, and the real
 // VlmGraphService on a gRPC server built with at most 4 threads for synchronous calls. Generate
 // streams hold no thread while they wait for their tokens, so 32 of them are in flight at once
 // and all complete; a cancelled stream ends (counted CANCELLED) while the GPU thread is still
@@ -22,11 +22,11 @@
 #include <thread>
 #include <vector>
 
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"
+#include "server/grpc/service.h"
 #include "server/metrics.h"
-#include "server/service.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {

@@ -1,4 +1,4 @@
-// The event-driven HTTP front (server/http_server.h) against raw sockets: deadlines for slow
+// The event-driven HTTP front (server/http/http_server.h) against raw sockets: deadlines for slow
 // clients, connection limits, decisions from the head before any body byte, client-gone
 // detection, streams, pipelining, and a bounded number of threads for many connections.
 #include <arpa/inet.h>
@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "server/http_server.h"
+#include "server/http/http_server.h"
 
 namespace vlmgraph::server {
 namespace {

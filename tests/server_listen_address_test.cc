@@ -1,4 +1,4 @@
-// Listen addresses (server/listen_address.h): the one parser of server.grpc_address,
+// Listen addresses (server/config/listen_address.h): the one parser of server.grpc_address,
 // server.metrics_address and server.http_address (good and bad forms, IPv6 brackets, the port
 // range, the messages), the exposure rule's loopback test, and the three listeners (gRPC, HTTP,
 // metrics) on [::1]:0. The config and flags that carry addresses: tests/server_config_test.cc.
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "server/auth.h"
-#include "server/config.h"
-#include "server/grpc_server.h"
-#include "server/http_server.h"
-#include "server/listen_address.h"
+#include "server/config/config.h"
+#include "server/config/listen_address.h"
+#include "server/grpc/grpc_server.h"
+#include "server/http/http_server.h"
 #include "server/metrics.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 

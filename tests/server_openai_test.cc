@@ -1,4 +1,4 @@
-// The OpenAI-compatible API's protocol side (server/openai_protocol.h), without sockets: request
+// The OpenAI-compatible API's protocol side (server/openai/requests.h), without sockets: request
 // parsing and its errors, the exception -> HTTP error mapping, prompts and sampling built from
 // requests (with a small byte-level tokenizer over the nanovlm-tiny config), and response bodies.
 // The HTTP server itself is tested end to end with the official `openai` SDK
@@ -14,16 +14,17 @@
 
 #include "engine/engine.h"
 #include "engine/engine_types.h"
-#include "text/chat_format.h"
 #include "image/image_processor.h"
-#include "text/tokenizer.h"
-#include "server/config.h"
-#include "server/openai_http.h"
-#include "server/openai_protocol.h"
+#include "server/config/config.h"
+#include "server/openai/openai_http.h"
+#include "server/openai/requests.h"
+#include "server/openai/responses.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "tests/image_fixtures.h"
 #include "tests/tiny_engine.h"
+#include "text/chat_format.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::server::openai {
 namespace {

@@ -19,12 +19,12 @@
 #include <vector>
 
 #include "engine/data_parallel.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"
-#include "server/grpc_server.h"
+#include "server/grpc/grpc_server.h"
+#include "server/grpc/service.h"
 #include "server/metrics.h"
-#include "server/service.h"
 #include "server/weights_publisher.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 

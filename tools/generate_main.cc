@@ -16,10 +16,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "image/image_processor.h"
 #include "base/safetensors.h"
+#include "image/image_processor.h"
+#include "server/config/flags.h"
 #include "server/engine_from_config.h"
-#include "server/flags.h"
 
 namespace {
 

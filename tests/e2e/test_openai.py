@@ -1,4 +1,4 @@
-"""End to end: the OpenAI-compatible HTTP API (server/openai_http.h) driven by the official `openai`
+"""End to end: the OpenAI-compatible HTTP API (server/openai/openai_http.h) driven by the official `openai`
 SDK, with the real model (SmolLM2-135M-Instruct converted by tools/convert_gguf.py) on the CPU.
 
 Chat and text completions answer, streaming returns the same text as a single response, usage

@@ -1,4 +1,4 @@
-// Fuzz target: the server's YAML configuration (server/config.h: LoadYaml, ParseConfig,
+// Fuzz target: the server's YAML configuration (server/config/config.h: LoadYaml, ParseConfig,
 // FillDefaults, ValidateConfig, then ConfigToYaml and a second pass over its output). Input: the
 // file's text. Expected error: ServerConfigError (every step's documented error). ValidateConfig
 // reads the file system (is `model` a directory with config.json, is `tokenizer` a file) and
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "server/config.h"
+#include "server/config/config.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -1,10 +1,10 @@
-// Fuzz target: the OpenAI-compatible API's request bodies (server/openai_protocol.h: the Parse*
+// Fuzz target: the OpenAI-compatible API's request bodies (server/openai/requests.h: the Parse*
 // functions, then PrepareChatCompletion / PrepareCompletion / TokenizeIds / DetokenizeText with a
 // tiny tokenizer, which decode the data-URL images, render the chat and tokenize it), and the
 // response and error bodies built from what came out. Input: one byte choosing the endpoint
-// (chat/completions, completions, tokenize, detokenize), then the body. Expected errors: ServerError
-// (ApiError), TokenizerError and std::invalid_argument (ImageError, ChatFormatError), the errors
-// the header lets through to ErrorFromException.
+// (chat/completions, completions, tokenize, detokenize), then the body. Expected errors:
+// ServerError (ApiError), TokenizerError and std::invalid_argument (ImageError, ChatFormatError),
+// the errors the header lets through to ErrorFromException.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -14,7 +14,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "server/openai_protocol.h"
+#include "server/openai/requests.h"
+#include "server/openai/responses.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

@@ -21,11 +21,11 @@
 #include <string>
 #include <typeinfo>
 
-#include "text/chat_format.h"
 #include "model/config.h"
-#include "text/tokenizer.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/text_prompt.h"
+#include "text/chat_format.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::fuzz {
 

@@ -22,8 +22,8 @@
 
 #include "bench/synthetic.h"
 #include "model/checkpoint.h"
+#include "server/config/flags.h"
 #include "server/engine_from_config.h"
-#include "server/flags.h"
 #include "tools/diagnose/diagnose.h"
 
 namespace {

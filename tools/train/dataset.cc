@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "server/openai_protocol.h"
+#include "server/openai/requests.h"
 
 namespace vlmgraph::train {
 namespace {

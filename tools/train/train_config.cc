@@ -10,7 +10,7 @@
 #include <sstream>
 #include <type_traits>
 
-#include "server/config_schema.h"
+#include "server/config/config_schema.h"
 
 namespace vlmgraph::train {
 namespace {
@@ -18,13 +18,6 @@ namespace {
 using server::ServerConfigError;
 using server::YamlLine;
 using IntList = std::vector<int64_t>;
-
-std::string Number(double v) {
-  std::ostringstream o;
-  o.precision(15);
-  o << v;
-  return o.str();
-}
 
 // One key of the table: its name ("train.steps"), documentation, and typed access.
 struct Key {
@@ -59,7 +52,7 @@ std::string Text(const T& v) {
     for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
     return s + "]";
   } else if constexpr (std::is_floating_point_v<T>) {
-    return Number(v);
+    return server::ConfigNumber(v);
   } else {
     return std::to_string(v);
   }
@@ -101,9 +94,11 @@ Key MakeKey(std::string name, T TrainRunConfig::*f, std::string doc,
       return !std::isnan(v) && (!min || v >= *min) && (!max || v <= *max);
     };
     auto range_text = [&] {
-      if (min && max) return "must lie in [" + Number(*min) + ", " + Number(*max) + "]";
-      if (min) return "must be >= " + Number(*min);
-      return "must be <= " + Number(*max);
+      if (min && max)
+        return "must lie in [" + server::ConfigNumber(*min) + ", " + server::ConfigNumber(*max) +
+               "]";
+      if (min) return "must be >= " + server::ConfigNumber(*min);
+      return "must be <= " + server::ConfigNumber(*max);
     };
     if constexpr (std::is_same_v<T, std::string>) {
       if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), c.*f) == allowed.end()) {
@@ -137,7 +132,7 @@ Key RateKey(std::string name, double LearningRates::*rate, std::string doc) {
     c.learning_rates.*rate = Scalar<double>(n, name, "a number");
   };
   k.check = [](const TrainRunConfig&) {};
-  k.text = [rate](const TrainRunConfig& c) { return Number(c.learning_rates.*rate); };
+  k.text = [rate](const TrainRunConfig& c) { return server::ConfigNumber(c.learning_rates.*rate); };
   return k;
 }
 

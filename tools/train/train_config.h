@@ -5,7 +5,7 @@
 //   --print-config
 //
 // Keys: the model, tokenizer, dtype, seed and buckets keys are named as vlmgraph-server's
-// (server/config_schema.cc); the optimizer keys as the Train RPC's TrainConfig fields
+// (server/config/config_schema.cc); the optimizer keys as the Train RPC's TrainConfig fields
 // (proto/vlmgraph/v1/train.proto) with their defaults and ranges; the rest (dataset, batch size,
 // steps, checkpoints, the group's timeout) are the entry point's own. Every key is described once,
 // in the table of train_config.cc (name, default, range, documentation).
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "engine/learning_rates.h"
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::train {
 

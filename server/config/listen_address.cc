@@ -1,4 +1,4 @@
-#include "server/listen_address.h"
+#include "server/config/listen_address.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

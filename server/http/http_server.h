@@ -1,7 +1,7 @@
-// server/http_server.h: an event-driven HTTP/1.1 server (Boost.Beast on Boost.Asio, Debian's
-// libboost-dev) for the OpenAI-compatible API (server/openai_http.h). A few I/O threads serve every
-// connection; no thread waits on a client, so idle, slow and streaming clients cost memory, not
-// threads.
+// server/http/http_server.h: an event-driven HTTP/1.1 server (Boost.Beast on Boost.Asio, Debian's
+// libboost-dev) for the OpenAI-compatible API (server/openai/openai_http.h). A few I/O threads
+// serve every connection; no thread waits on a client, so idle, slow and streaming clients cost
+// memory, not threads.
 //
 //   HttpServerOptions options;  options.address = ListenAddress::Parse("127.0.0.1:8000");
 //   HttpHandlers handlers;
@@ -58,7 +58,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/listen_address.h"
+#include "server/config/listen_address.h"
 
 namespace vlmgraph::server {
 
@@ -85,13 +85,13 @@ using HttpHeaders = std::vector<std::pair<std::string, std::string>>;
 
 // A request as read: the head, and the body once on_request sees it.
 struct HttpRequest {
-  std::string method;                     // "GET", "POST", ...
-  std::string target;                     // as sent: path and query
-  std::string path;                       // target up to '?'
-  HttpHeaders headers;                    // as sent, in order
+  std::string method;                      // "GET", "POST", ...
+  std::string target;                      // as sent: path and query
+  std::string path;                        // target up to '?'
+  HttpHeaders headers;                     // as sent, in order
   std::optional<uint64_t> content_length;  // nullopt: none (chunked or no body)
-  std::string remote_address;             // the client's IP address
-  std::string body;                       // empty in on_head
+  std::string remote_address;              // the client's IP address
+  std::string body;                        // empty in on_head
 
   // The first header of that name (case-insensitive), "" when absent.
   std::string Header(std::string_view name) const;
@@ -106,7 +106,9 @@ struct HeadVerdict {
   std::string content_type, body;
   HttpHeaders headers;
 
-  static HeadVerdict Accept(int64_t max_body_bytes) { return {true, max_body_bytes, 0, "", "", {}}; }
+  static HeadVerdict Accept(int64_t max_body_bytes) {
+    return {true, max_body_bytes, 0, "", "", {}};
+  }
   static HeadVerdict Refuse(int status, std::string content_type, std::string body,
                             HttpHeaders headers = {}) {
     return {false, 0, status, std::move(content_type), std::move(body), std::move(headers)};
@@ -146,7 +148,7 @@ class HttpExchange : public std::enable_shared_from_this<HttpExchange> {
 
  private:
   friend class HttpConnectionBase;
-struct HttpServerImpl;
+  struct HttpServerImpl;
   template <class Stream>
   friend class HttpConnection;
   void MarkGone();

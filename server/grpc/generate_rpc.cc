@@ -1,5 +1,5 @@
-// server/generate_rpc.cc: the Generate RPC on gRPC's callback API, one GenerateCall per stream
-// (Note [Generate on the callback API] in server/service.h).
+// server/grpc/generate_rpc.cc: the Generate RPC on gRPC's callback API, one GenerateCall per stream
+// (Note [Generate on the callback API] in server/grpc/service.h).
 #include <boost/asio/post.hpp>
 #include <boost/asio/thread_pool.hpp>
 #include <memory>
@@ -12,7 +12,7 @@
 #include "base/log.h"
 #include "server/convert.h"
 #include "server/generation.h"
-#include "server/service.h"
+#include "server/grpc/service.h"
 #include "server/status.h"
 #include "server/text_stream.h"
 

@@ -1,8 +1,8 @@
-#include "server/metrics_http.h"
+#include "server/http/metrics_http.h"
 
 #include <stdexcept>
 
-#include "server/http_server.h"
+#include "server/http/http_server.h"
 
 namespace vlmgraph::server {
 
@@ -15,7 +15,8 @@ MetricsHttpServer::MetricsHttpServer(const ListenAddress& address,
   o.max_connections_per_client = 64;
   HttpHandlers h;
   h.on_head = [](const HttpRequest& head) {
-    if (head.path != "/metrics") return HeadVerdict::Refuse(404, "text/plain", "not found: only /metrics\n");
+    if (head.path != "/metrics")
+      return HeadVerdict::Refuse(404, "text/plain", "not found: only /metrics\n");
     if (head.method != "GET") {
       return HeadVerdict::Refuse(405, "text/plain", "use GET /metrics\n", {{"Allow", "GET"}});
     }

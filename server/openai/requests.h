@@ -1,6 +1,6 @@
-// server/openai_protocol.h: the OpenAI-compatible API's JSON, without sockets: request bodies ->
-// checked requests -> engine requests, engine results -> response bodies, exceptions -> error
-// bodies. server/openai_http.h serves it over HTTP; this part is unit-tested on its own.
+// server/openai/requests.h: the OpenAI-compatible API's requests, without sockets: request
+// bodies -> checked requests -> engine requests. Errors and their bodies are in
+// server/openai/errors.h, response bodies in server/openai/responses.h; openai_http.h serves them.
 //
 //   const RequestContext ctx{config.served_model_name, config.limits};
 //   ChatCompletionRequest chat = ParseChatCompletionRequest(body, ctx);       // throws ApiError
@@ -49,78 +49,21 @@
 #pragma once
 
 #include <cstdint>
-#include <exception>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "engine/engine_types.h"
-#include "text/chat_format.h"
 #include "model/config.h"
-#include "server/config.h"
-#include "server/status.h"
+#include "server/config/config.h"
+#include "server/openai/errors.h"
 #include "server/text_prompt.h"
+#include "text/chat_format.h"
 
 namespace vlmgraph::server::openai {
 
-using nlohmann::json;
 using Limits = ServerConfig::Limits;
-
-// --- errors
-// ---------------------------------------------------------------------------------------
-
-// One error response: the HTTP status and the fields of OpenAI's error object ("" = null).
-struct ErrorInfo {
-  int http_status = 500;
-  std::string type;  // "invalid_request_error", "authentication_error", "server_error", ...
-  std::string message;
-  std::string param;  // the request field at fault, e.g. "messages[0].content[1].image_url.url"
-  std::string code;   // OpenAI's codes: "model_not_found", "invalid_api_key",
-                      // "context_length_exceeded"; "" otherwise
-};
-
-// An error with its own HTTP status and OpenAI fields. Its gRPC code (ServerError::code) is the
-// status's namesake, so code that only knows ServerError still reads it right.
-class ApiError : public ServerError {
- public:
-  explicit ApiError(ErrorInfo info);
-  const ErrorInfo& info() const { return info_; }
-
- private:
-  ErrorInfo info_;
-};
-
-// 400 invalid_request_error.
-ApiError BadRequest(const std::string& message, const std::string& param = "",
-                    const std::string& code = "");
-
-// HTTP status 499: the client closed the connection before the response was complete (nginx's
-// code). Never sent; recorded in metrics and logs.
-inline constexpr int kClientClosedRequest = 499;
-
-// The one mapping from an exception to an error response:
-//   ApiError                                  its own status and fields
-//   INVALID_ARGUMENT, OUT_OF_RANGE,           400 invalid_request_error (bad input; a missing
-//     FAILED_PRECONDITION                         tokenizer is permanent, so not 503)
-//   UNAUTHENTICATED                           401 authentication_error
-//   PERMISSION_DENIED                         403 permission_error
-//   NOT_FOUND                                 404 invalid_request_error
-//   ALREADY_EXISTS, ABORTED                   409 invalid_request_error
-//   RESOURCE_EXHAUSTED                        429 rate_limit_error (queue full, out of memory)
-//   CANCELLED                                 499 (client gone)
-//   UNIMPLEMENTED                             501 server_error
-//   UNAVAILABLE                               503 server_error (shutting down)
-//   DEADLINE_EXCEEDED                         504 server_error
-//   anything else (INTERNAL, ...)             500 server_error
-// gRPC codes come from StatusFromException (server/status.h): ServerError, EngineError, ImageError
-// and other std::invalid_argument (400), bad_alloc (429), the rest INTERNAL (500).
-ErrorInfo ErrorFromException(std::exception_ptr error);
-// The error body: {"error": {"message", "type", "param", "code"}}.
-json ErrorJson(const ErrorInfo& error);
-
-// JSON text; invalid UTF-8 (never expected) becomes U+FFFD instead of throwing.
-std::string Dump(const json& j);
 
 // --- requests
 // -------------------------------------------------------------------------------------
@@ -243,56 +186,5 @@ std::vector<int64_t> TokenizeIds(const TokenizeRequest& request, const TextModel
 // The text /detokenize returns (special tokens kept, so it round-trips /tokenize). Throws a 400
 // ApiError for an id outside the vocabulary.
 std::string DetokenizeText(const DetokenizeRequest& request, const TextModel& text);
-
-// --- responses
-// ------------------------------------------------------------------------------------
-
-// The fields every response object of one request repeats.
-struct ResponseMeta {
-  std::string id;       // "chatcmpl-<32 hex digits>", "cmpl-..."
-  int64_t created = 0;  // Unix time, seconds
-  std::string model;    // served_model_name
-};
-// `id_prefix`: "chatcmpl" or "cmpl".
-ResponseMeta NewResponseMeta(const std::string& id_prefix, const std::string& model);
-
-struct Usage {
-  int64_t prompt_tokens = 0;
-  int64_t completion_tokens = 0;
-};
-json UsageJson(const Usage& usage);  // {prompt_tokens, completion_tokens, total_tokens}
-
-// OpenAI's finish_reason: "length" for max_tokens and a full context (as vLLM), "stop" for a stop
-// token or stop string.
-const char* FinishReasonString(FinishReason reason);
-
-// object "chat.completion": one choice with {"role": "assistant", "content": text}.
-json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
-                        const std::string& finish_reason, const Usage& usage);
-// object "chat.completion.chunk" with one choice: `delta` ({"role": "assistant", "content": ""}
-// first, then {"content": text}, then {} with the finish reason); finish_reason "" = null.
-// `include_usage`: adds "usage": null.
-json ChatCompletionChunkJson(const ResponseMeta& meta, const json& delta,
-                             const std::string& finish_reason, bool include_usage);
-// object "text_completion": one choice with text.
-json CompletionJson(const ResponseMeta& meta, const std::string& text,
-                    const std::string& finish_reason, const Usage& usage);
-// object "text_completion" as a stream chunk; finish_reason "" = null.
-json CompletionChunkJson(const ResponseMeta& meta, const std::string& text,
-                         const std::string& finish_reason, bool include_usage);
-// The last chunk of a stream with stream_options.include_usage: empty choices and usage.
-// `object`: "chat.completion.chunk" or "text_completion".
-json UsageChunkJson(const ResponseMeta& meta, const std::string& object, const Usage& usage);
-
-// GET /v1/models: {"object": "list", "data": [ModelJson]}.
-json ModelJson(const std::string& model, int64_t created, int64_t max_model_len);
-json ModelListJson(const std::string& model, int64_t created, int64_t max_model_len);
-
-json TokenizeJson(const std::vector<int64_t>& ids, int64_t max_model_len);
-json DetokenizeJson(const std::string& text);
-
-// One Server-Sent Event: "data: <json>\n\n".
-std::string SseEvent(const json& j);
-inline constexpr const char* kSseDone = "data: [DONE]\n\n";
 
 }  // namespace vlmgraph::server::openai

@@ -1,6 +1,6 @@
-// server/flags.h: command-line flags of vlmgraph-server and vlmgraph-generate. Flags override
-// the YAML file key by key: each flag names a key path, and `--set key.path=value` reaches any
-// key (the value is YAML: `--set buckets.batch_sizes=[1,2]`).
+// server/config/flags.h: command-line flags of vlmgraph-server and vlmgraph-generate. Flags
+// override the YAML file key by key: each flag names a key path, and `--set key.path=value` reaches
+// any key (the value is YAML: `--set buckets.batch_sizes=[1,2]`).
 //
 //   CommandLine cl = ParseCommandLine(argc, argv);  // throws ServerConfigError("--flag", ...)
 //   ServerConfig cfg = LoadServerConfig(cl);        // file -> overrides -> parse -> defaults ->
@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::server {
 

@@ -1,4 +1,4 @@
-#include "server/service.h"
+#include "server/grpc/service.h"
 
 #include <exception>
 
@@ -16,9 +16,9 @@ double SecondsSince(Clock::time_point t0) {
 
 }  // namespace
 
-VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics,
-                                 const ServerConfig& config, const TextModel* text,
-                                 const ApiKeys* keys, WeightsPublisher* publisher)
+VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics, const ServerConfig& config,
+                                 const TextModel* text, const ApiKeys* keys,
+                                 WeightsPublisher* publisher)
     : router_(router),
       engine_(&router->engine()),
       metrics_(metrics),

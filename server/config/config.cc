@@ -1,4 +1,4 @@
-#include "server/config.h"
+#include "server/config/config.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "model/config.h"
-#include "server/config_schema.h"
+#include "server/config/config_schema.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -168,14 +168,14 @@ ServerConfig FillDefaults(const RawConfig& raw) {
   return c;
 }
 
-void ValidateConfig(const ServerConfig& c) {
+void ValidateConfig(const ServerConfig& c, bool check_files) {
   for (const ConfigKey& key : ConfigKeys()) key.check_range(c);
 
   // Consistency checks that span keys or the file system.
   // The error_code overloads: a name the file system refuses (too long, ...) is "not a file", not
   // a std::filesystem_error.
   std::error_code ec;
-  if (!IsPresetModel(c.model) &&
+  if (check_files && !IsPresetModel(c.model) &&
       !std::filesystem::is_regular_file(std::filesystem::path(c.model) / "config.json", ec)) {
     std::string names;
     for (const auto& n : VlmConfig::PresetNames()) names += (names.empty() ? "" : ", ") + n;
@@ -212,7 +212,7 @@ void ValidateConfig(const ServerConfig& c) {
                                 ") exceeds the largest buckets.context_lens entry (" +
                                 std::to_string(max_ctx) + "): a prompt must fit the KV cache");
   }
-  if (!c.tokenizer.empty() && c.tokenizer != "none" &&
+  if (check_files && !c.tokenizer.empty() && c.tokenizer != "none" &&
       !std::filesystem::is_regular_file(c.tokenizer, ec)) {
     throw ServerConfigError("tokenizer", "'" + c.tokenizer +
                                              "' is not a file; give a Hugging Face tokenizer.json, "

@@ -1,4 +1,4 @@
-// The Train RPC of VlmGraphService (server/service.h): one training job per stream, its steps
+// The Train RPC of VlmGraphService (server/grpc/service.h): one training job per stream, its steps
 // and saves run on the engines' GPU threads by TrainBackends on the engines' Trainers
 // (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT. A
 // server with several engines trains on every one of them, as data-parallel ranks of one job
@@ -13,11 +13,11 @@
 #include <system_error>
 #include <thread>
 
-#include "model/checkpoint.h"
 #include "base/log.h"
 #include "base/safetensors.h"
+#include "model/checkpoint.h"
 #include "server/graphed_trainer.h"
-#include "server/service.h"
+#include "server/grpc/service.h"
 #include "server/status.h"
 #include "server/train_ranks.h"
 #include "server/weights_publisher.h"

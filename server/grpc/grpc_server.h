@@ -1,5 +1,5 @@
-// server/grpc_server.h: the gRPC server process part: listening port, the VlmGraph service, the
-// standard grpc.health.v1.Health service and server reflection (so grpcurl works).
+// server/grpc/grpc_server.h: the gRPC server process part: listening port, the VlmGraph service,
+// the standard grpc.health.v1.Health service and server reflection (so grpcurl works).
 //
 //   GrpcServer server(config, &service);        // binds and starts; throws on a bad address
 //   server.SetServing(true);                     // health: SERVING
@@ -12,8 +12,8 @@
 // NOT_SERVING; calls in flight (Train streams included) run until none is left or
 // shutdown_timeout_seconds pass. Then Shutdown(time left) closes the port, and gRPC cancels the
 // rest: a Generate stream ends at its OnCancel (Note [Generate on the callback API],
-// server/service.h), a synchronous handler when it next checks its context, and each cancels its
-// sequence. Shutdown returns once every handler returned and every callback call is done; only
+// server/grpc/service.h), a synchronous handler when it next checks its context, and each cancels
+// its sequence. Shutdown returns once every handler returned and every callback call is done; only
 // then is the scheduler stopped.
 //
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
@@ -27,7 +27,7 @@
 #include <memory>
 #include <string>
 
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::server {
 

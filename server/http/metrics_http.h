@@ -1,5 +1,6 @@
-// server/metrics_http.h: the HTTP endpoint that serves /metrics (Prometheus text format), on the
-// event-driven HTTP front (server/http_server.h), with its deadlines and connection limits.
+// server/http/metrics_http.h: the HTTP endpoint that serves /metrics (Prometheus text format), on
+// the event-driven HTTP front (server/http/http_server.h), with its deadlines and connection
+// limits.
 //
 // Note [Own metrics endpoint]: prometheus-cpp's pull Exposer runs on civetweb, whose Debian build
 // starts its worker threads with a fixed 100 KiB stack; with LibTorch's CUDA libraries loaded the
@@ -19,7 +20,7 @@
 #include <memory>
 #include <string>
 
-#include "server/listen_address.h"
+#include "server/config/listen_address.h"
 
 namespace vlmgraph::server {
 

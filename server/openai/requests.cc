@@ -1,4 +1,4 @@
-#include "server/openai_protocol.h"
+#include "server/openai/requests.h"
 
 #include <absl/strings/escaping.h>
 
@@ -10,89 +10,11 @@
 #include <random>
 
 #include "image/image_processor.h"
-#include "text/tokenizer.h"
 #include "server/image_workers.h"
+#include "text/tokenizer.h"
 
 namespace vlmgraph::server::openai {
 namespace {
-
-// --- errors
-// ---------------------------------------------------------------------------------------
-
-grpc::StatusCode GrpcCodeOf(int http_status) {
-  switch (http_status) {
-    case 400:
-    case 413:
-      return grpc::StatusCode::INVALID_ARGUMENT;
-    case 401:
-      return grpc::StatusCode::UNAUTHENTICATED;
-    case 403:
-      return grpc::StatusCode::PERMISSION_DENIED;
-    case 404:
-    case 405:
-      return grpc::StatusCode::NOT_FOUND;
-    case 429:
-      return grpc::StatusCode::RESOURCE_EXHAUSTED;
-    case kClientClosedRequest:
-      return grpc::StatusCode::CANCELLED;
-    case 503:
-      return grpc::StatusCode::UNAVAILABLE;
-    default:
-      return grpc::StatusCode::INTERNAL;
-  }
-}
-
-ErrorInfo FromGrpc(grpc::StatusCode code, const std::string& message) {
-  ErrorInfo e;
-  e.message = message;
-  e.type = "invalid_request_error";
-  switch (code) {
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::OUT_OF_RANGE:
-    case grpc::StatusCode::FAILED_PRECONDITION:
-      e.http_status = 400;
-      break;
-    case grpc::StatusCode::UNAUTHENTICATED:
-      e.http_status = 401;
-      e.type = "authentication_error";
-      break;
-    case grpc::StatusCode::PERMISSION_DENIED:
-      e.http_status = 403;
-      e.type = "permission_error";
-      break;
-    case grpc::StatusCode::NOT_FOUND:
-      e.http_status = 404;
-      break;
-    case grpc::StatusCode::ALREADY_EXISTS:
-    case grpc::StatusCode::ABORTED:
-      e.http_status = 409;
-      break;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      e.http_status = 429;
-      e.type = "rate_limit_error";
-      break;
-    case grpc::StatusCode::CANCELLED:
-      e.http_status = kClientClosedRequest;
-      break;
-    case grpc::StatusCode::UNIMPLEMENTED:
-      e.http_status = 501;
-      e.type = "server_error";
-      break;
-    case grpc::StatusCode::UNAVAILABLE:
-      e.http_status = 503;
-      e.type = "server_error";
-      break;
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      e.http_status = 504;
-      e.type = "server_error";
-      break;
-    default:
-      e.http_status = 500;
-      e.type = "server_error";
-      break;
-  }
-  return e;
-}
 
 // --- JSON fields
 // ----------------------------------------------------------------------------------
@@ -480,48 +402,7 @@ PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_
   return g;
 }
 
-json ChoicesMeta(const ResponseMeta& meta, const char* object) {
-  return json{
-      {"id", meta.id}, {"object", object}, {"created", meta.created}, {"model", meta.model}};
-}
-
-json FinishReasonJson(const std::string& reason) {
-  return reason.empty() ? json(nullptr) : json(reason);
-}
-
 }  // namespace
-
-// --- errors
-// ---------------------------------------------------------------------------------------
-
-ApiError::ApiError(ErrorInfo info)
-    : ServerError(GrpcCodeOf(info.http_status), info.message), info_(std::move(info)) {}
-
-ApiError BadRequest(const std::string& message, const std::string& param, const std::string& code) {
-  return ApiError({400, "invalid_request_error", message, param, code});
-}
-
-ErrorInfo ErrorFromException(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const ApiError& e) {
-    return e.info();
-  } catch (...) {
-    const grpc::Status s = StatusFromException(std::current_exception());
-    return FromGrpc(s.error_code(), s.error_message());
-  }
-}
-
-json ErrorJson(const ErrorInfo& error) {
-  auto or_null = [](const std::string& s) { return s.empty() ? json(nullptr) : json(s); };
-  return {{"error",
-           {{"message", error.message},
-            {"type", error.type},
-            {"param", or_null(error.param)},
-            {"code", or_null(error.code)}}}};
-}
-
-std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
 // --- requests
 // -------------------------------------------------------------------------------------
@@ -740,105 +621,5 @@ ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g) {
   }
   return BadRequest(message);
 }
-
-// --- responses
-// ------------------------------------------------------------------------------------
-
-ResponseMeta NewResponseMeta(const std::string& id_prefix, const std::string& model) {
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string id = id_prefix + "-";
-  for (int i = 0; i < 2; ++i) {
-    uint64_t r = rng();
-    for (int k = 0; k < 16; ++k, r >>= 4) id += kHex[r & 15];
-  }
-  const auto now = std::chrono::system_clock::now().time_since_epoch();
-  return {id, std::chrono::duration_cast<std::chrono::seconds>(now).count(), model};
-}
-
-json UsageJson(const Usage& usage) {
-  return {{"prompt_tokens", usage.prompt_tokens},
-          {"completion_tokens", usage.completion_tokens},
-          {"total_tokens", usage.prompt_tokens + usage.completion_tokens}};
-}
-
-const char* FinishReasonString(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kLength:
-    case FinishReason::kContextFull:
-      return "length";
-    default:
-      return "stop";
-  }
-}
-
-json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
-                        const std::string& finish_reason, const Usage& usage) {
-  json j = ChoicesMeta(meta, "chat.completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"message", {{"role", "assistant"}, {"content", text}}},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  j["usage"] = UsageJson(usage);
-  return j;
-}
-
-json ChatCompletionChunkJson(const ResponseMeta& meta, const json& delta,
-                             const std::string& finish_reason, bool include_usage) {
-  json j = ChoicesMeta(meta, "chat.completion.chunk");
-  j["choices"] = json::array({{{"index", 0},
-                               {"delta", delta},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  if (include_usage) j["usage"] = nullptr;
-  return j;
-}
-
-json CompletionJson(const ResponseMeta& meta, const std::string& text,
-                    const std::string& finish_reason, const Usage& usage) {
-  json j = ChoicesMeta(meta, "text_completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"text", text},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  j["usage"] = UsageJson(usage);
-  return j;
-}
-
-json CompletionChunkJson(const ResponseMeta& meta, const std::string& text,
-                         const std::string& finish_reason, bool include_usage) {
-  json j = ChoicesMeta(meta, "text_completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"text", text},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  if (include_usage) j["usage"] = nullptr;
-  return j;
-}
-
-json UsageChunkJson(const ResponseMeta& meta, const std::string& object, const Usage& usage) {
-  json j = ChoicesMeta(meta, object.c_str());
-  j["choices"] = json::array();
-  j["usage"] = UsageJson(usage);
-  return j;
-}
-
-json ModelJson(const std::string& model, int64_t created, int64_t max_model_len) {
-  return {{"id", model},        {"object", "model"},
-          {"created", created}, {"owned_by", "vlmgraph"},
-          {"root", model},      {"max_model_len", max_model_len}};
-}
-
-json ModelListJson(const std::string& model, int64_t created, int64_t max_model_len) {
-  return {{"object", "list"}, {"data", json::array({ModelJson(model, created, max_model_len)})}};
-}
-
-json TokenizeJson(const std::vector<int64_t>& ids, int64_t max_model_len) {
-  return {{"count", ids.size()}, {"max_model_len", max_model_len}, {"tokens", ids}};
-}
-
-json DetokenizeJson(const std::string& text) { return {{"prompt", text}}; }
-
-std::string SseEvent(const json& j) { return "data: " + Dump(j) + "\n\n"; }
 
 }  // namespace vlmgraph::server::openai

@@ -1,4 +1,4 @@
-#include "server/flags.h"
+#include "server/config/flags.h"
 
 #include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
@@ -11,7 +11,7 @@
 #include <map>
 #include <sstream>
 
-#include "server/config_schema.h"
+#include "server/config/config_schema.h"
 
 namespace vlmgraph::server {
 namespace {

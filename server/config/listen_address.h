@@ -1,6 +1,7 @@
-// server/listen_address.h: the address a listener binds (server.grpc_address,
-// server.metrics_address, server.http_address), parsed once with the config (server/config.h) and
-// used by every listener, the exposure rule (server/auth.h) and the start-up line.
+// server/config/listen_address.h: the address a listener binds (server.grpc_address,
+// server.metrics_address, server.http_address), parsed once with the config
+// (server/config/config.h) and used by every listener, the exposure rule (server/auth.h) and the
+// start-up line.
 //
 //   ListenAddress a = ListenAddress::Parse("[::1]:8000");
 //   a.host();                     // "::1" (no brackets)

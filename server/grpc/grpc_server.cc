@@ -1,4 +1,4 @@
-#include "server/grpc_server.h"
+#include "server/grpc/grpc_server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -54,8 +54,8 @@ std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerConfig& config)
   grpc::SslServerCredentialsOptions options(
       tls.client_ca_file.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  options.pem_key_cert_pairs.push_back({ReadPemFile(tls.key_file, "tls.key_file"),
-                                        ReadPemFile(tls.cert_file, "tls.cert_file")});
+  options.pem_key_cert_pairs.push_back(
+      {ReadPemFile(tls.key_file, "tls.key_file"), ReadPemFile(tls.cert_file, "tls.cert_file")});
   if (!tls.client_ca_file.empty())
     options.pem_root_certs = ReadPemFile(tls.client_ca_file, "tls.client_ca_file");
   return grpc::SslServerCredentials(options);

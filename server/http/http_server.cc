@@ -1,4 +1,4 @@
-#include "server/http_server.h"
+#include "server/http/http_server.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "base/log.h"
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -28,8 +28,7 @@ using tcp = net::ip::tcp;
 using Strand = net::strand<net::io_context::executor_type>;
 
 double MonotonicSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::chrono::steady_clock::duration Duration(double seconds) {
@@ -106,9 +105,9 @@ struct HttpServerImpl : std::enable_shared_from_this<HttpServerImpl> {
   bool stopped = false;
 
   mutable std::mutex mu;
-  std::map<std::string, int64_t> per_client;  // mu
+  std::map<std::string, int64_t> per_client;                   // mu
   std::vector<std::weak_ptr<HttpConnectionBase>> connections;  // mu
-  int64_t open = 0;                                             // mu
+  int64_t open = 0;                                            // mu
   std::atomic<int64_t> refused{0};
   std::atomic<int64_t> timed_out{0};
   std::atomic<int> running_threads{0};
@@ -130,11 +129,10 @@ class HttpConnection final : public HttpConnectionBase {
   void Start() {
     if constexpr (std::is_same_v<Stream, ssl::stream<tcp::socket>>) {
       SetDeadline(Phase::kHandshake, server_->options.request_head_timeout_seconds);
-      stream_.async_handshake(ssl::stream_base::server,
-                              [self = Self()](beast::error_code ec) {
-                                if (ec) return self->Close();
-                                self->ReadNext();
-                              });
+      stream_.async_handshake(ssl::stream_base::server, [self = Self()](beast::error_code ec) {
+        if (ec) return self->Close();
+        self->ReadNext();
+      });
     } else {
       ReadNext();
     }
@@ -151,12 +149,11 @@ class HttpConnection final : public HttpConnectionBase {
     reported_status = reported_status.load() != 0 ? reported_status.load() : status;
     auto res = WholeResponse(status, content_type, std::move(body), headers, keep_alive_);
     SetDeadline(Phase::kWrite, server_->options.write_timeout_seconds);
-    http::async_write(stream_, *res,
-                      [self = Self(), res](beast::error_code ec, std::size_t) {
-                        self->CancelDeadline();
-                        if (ec) return self->Close();
-                        self->FinishExchange();
-                      });
+    http::async_write(stream_, *res, [self = Self(), res](beast::error_code ec, std::size_t) {
+      self->CancelDeadline();
+      if (ec) return self->Close();
+      self->FinishExchange();
+    });
   }
 
   void DoStartStream(HttpExchange* x, int status, std::string content_type,
@@ -165,8 +162,8 @@ class HttpConnection final : public HttpConnectionBase {
     response_started_ = true;
     streaming_ = true;
     if (reported_status.load() == 0) reported_status = status;
-    auto res = std::make_shared<http::response<http::empty_body>>(
-        static_cast<http::status>(status), 11);
+    auto res =
+        std::make_shared<http::response<http::empty_body>>(static_cast<http::status>(status), 11);
     res->set(http::field::content_type, content_type);
     for (auto& [k, v] : headers) res->insert(k, v);
     res->keep_alive(keep_alive_);
@@ -206,8 +203,8 @@ class HttpConnection final : public HttpConnectionBase {
   static std::shared_ptr<http::response<http::string_body>> WholeResponse(
       int status, const std::string& content_type, std::string body, const HttpHeaders& headers,
       bool keep_alive) {
-    auto res = std::make_shared<http::response<http::string_body>>(
-        static_cast<http::status>(status), 11);
+    auto res =
+        std::make_shared<http::response<http::string_body>>(static_cast<http::status>(status), 11);
     res->set(http::field::content_type, content_type);
     for (const auto& [k, v] : headers) res->insert(k, v);
     res->keep_alive(keep_alive);
@@ -254,8 +251,8 @@ class HttpConnection final : public HttpConnectionBase {
     if (closed_) return;
     if (requests_ >= server_->options.max_requests_per_connection) return Close();
     parser_.emplace();
-    parser_->header_limit(static_cast<std::uint32_t>(
-        std::min<int64_t>(server_->options.max_head_bytes, UINT32_MAX)));
+    parser_->header_limit(
+        static_cast<std::uint32_t>(std::min<int64_t>(server_->options.max_head_bytes, UINT32_MAX)));
     // No limit while the head is read (Beast checks Content-Length against it as the head ends);
     // on_head's verdict sets it.
     parser_->body_limit((std::numeric_limits<std::uint64_t>::max)());
@@ -269,10 +266,9 @@ class HttpConnection final : public HttpConnectionBase {
   // (while a response is pending, this is how a vanished client is noticed).
   void ReadSome() {
     reading_ = true;
-    stream_.async_read_some(buffer_.prepare(16 * 1024),
-                            [self = Self()](beast::error_code ec, std::size_t n) {
-                              self->OnReadSome(ec, n);
-                            });
+    stream_.async_read_some(
+        buffer_.prepare(16 * 1024),
+        [self = Self()](beast::error_code ec, std::size_t n) { self->OnReadSome(ec, n); });
   }
 
   void OnReadSome(beast::error_code ec, std::size_t n) {
@@ -290,10 +286,9 @@ class HttpConnection final : public HttpConnectionBase {
   void ReadHead() {
     started_ = MonotonicSeconds();
     SetDeadline(Phase::kHead, server_->options.request_head_timeout_seconds);
-    http::async_read_header(stream_, buffer_, *parser_,
-                            [self = Self()](beast::error_code ec, std::size_t) {
-                              self->OnHead(ec);
-                            });
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = Self()](beast::error_code ec, std::size_t) { self->OnHead(ec); });
   }
 
   HttpRequest HeadOf() const {
@@ -314,18 +309,19 @@ class HttpConnection final : public HttpConnectionBase {
     CancelDeadline();
     if (ec) {
       if (timed_out_) {
-        return WriteErrorAndClose(408, "the request head (request line and headers) did not "
-                                       "arrive within " +
-                                           Seconds(server_->options.request_head_timeout_seconds) +
-                                           " s of its first byte");
+        return WriteErrorAndClose(408,
+                                  "the request head (request line and headers) did not "
+                                  "arrive within " +
+                                      Seconds(server_->options.request_head_timeout_seconds) +
+                                      " s of its first byte");
       }
       if (ec == http::error::header_limit) {
         const bool line = parser_->get().method_string().empty();
-        return WriteErrorAndClose(
-            line ? 414 : 431,
-            std::string(line ? "the request line" : "the request head") + " is longer than " +
-                std::to_string(server_->options.max_head_bytes) +
-                " bytes; send a shorter URL and fewer or shorter headers");
+        return WriteErrorAndClose(line ? 414 : 431,
+                                  std::string(line ? "the request line" : "the request head") +
+                                      " is longer than " +
+                                      std::to_string(server_->options.max_head_bytes) +
+                                      " bytes; send a shorter URL and fewer or shorter headers");
       }
       if (ec == http::error::end_of_stream || ec == net::error::eof ||
           ec == net::error::operation_aborted || ec == net::error::connection_reset ||
@@ -349,7 +345,8 @@ class HttpConnection final : public HttpConnectionBase {
       return RefuseAndClose(verdict.status, std::move(verdict.content_type),
                             std::move(verdict.body), std::move(verdict.headers));
     }
-    if (head_.content_length && *head_.content_length > static_cast<uint64_t>(verdict.max_body_bytes)) {
+    if (head_.content_length &&
+        *head_.content_length > static_cast<uint64_t>(verdict.max_body_bytes)) {
       return WriteErrorAndClose(413, BodyTooLarge(verdict.max_body_bytes));
     }
     max_body_bytes_ = verdict.max_body_bytes;
@@ -489,8 +486,7 @@ class HttpConnection final : public HttpConnectionBase {
     RefuseAndClose(status, std::move(content_type), std::move(body), {});
   }
 
-  void RefuseAndClose(int status, std::string content_type, std::string body,
-                      HttpHeaders headers) {
+  void RefuseAndClose(int status, std::string content_type, std::string body, HttpHeaders headers) {
     Report(status);
     keep_alive_ = false;
     auto res = WholeResponse(status, content_type, std::move(body), headers, false);
@@ -518,12 +514,12 @@ class HttpConnection final : public HttpConnectionBase {
 
   void Discard() {
     reading_ = true;
-    Lowest(stream_).async_read_some(
-        net::buffer(discard_), [self = Self()](beast::error_code ec, std::size_t) {
-          self->reading_ = false;
-          if (ec || self->closed_) return self->Close();
-          self->Discard();
-        });
+    Lowest(stream_).async_read_some(net::buffer(discard_),
+                                    [self = Self()](beast::error_code ec, std::size_t) {
+                                      self->reading_ = false;
+                                      if (ec || self->closed_) return self->Close();
+                                      self->Discard();
+                                    });
   }
 
   void Close() {
@@ -729,8 +725,8 @@ HttpServer::HttpServer(HttpServerOptions options, HttpHandlers handlers)
   if (!o.tls_cert_file.empty()) {
     m.tls = std::make_unique<ssl::context>(ssl::context::tls_server);
     m.tls->set_options(ssl::context::default_workarounds | ssl::context::no_sslv2 |
-                       ssl::context::no_sslv3 | ssl::context::no_tlsv1 |
-                       ssl::context::no_tlsv1_1 | ssl::context::single_dh_use);
+                       ssl::context::no_sslv3 | ssl::context::no_tlsv1 | ssl::context::no_tlsv1_1 |
+                       ssl::context::single_dh_use);
     try {
       m.tls->use_certificate_chain_file(o.tls_cert_file);
       m.tls->use_private_key_file(o.tls_key_file, ssl::context::pem);

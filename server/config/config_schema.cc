@@ -1,4 +1,4 @@
-#include "server/config_schema.h"
+#include "server/config/config_schema.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -16,14 +16,6 @@ namespace {
 
 using IntList = std::vector<int64_t>;
 
-// A bound or a number of seconds in a message: "86400", "0.5", "2147483647".
-std::string Number(double v) {
-  std::ostringstream o;
-  o.precision(15);
-  o << v;
-  return o.str();
-}
-
 // "must be 'a' or 'b', got 'x'" for two values, "must be one of a, b, c; got 'x'" for more.
 std::string OneOfMessage(const std::vector<std::string>& allowed, const std::string& got) {
   if (allowed.size() == 2) {
@@ -36,9 +28,10 @@ std::string OneOfMessage(const std::vector<std::string>& allowed, const std::str
 
 std::string RangeMessage(const std::optional<double>& min, const std::optional<double>& max,
                          const std::string& got) {
-  if (min && max) return "must lie in [" + Number(*min) + ", " + Number(*max) + "], got " + got;
-  if (min) return "must be >= " + Number(*min) + ", got " + got;
-  return "must be <= " + Number(*max) + ", got " + got;
+  if (min && max)
+    return "must lie in [" + ConfigNumber(*min) + ", " + ConfigNumber(*max) + "], got " + got;
+  if (min) return "must be >= " + ConfigNumber(*min) + ", got " + got;
+  return "must be <= " + ConfigNumber(*max) + ", got " + got;
 }
 
 template <typename N>
@@ -54,7 +47,7 @@ bool InRange(N v, const std::optional<double>& min, const std::optional<double>&
 template <typename N>
 std::string NumberText(N v) {
   if constexpr (std::is_floating_point_v<N>) {
-    return Number(v);
+    return ConfigNumber(v);
   } else {
     return std::to_string(v);
   }
@@ -757,6 +750,13 @@ std::vector<ConfigKey> BuildKeys() {
 
 }  // namespace
 
+std::string ConfigNumber(double v) {
+  std::ostringstream o;
+  o.precision(15);
+  o << v;
+  return o.str();
+}
+
 std::string YamlLine(const YAML::Node& node) {
   const YAML::Mark m = node.Mark();
   return m.line >= 0 ? " (line " + std::to_string(m.line + 1) + ")" : "";
@@ -789,8 +789,8 @@ const std::vector<ConfigSection>& ConfigSections() {
       {"batching", ""},
       {"server", ""},
       {"http",
-       "The HTTP front of the OpenAI-compatible API (server/http_server.h): deadlines for slow "
-       "clients, connection limits, threads. docs/security.md, \"Hostile HTTP clients\"."},
+       "The HTTP front of the OpenAI-compatible API (server/http/http_server.h): deadlines for "
+       "slow clients, connection limits, threads. docs/security.md, \"Hostile HTTP clients\"."},
       {"auth", ""},
       {"tls", ""},
       {"limits", ""},

@@ -1,4 +1,4 @@
-// server/service.h: the vlmgraph.v1.VlmGraph gRPC service (proto/vlmgraph/v1/service.proto).
+// server/grpc/service.h: the vlmgraph.v1.VlmGraph gRPC service (proto/vlmgraph/v1/service.proto).
 //
 // Generate runs on gRPC's callback API; GetModelInfo, Forward, Train and RollbackWeights on its
 // synchronous API. Requests go to the Scheduler's GPU thread of the engine the router picks
@@ -13,8 +13,8 @@
 //   builder.RegisterService(&service);
 //
 // Note [Generate on the callback API]: a Generate stream holds no thread while it waits for its
-// tokens (as the HTTP front's streams, server/openai_http.h), so many streams per GPU cost memory,
-// not threads. One stream, a GenerateCall (server/generate_rpc.cc), goes through:
+// tokens (as the HTTP front's streams, server/openai/openai_http.h), so many streams per GPU cost
+// memory, not threads. One stream, a GenerateCall (server/grpc/generate_rpc.cc), goes through:
 //   1. gRPC's callback thread (Generate): checks the API key (inference scope) and queues the
 //      request for a prepare thread; more than batching.max_queue_size requests waiting for one
 //      -> RESOURCE_EXHAUSTED. Nothing that can block long runs on gRPC's callback threads.
@@ -52,7 +52,7 @@
 
 #include "engine/engine.h"
 #include "server/auth.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/engine_router.h"
 #include "server/generation.h"
 #include "server/metrics.h"
@@ -80,8 +80,8 @@ class VlmGraphService final
   // (server/weights_publisher.h). `router`'s engines must be started. None is owned; each must
   // outlive the service.
   VlmGraphService(EngineRouter* router, Metrics* metrics, const ServerConfig& config,
-                  const TextModel* text = nullptr,
-                  const ApiKeys* keys = nullptr, WeightsPublisher* publisher = nullptr);
+                  const TextModel* text = nullptr, const ApiKeys* keys = nullptr,
+                  WeightsPublisher* publisher = nullptr);
 
   grpc::Status GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest* request,
                             v1::ModelInfo* response) override;
@@ -108,8 +108,8 @@ class VlmGraphService final
   void SetShutdownDeadline(Clock::time_point deadline);
 
  private:
-  class GenerateCall;      // server/generate_rpc.cc
-  struct GenerateThreads;  // the prepare and stream threads (server/generate_rpc.cc)
+  class GenerateCall;      // server/grpc/generate_rpc.cc
+  struct GenerateThreads;  // the prepare and stream threads (server/grpc/generate_rpc.cc)
   static std::shared_ptr<GenerateThreads> StartGenerateThreads();
 
   // The end of every counted call (synchronous or callback), called once, before its status is
@@ -133,12 +133,12 @@ class VlmGraphService final
                 grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream);
 
   EngineRouter* router_;
-  Engine* engine_;        // the first engine: Validate and the model's accessors
+  Engine* engine_;  // the first engine: Validate and the model's accessors
   Metrics* metrics_;
   const ServerConfig config_;
   const TextModel* text_;
   const ApiKeys* keys_;
-  TrainSlot train_slot_;  // one Train job at a time (server/train_rpc.cc)
+  TrainSlot train_slot_;  // one Train job at a time (server/grpc/train_rpc.cc)
   WeightsPublisher* publisher_;
   // One call counted in in_flight() for as long as it lives: from acceptance until its status.
   class CallCount {

@@ -1,8 +1,8 @@
-// server/openai_http.h: the OpenAI-compatible HTTP API on its own address (server.http_address),
-// served by the event-driven HTTP front (server/http_server.h: Boost.Beast). Requests run through
-// the same validation, router (server/engine_router.h), limits and metrics as gRPC Generate
-// (GenerationSession, server/generation.h); the JSON side (formats, accepted fields, their
-// sources) is server/openai_protocol.h.
+// server/openai/openai_http.h: the OpenAI-compatible HTTP API on its own address
+// (server.http_address), served by the event-driven HTTP front (server/http/http_server.h:
+// Boost.Beast). Requests run through the same validation, router (server/engine_router.h), limits
+// and metrics as gRPC Generate (GenerationSession, server/generation.h); the JSON side (formats,
+// accepted fields, their sources) is server/openai/requests.h.
 //
 //   OpenAiHttpServer http(config, &router, &metrics, text_model.get());   // listening
 //   http.address();          // "127.0.0.1:8000" (resolves port 0)
@@ -63,9 +63,9 @@
 // Cancellation: a client that closes its connection cancels its generation at once, streaming or
 // not (the front keeps reading the connection while the response is pending).
 //
-// Graceful shutdown (Note [Graceful shutdown], server/grpc_server.h): StopAccepting turns /health
-// to 503 and refuses new requests with 503; Shutdown(timeout) lets requests in flight run until
-// `timeout` seconds after StopAccepting, then cancels the rest (streams end with a 503 error
+// Graceful shutdown (Note [Graceful shutdown], server/grpc/grpc_server.h): StopAccepting turns
+// /health to 503 and refuses new requests with 503; Shutdown(timeout) lets requests in flight run
+// until `timeout` seconds after StopAccepting, then cancels the rest (streams end with a 503 error
 // event, other requests answer 503), closes every connection and joins the front's threads.
 //
 // Metrics: vlmgraph_http_requests_total{endpoint, status} and
@@ -85,9 +85,9 @@
 #include <string>
 
 #include "server/auth.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/engine_router.h"
-#include "server/http_server.h"
+#include "server/http/http_server.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
@@ -105,9 +105,9 @@ int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits);
 class OpenAiHttpServer {
  public:
   // Listens on config.server.http_address (port 0: any free port) and serves. `router`'s engines
-  // must be started (the first answers Validate and max_context); `metrics` may be null (tests); `text`
-  // may be null (no tokenizer: the text endpoints answer 400 saying so); `keys` may be null (no
-  // API keys; otherwise every endpoint but /health needs a key with the inference scope: 401
+  // must be started (the first answers Validate and max_context); `metrics` may be null (tests);
+  // `text` may be null (no tokenizer: the text endpoints answer 400 saying so); `keys` may be null
+  // (no API keys; otherwise every endpoint but /health needs a key with the inference scope: 401
   // without a valid one, 403 without the scope). TLS when config.tls.cert_file is set
   // (ServerConfigError when the files do not load). All must outlive this.
   // `publisher` may be null (no /v1/admin/rollback: 404).

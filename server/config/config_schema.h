@@ -1,12 +1,13 @@
-// server/config_schema.h: the one table of the server's YAML keys. Each key is described here
-// once; server/config.h's steps (ParseConfig, FillDefaults, the range part of ValidateConfig) and
-// printers (ConfigToYaml, DocumentedConfigYaml) walk the table, and deploy/config.yaml is generated
-// from it (`vlmgraph-server --config deploy/config.yaml --print-config-documented`).
+// server/config/config_schema.h: the one table of the server's YAML keys. Each key is described
+// here once; server/config/config.h's steps (ParseConfig, FillDefaults, the range part of
+// ValidateConfig) and printers (ConfigToYaml, DocumentedConfigYaml) walk the table, and
+// deploy/config.yaml is generated from it (`vlmgraph-server --config deploy/config.yaml
+// --print-config-documented`).
 //
 //   for (const ConfigKey& key : ConfigKeys())
 //     std::cout << key.name << " (default " << key.default_text << "): " << key.doc << "\n";
 //
-// Adding a key: a ServerConfig field, one entry in server/config_schema.cc, then regenerate
+// Adding a key: a ServerConfig field, one entry in server/config/config_schema.cc, then regenerate
 // deploy/config.yaml (tests/server_config_test.cc fails until it matches).
 // Thread rules: the tables are built on first use (a thread-safe static) and read-only afterwards.
 #pragma once
@@ -16,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "server/config.h"
+#include "server/config/config.h"
 
 namespace YAML {
 class Emitter;
@@ -33,7 +34,8 @@ enum class ConfigType {
   kSeconds,      // a number (double): seconds, or the unit the key's name or doc gives
   kIntegerList,  // a sequence of int64, like [1, 2, 4]
   kEnum,         // one of `allowed`
-  kAddress,      // a listen address, HOST:PORT or [IPV6]:PORT (server/listen_address.h); "" = none
+  kAddress,  // a listen address, HOST:PORT or [IPV6]:PORT (server/config/listen_address.h); "" =
+             // none
 };
 
 struct ConfigKey {
@@ -84,6 +86,10 @@ const std::vector<ConfigSection>& ConfigSections();
 
 // " (line N)" of a parsed YAML node, "" when the node has no position (built, not parsed).
 std::string YamlLine(const YAML::Node& node);
+
+// A bound or a setting in a message or a printed config, with up to 15 significant digits and no
+// trailing zeros: 86400 -> "86400", 0.5 -> "0.5", 5.12e-3 -> "0.00512".
+std::string ConfigNumber(double v);
 
 // The header comment of a documented YAML whose source has none: "# " lines, each ending in "\n".
 const std::string& DefaultConfigHeader();

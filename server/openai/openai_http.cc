@@ -1,4 +1,4 @@
-#include "server/openai_http.h"
+#include "server/openai/openai_http.h"
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +16,8 @@
 
 #include "base/log.h"
 #include "server/generation.h"
-#include "server/openai_protocol.h"
+#include "server/openai/requests.h"
+#include "server/openai/responses.h"
 #include "server/status.h"
 #include "server/text_stream.h"
 
@@ -28,7 +29,14 @@ namespace net = boost::asio;
 
 // Routes, for the metric's endpoint label and for 405 (method) vs 404 (path).
 enum class Endpoint {
-  kHealth, kModels, kModel, kChat, kCompletions, kTokenize, kDetokenize, kRollback
+  kHealth,
+  kModels,
+  kModel,
+  kChat,
+  kCompletions,
+  kTokenize,
+  kDetokenize,
+  kRollback
 };
 struct Route {
   const char* path;
@@ -77,7 +85,8 @@ bool IsJsonContentType(const std::string& value) {
 std::string PercentDecodeModel(const std::string& text) {
   std::string out;
   for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] == '%' && i + 2 < text.size() && std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
+    if (text[i] == '%' && i + 2 < text.size() &&
+        std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
         std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
       out += static_cast<char>(std::stoi(text.substr(i + 1, 2), nullptr, 16));
       i += 2;
@@ -118,7 +127,7 @@ struct OpenAiHttpServer::Impl {
     net::strand<net::thread_pool::executor_type> strand;
     std::unique_ptr<GenerationSession> session;  // strand
     std::atomic<bool> drain_scheduled{false};
-    std::string out;    // non-streaming: the text so far
+    std::string out;     // non-streaming: the text so far
     bool ended = false;  // strand
     // Itself while the generation runs (Start to the end of Drain or Fail): nothing else holds a
     // generation that waits for the engine.
@@ -147,7 +156,7 @@ struct OpenAiHttpServer::Impl {
   EngineRouter* const router;
   Metrics* const metrics;
   const TextModel* const text;
-  const ApiKeys* const keys;  // may be null: no keys
+  const ApiKeys* const keys;          // may be null: no keys
   WeightsPublisher* const publisher;  // may be null: no rollback endpoint
   const RequestContext ctx;
   const int64_t created;  // Unix seconds: /v1/models' "created"
@@ -194,12 +203,12 @@ HeadVerdict OpenAiHttpServer::Impl::OnHead(const HttpRequest& head) {
   std::optional<Route> route = FindRoute(head.path);
   if (route && route->endpoint == Endpoint::kRollback && publisher == nullptr) route.reset();
   if (!route) {
-    return RefuseHead(head, {404, "invalid_request_error",
-                             "Invalid URL (" + LogSafe(head.method, 16) + " " +
-                                 LogSafe(head.path, 256) +
-                                 "): this server serves /v1/chat/completions, /v1/completions, "
-                                 "/v1/models, /tokenize, /detokenize and /health",
-                             "", ""});
+    return RefuseHead(head,
+                      {404, "invalid_request_error",
+                       "Invalid URL (" + LogSafe(head.method, 16) + " " + LogSafe(head.path, 256) +
+                           "): this server serves /v1/chat/completions, /v1/completions, "
+                           "/v1/models, /tokenize, /detokenize and /health",
+                       "", ""});
   }
   if (head.method != route->method) {
     HeadVerdict v = RefuseHead(head, {405, "invalid_request_error",
@@ -222,12 +231,12 @@ HeadVerdict OpenAiHttpServer::Impl::OnHead(const HttpRequest& head) {
   if (std::string(route->method) == "GET") return HeadVerdict::Accept(0);
   const std::string content_type = head.Header("Content-Type");
   if (!IsJsonContentType(content_type)) {
-    return RefuseHead(
-        head, {415, "invalid_request_error",
-               "Content-Type must be application/json, got " +
-                   (content_type.empty() ? std::string("none") : "'" + LogSafe(content_type, 64) + "'") +
-                   "; send the JSON body with `Content-Type: application/json`",
-               "", ""});
+    return RefuseHead(head, {415, "invalid_request_error",
+                             "Content-Type must be application/json, got " +
+                                 (content_type.empty() ? std::string("none")
+                                                       : "'" + LogSafe(content_type, 64) + "'") +
+                                 "; send the JSON body with `Content-Type: application/json`",
+                             "", ""});
   }
   if (head.content_length && *head.content_length > static_cast<uint64_t>(max_body_bytes)) {
     return RefuseHead(head, {413, "invalid_request_error",
@@ -283,8 +292,11 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
     int64_t serving = 0;
     for (const EngineState& e : engines) {
       serving += e.healthy ? 1 : 0;
-      json entry = {{"device", e.device},   {"gpu", e.gpu},         {"healthy", e.healthy},
-                    {"running", e.running}, {"waiting", e.waiting}};
+      json entry = {{"device", e.device},
+                    {"gpu", e.gpu},
+                    {"healthy", e.healthy},
+                    {"running", e.running},
+                    {"waiting", e.waiting}};
       if (!e.error.empty()) entry["error"] = e.error;
       list.push_back(std::move(entry));
     }
@@ -295,8 +307,8 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
       return;
     }
     const ErrorInfo e = ErrorOf(std::make_exception_ptr(ServerError(
-        grpc::StatusCode::UNAVAILABLE, accepting.load() ? "no GPU of this server can serve"
-                                                        : "the server is shutting down")));
+        grpc::StatusCode::UNAVAILABLE,
+        accepting.load() ? "no GPU of this server can serve" : "the server is shutting down")));
     LogRefusal(x->request(), e);
     json body = ErrorJson(e);
     body["engines"] = std::move(list);
@@ -489,10 +501,11 @@ void OpenAiHttpServer::Impl::Generation::Start(ValidatedRequest request) {
       Clock::now() - std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(exchange->seconds()));
   std::weak_ptr<Generation> weak = weak_from_this();
-  session = std::make_unique<GenerationSession>(
-      *owner->router, owner->metrics, std::move(request), accepted, &text, [weak] {
-        if (auto self = weak.lock()) self->ScheduleDrain();
-      });
+  session = std::make_unique<GenerationSession>(*owner->router, owner->metrics, std::move(request),
+                                                accepted, &text, [weak] {
+                                                  if (auto self = weak.lock())
+                                                    self->ScheduleDrain();
+                                                });
   self = shared_from_this();
   // Submitted: from here on errors go to the client through Drain.
   if (g.stream) {
@@ -533,9 +546,9 @@ void OpenAiHttpServer::Impl::Generation::Drain() {
     if (!g.stream) {
       out += d.text;
     } else if (!d.text.empty()) {
-      exchange->Write(SseEvent(chat ? ChatCompletionChunkJson(meta, {{"content", d.text}}, "",
-                                                              g.include_usage)
-                                    : CompletionChunkJson(meta, d.text, "", g.include_usage)));
+      exchange->Write(
+          SseEvent(chat ? ChatCompletionChunkJson(meta, {{"content", d.text}}, "", g.include_usage)
+                        : CompletionChunkJson(meta, d.text, "", g.include_usage)));
     }
   }
   if (!t.finished) return;
@@ -549,9 +562,9 @@ void OpenAiHttpServer::Impl::Generation::Drain() {
                       Dump(chat ? ChatCompletionJson(meta, out, reason, usage)
                                 : CompletionJson(meta, out, reason, usage)));
   } else {
-    exchange->Write(SseEvent(chat ? ChatCompletionChunkJson(meta, json::object(), reason,
-                                                            g.include_usage)
-                                  : CompletionChunkJson(meta, "", reason, g.include_usage)));
+    exchange->Write(
+        SseEvent(chat ? ChatCompletionChunkJson(meta, json::object(), reason, g.include_usage)
+                      : CompletionChunkJson(meta, "", reason, g.include_usage)));
     if (g.include_usage) {
       exchange->Write(SseEvent(
           UsageChunkJson(meta, chat ? "chat.completion.chunk" : "text_completion", usage)));
@@ -567,13 +580,13 @@ void OpenAiHttpServer::Impl::Generation::Fail(std::exception_ptr error) {
   ended = true;
   session.reset();
   const std::shared_ptr<Generation> keep = std::move(self);  // released as this returns
-  if (exchange->client_gone()) return;  // reported as 499 by the front
+  if (exchange->client_gone()) return;                       // reported as 499 by the front
   const ErrorInfo e = owner->ErrorOf(error);
   if (!g.stream) return owner->SendError(*exchange, e);
   const bool server_fault = e.http_status >= 500 && e.http_status != 503;
-  Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
-      "HTTP stream " + meta.id + " -> " + std::to_string(e.http_status) + ": " +
-          LogSafe(e.message, 512));
+  Log(server_fault ? LogLevel::kError : LogLevel::kDebug, "HTTP stream " + meta.id + " -> " +
+                                                              std::to_string(e.http_status) + ": " +
+                                                              LogSafe(e.message, 512));
   exchange->SetReportedStatus(e.http_status);
   exchange->Write(SseEvent(ErrorJson(e)));
   exchange->Write(kSseDone);
@@ -606,8 +619,7 @@ OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, EngineRouter* rou
     m.OnComplete(r, status, seconds);
   };
   h.error_body = [](int status, const std::string& message) {
-    ErrorInfo e{status, status >= 500 ? "server_error" : "invalid_request_error", message, "",
-                ""};
+    ErrorInfo e{status, status >= 500 ? "server_error" : "invalid_request_error", message, "", ""};
     return std::make_pair(std::string("application/json"), Dump(ErrorJson(e)));
   };
   if (metrics) {
