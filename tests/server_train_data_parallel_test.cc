@@ -1,9 +1,9 @@
 // The Train RPC on a server with several engines (server/train_ranks.h, Note [In-process ranks]):
 // two CPU engines of the tiny preset behind the real gRPC service, in this process, train one job
-// as two gloo ranks. The job gives the losses and weights of the same job on a one-engine server,
-// its publish is served by both engines (and rolled back on both), serving goes on while it
-// trains, and a rank that fails ends the job on both ranks with the rank's error while the
-// engines keep serving and the next job trains.
+// as two gloo ranks (two GPUs and NCCL in the *_CUDA test). The job gives the losses and weights
+// of the same job on a one-engine server, its publish is served by both engines (and rolled back
+// on both), serving goes on while it trains, and a rank that fails ends the job on both ranks with
+// the rank's error while the engines keep serving and the next job trains.
 #include <ATen/ATen.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
@@ -26,6 +26,7 @@
 #include "server/grpc/service.h"
 #include "server/metrics.h"
 #include "server/weights_publisher.h"
+#include "tests/test_util.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
@@ -75,8 +76,12 @@ class TrainFaultInjector : public EngineObserver {
 // publisher over every engine and no publish gate.
 class TestServer {
  public:
-  explicit TestServer(int64_t engines, double timeout_seconds = 60) {
+  // `device` "cuda": engines on cuda:0 .. cuda:engines-1, float32, graphed.
+  explicit TestServer(int64_t engines, double timeout_seconds = 60,
+                      const std::string& device = "cpu") {
     config_ = FillDefaults(RawConfig{});
+    config_.device = device;
+    config_.dtype = "float32";
     config_.data_parallel_size = engines;
     config_.server.grpc_address = ListenAddress::Parse("127.0.0.1:0");
     config_.server.http_address = ListenAddress::Parse("127.0.0.1:0");
@@ -269,19 +274,19 @@ double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 // Six float32 steps on 2 engines against the same job on 1 engine: each engine trains on half of
 // every batch of 4 (2 examples, one micro-batch of bucket 2), the one engine on all 4 in two
 // micro-batches of 2, accumulating: the same losses, gradient norms (clipped globally), loss
-// tokens and, once published, weights on both engines within 1e-5.
-TEST(ServerTrainDataParallel, TwoEnginesTrainTheJobOfOneEngineAndBothServeItsWeights) {
-  SKIP_WITHOUT_GLOO();
+// tokens and, once published, weights on both engines within 1e-5. On `device` ("cpu": gloo;
+// "cuda": two GPUs, NCCL, graphed steps).
+void ExpectTwoEnginesTrainTheJobOfOneEngine(const std::string& device) {
   constexpr int kSteps = 6;
   JobRun one, two;
   std::map<std::string, at::Tensor> want;
   {
-    TestServer server(1);
+    TestServer server(1, 60, device);
     one = RunJob(server.stub(), kSteps, /*publish=*/true);
     ASSERT_TRUE(one.status.ok()) << one.status.error_message();
     want = server.Served(0);
   }
-  TestServer server(2);
+  TestServer server(2, 60, device);
   const std::map<std::string, at::Tensor> before = server.Served(1);
   two = RunJob(server.stub(), kSteps, /*publish=*/true);
   ASSERT_TRUE(two.status.ok()) << two.status.error_message();
@@ -302,6 +307,21 @@ TEST(ServerTrainDataParallel, TwoEnginesTrainTheJobOfOneEngineAndBothServeItsWei
   EXPECT_GT(MaxAbsDiff(served1, before), 1e-3);  // the publish changed engine 1 too
   EXPECT_LE(MaxAbsDiff(served0, want), 1e-5);
   EXPECT_LE(MaxAbsDiff(served1, want), 1e-5);
+}
+
+TEST(ServerTrainDataParallel, TwoEnginesTrainTheJobOfOneEngineAndBothServeItsWeights) {
+  SKIP_WITHOUT_GLOO();
+  ExpectTwoEnginesTrainTheJobOfOneEngine("cpu");
+}
+
+// The same on two GPUs: NCCL ranks in one process, each capturing its graphs on its own GPU
+// thread at the same time (Note [Capture mode] in engine/step_runner.h).
+TEST(ServerTrainDataParallel, TwoGpuEnginesTrainTheJobOfOneGpuEngine_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  if (at::getNumGPUs() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "no NCCL in this build";
+  at::globalContext().setAllowTF32CuBLAS(false);
+  ExpectTwoEnginesTrainTheJobOfOneEngine("cuda");
 }
 
 // A publish changes both engines (equal logits on each, unlike before it), a rollback restores
