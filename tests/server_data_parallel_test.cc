@@ -32,6 +32,7 @@
 #include "server/openai/openai_http.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
+#include "tests/server_test_util.h"
 #include "tests/tiny_tokenizer.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
@@ -47,24 +48,14 @@ constexpr const char* kInjectedFault = "cudaErrorIllegalAddress: injected by the
 // The engine's observer: forwards to the engine's metrics and, once armed, throws from the next
 // region run, as a kernel on a failed GPU does; `step_delay_ms` slows decode steps so requests
 // stay running while the test acts.
-class FaultInjector : public EngineObserver {
+class FaultInjector : public ForwardingObserver {
  public:
-  explicit FaultInjector(EngineMetrics* metrics) : metrics_(metrics) {}
-  void OnCapture(const BucketKey& key, double seconds) override { metrics_->OnCapture(key, seconds); }
+  explicit FaultInjector(EngineMetrics* metrics) : ForwardingObserver(metrics) {}
   void OnStep(const BucketKey& key, bool graphed, double seconds) override {
-    metrics_->OnStep(key, graphed, seconds);
+    ForwardingObserver::OnStep(key, graphed, seconds);
     if (armed) throw std::runtime_error(kInjectedFault);
     if (key.region == Region::kDecode && step_delay_ms > 0)
       std::this_thread::sleep_for(milliseconds(step_delay_ms.load()));
-  }
-  void OnEagerFallback(Region region, const std::string& reason) override {
-    metrics_->OnEagerFallback(region, reason);
-  }
-  void OnTokens(Region region, int64_t real, int64_t padded) override {
-    metrics_->OnTokens(region, real, padded);
-  }
-  void OnBatch(Region region, int64_t real_batch) override {
-    metrics_->OnBatch(region, real_batch);
   }
 
   std::atomic<bool> armed{false};
@@ -171,15 +162,7 @@ class DataParallelTest : public ::testing::Test {
     v1::GenerateRequest req;
     for (int64_t i = 0; i < 8; ++i) req.add_input_ids((first + 7 * i) % 200);
     req.mutable_sampling()->set_max_new_tokens(max_new);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-    auto reader = stub_->Generate(&ctx, req);
-    v1::GenerateResponse chunk;
-    int64_t tokens = 0;
-    while (reader->Read(&chunk)) {
-      if (chunk.has_tokens()) tokens += chunk.tokens().token_ids_size();
-    }
-    return {reader->Finish(), tokens};
+    return StreamGenerate(*stub_, req, std::chrono::seconds(60));
   }
 
   // A non-streaming /v1/completions of `max_tokens` tokens (no stop tokens).

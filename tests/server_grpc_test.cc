@@ -27,6 +27,7 @@
 #include "server/engine_router.h"
 #include "server/grpc/service.h"
 #include "server/metrics.h"
+#include "tests/server_test_util.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
@@ -41,29 +42,17 @@ constexpr int kServerThreads = 4;
 
 // The engine's observer: forwards to the engine's metrics; while closed, every decode step waits
 // on the GPU thread until the gate opens (at most a minute, so a failing test cannot hang).
-class DecodeGate : public EngineObserver {
+class DecodeGate : public ForwardingObserver {
  public:
-  explicit DecodeGate(EngineMetrics* metrics) : metrics_(metrics) {}
-  void OnCapture(const BucketKey& key, double seconds) override {
-    metrics_->OnCapture(key, seconds);
-  }
+  explicit DecodeGate(EngineMetrics* metrics) : ForwardingObserver(metrics) {}
   void OnStep(const BucketKey& key, bool graphed, double seconds) override {
-    metrics_->OnStep(key, graphed, seconds);
+    ForwardingObserver::OnStep(key, graphed, seconds);
     if (key.region != Region::kDecode) return;
     std::unique_lock<std::mutex> lock(mu_);
     ++waiting_;
     cv_.notify_all();
     cv_.wait_for(lock, std::chrono::minutes(1), [this] { return open_; });
     --waiting_;
-  }
-  void OnEagerFallback(Region region, const std::string& reason) override {
-    metrics_->OnEagerFallback(region, reason);
-  }
-  void OnTokens(Region region, int64_t real, int64_t padded) override {
-    metrics_->OnTokens(region, real, padded);
-  }
-  void OnBatch(Region region, int64_t real_batch) override {
-    metrics_->OnBatch(region, real_batch);
   }
 
   void Set(bool open) {
@@ -80,7 +69,6 @@ class DecodeGate : public EngineObserver {
   }
 
  private:
-  EngineMetrics* metrics_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = true;

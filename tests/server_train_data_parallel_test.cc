@@ -26,6 +26,7 @@
 #include "server/grpc/service.h"
 #include "server/metrics.h"
 #include "server/weights_publisher.h"
+#include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
@@ -40,28 +41,19 @@ constexpr const char* kInjectedFault = "injected training fault";
 // next training micro-batch that runs eagerly (one longer than every train bucket) throws, as a
 // failed kernel would, without the device being lost; `step_delay_ms` slows decode steps so that
 // requests keep running while a job trains.
-class TrainFaultInjector : public EngineObserver {
+class TrainFaultInjector : public ForwardingObserver {
  public:
-  explicit TrainFaultInjector(EngineMetrics* metrics) : metrics_(metrics) {}
-  void OnCapture(const BucketKey& key, double seconds) override {
-    metrics_->OnCapture(key, seconds);
-  }
+  explicit TrainFaultInjector(EngineMetrics* metrics) : ForwardingObserver(metrics) {}
   void OnStep(const BucketKey& key, bool graphed, double seconds) override {
-    metrics_->OnStep(key, graphed, seconds);
+    ForwardingObserver::OnStep(key, graphed, seconds);
     if (key.region == Region::kTrain) ++train_steps;
     if (key.region == Region::kDecode && step_delay_ms > 0)
       std::this_thread::sleep_for(milliseconds(step_delay_ms.load()));
   }
   void OnEagerFallback(Region region, const std::string& reason) override {
-    metrics_->OnEagerFallback(region, reason);
+    ForwardingObserver::OnEagerFallback(region, reason);
     if (region == Region::kTrain && fail_training.exchange(false))
       throw std::runtime_error(kInjectedFault);
-  }
-  void OnTokens(Region region, int64_t real, int64_t padded) override {
-    metrics_->OnTokens(region, real, padded);
-  }
-  void OnBatch(Region region, int64_t real_batch) override {
-    metrics_->OnBatch(region, real_batch);
   }
 
   std::atomic<bool> fail_training{false};
@@ -170,15 +162,7 @@ class TestServer {
     v1::GenerateRequest req;
     for (int64_t i = 0; i < 8; ++i) req.add_input_ids(3 + 11 * i);
     req.mutable_sampling()->set_max_new_tokens(max_new);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-    auto reader = stub_->Generate(&ctx, req);
-    v1::GenerateResponse chunk;
-    int64_t tokens = 0;
-    while (reader->Read(&chunk)) {
-      if (chunk.has_tokens()) tokens += chunk.tokens().token_ids_size();
-    }
-    return {reader->Finish(), tokens};
+    return StreamGenerate(*stub_, req, std::chrono::seconds(120));
   }
 
  private:
