@@ -3,13 +3,6 @@
 #include <exception>
 
 namespace vlmgraph::server {
-namespace {
-
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-}  // namespace
 
 GenerationSession::GenerationSession(EngineRouter& router, Metrics* metrics,
                                      ValidatedRequest request, Clock::time_point accepted,

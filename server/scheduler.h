@@ -87,6 +87,11 @@ namespace vlmgraph::server {
 
 using Clock = std::chrono::steady_clock;
 
+// Seconds from `t0` to now on Clock (request latencies, queue and step times).
+inline double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 struct SchedulerOptions {
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 256;  // waiting requests and work items of this scheduler

@@ -20,10 +20,6 @@
 namespace vlmgraph::server {
 namespace {
 
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 // Each job's group has a name of its own (its store is its own too).
 std::string NextGroupName() {
   static std::atomic<int64_t> jobs{0};

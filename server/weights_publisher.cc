@@ -15,10 +15,6 @@
 namespace vlmgraph::server {
 namespace {
 
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 std::string Number(double v) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.4g", v);

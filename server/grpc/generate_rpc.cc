@@ -21,10 +21,6 @@ namespace {
 
 namespace net = boost::asio;
 
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 v1::FinishReason ToProto(FinishReason r) {
   switch (r) {
     case FinishReason::kLength:

@@ -8,13 +8,6 @@
 #include "server/status.h"
 
 namespace vlmgraph::server {
-namespace {
-
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-}  // namespace
 
 VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics, const ServerConfig& config,
                                  const TextModel* text, const ApiKeys* keys,

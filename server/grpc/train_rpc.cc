@@ -25,10 +25,6 @@
 namespace vlmgraph::server {
 namespace {
 
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 // Note [Hyperparameter ranges]: every number of a TrainConfig is checked against a documented
 // range (proto/vlmgraph/v1/train.proto) before the job starts, INVALID_ARGUMENT naming the field,
 // the range and the value. The ranges hold every setting that trains a model and refuse those
