@@ -47,22 +47,18 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   std::fill(tokens_p, tokens_p + batch, model_->cfg.pad_token_id());
   std::fill(positions_p, positions_p + batch, 0);
   std::fill(carry_p, carry_p + batch, false);
-  bool any_carried = false;
   std::vector<SamplingDraw> draws;  // the sampled rows
   for (Sequence* s : fed) {
     const int64_t ahead = carry ? s->queued : 0;
     tokens_p[s->slot] = s->last_token;  // unused when carried
     positions_p[s->slot] = s->length + ahead;
     carry_p[s->slot] = ahead > 0;
-    any_carried = any_carried || ahead > 0;
     // This step's token is the sequence's (generated + ahead)-th: each step queued ahead of it
     // gives one before it.
     if (!s->sampling.greedy) draws.push_back({s->slot, &s->sampling, s->generated + ahead});
   }
-  if (any_carried) {
-    // The step ahead is queued_, the last one queued: its tokens, in stream order.
-    buf.dec_carry.narrow(0, 0, queued_->key.batch).copy_(queued_->tokens, /*non_blocking=*/true);
-  }
+  // Carried rows read dec_carry, which the step ahead (queued_, the last one queued) wrote: its
+  // tokens, in stream order.
   buf.dec_in.copy_(buf.host_dec_in[half], /*non_blocking=*/true);
   if (observer_) observer_->OnBatch(Region::kDecode, static_cast<int64_t>(fed.size()));
 
@@ -82,13 +78,11 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
     counters_.decode_steps++;
   }
   if (step->kind == RunKind::kCaptureAndReplay) graph_pool_bytes_ = runner_->pool_bytes();
-  const std::vector<at::Tensor>& out = r.outputs;  // logits (batch, V), greedy tokens (batch)
-  step->tokens = out[1];
-  if (!draws.empty()) {
-    step->tokens = step->tokens.clone();  // the greedy output is the graph's; sampled rows differ
-    SampleRowsInto(out[0], draws, step->tokens);
-  }
-  buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(step->tokens, /*non_blocking=*/true);
+  // The region left each row's greedy token in dec_carry; sampled rows are overwritten there
+  // (from the logits, the region's output, before any other run), so the next step carries them.
+  const at::Tensor tokens = buf.dec_carry.narrow(0, 0, batch);
+  if (!draws.empty()) SampleRowsInto(r.outputs[0], draws, tokens);
+  buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(tokens, /*non_blocking=*/true);
   buf.dec_done[half]->Record();
   // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
   const int64_t real = static_cast<int64_t>(fed.size());

@@ -70,6 +70,10 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
     runner_ = MakeCudaGraphStepRunner(options_.device.has_index() ? options_.device.index() : 0);
   }
   if (!runner_) runner_ = std::make_unique<EagerStepRunner>();
+  if (options_.check_graphs) {
+    runner_->set_check_static_inputs(*options_.check_graphs);
+    runner_->set_check_output_lifetime(*options_.check_graphs);
+  }
   // What every graph reads in place (Note [Static input check], engine/step_runner.h).
   runner_->WatchStaticInputs([this] {
     std::vector<at::Tensor> inputs = model_->parameters();
@@ -191,8 +195,12 @@ RegionFn Engine::MakeRegionFn(const BucketKey& key) {
         at::Tensor x = m->decoder->token_embedding->forward(tokens.view({b, 1}));
         at::Tensor h = m->decoder->Decode(x, &bf->cache, bf->dec_pos.narrow(0, 0, b), c);
         at::Tensor logits = m->decoder->Logits(h.select(1, 0));  // (b, V)
-        // Greedy tokens (b) int64 inside the region, so a step launches nothing after it.
-        return std::vector<at::Tensor>{logits, ops::ArgmaxRows(logits)};
+        // Greedy tokens (b) int64 inside the region, so a step launches nothing after it, and
+        // into dec_carry (read above, so in stream order after that read), where the next step
+        // carries them from: a region's outputs are valid only until the runner's next run of
+        // any bucket (Note [Graph memory pool]), and a prefill runs between two decode steps.
+        ops::ArgmaxRowsInto(logits, bf->dec_carry.narrow(0, 0, b));
+        return std::vector<at::Tensor>{logits};
       };
     }
     case Region::kTrain:
@@ -712,6 +720,9 @@ double Engine::TimeRegion(const BucketKey& key, int iters) {
     // Representative attention length: every row at the end of the bucket's context.
     buffers_->dec_pos.narrow(0, 0, key.batch).fill_(key.seq - 1);
   }
+  // A decode region leaves its tokens in dec_carry for the next step: keep the queued step's.
+  const at::Tensor carried =
+      key.region == Region::kDecode ? buffers_->dec_carry.clone() : at::Tensor();
   RegionFn fn = MakeRegionFn(key);
   std::vector<at::Tensor> outputs;
   runner_->Run(key, fn, runner_->captures(), &outputs);
@@ -719,7 +730,9 @@ double Engine::TimeRegion(const BucketKey& key, int iters) {
   const auto t0 = Clock::now();
   for (int i = 0; i < iters; ++i) runner_->Run(key, fn, false, &outputs);
   SynchronizeDevice(options_.device);
-  return SecondsSince(t0) / std::max(1, iters);
+  const double seconds = SecondsSince(t0) / std::max(1, iters);
+  if (carried.defined()) buffers_->dec_carry.copy_(carried);
+  return seconds;
 }
 
 // ---------------------------------------------------------------------------------------------

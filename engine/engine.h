@@ -57,6 +57,10 @@ struct EngineOptions {
   // the context bounds them.
   int64_t max_new_tokens_limit = 0;
   bool log_captures = true;  // one log line per capture and a summary (stderr)
+  // The graph checks (Notes [Static input check] and [Output lifetime check] in
+  // engine/step_runner.h). Unset: GraphChecksByDefault() (builds without NDEBUG, or
+  // VLMGRAPH_CHECK_GRAPHS=1).
+  std::optional<bool> check_graphs;
   // Overlapped decode steps (see Step()): queue decode step N + 1, fed with step N's tokens on the
   // device, before waiting for step N's tokens on the host, so the GPU never idles through the
   // engine's host work between steps. Unset: on for CUDA devices, off on CPU (where work runs as
@@ -159,7 +163,8 @@ class Engine {
   // Diagnostics (GPU thread): runs the region of `key` `iters` times back to back on the inputs
   // its buffers hold (replays of its graph, captured first if missing, or eager calls) and returns
   // mean seconds per run, the device synchronised once at the end: the region's device time
-  // without the engine's per-step host work. Regions are idempotent on unchanged inputs. With no
+  // without the engine's per-step host work. Regions are idempotent on unchanged inputs, but for
+  // the tokens a decode region leaves for the next step, which are restored afterwards. With no
   // active sequence, a decode bucket is timed with every row attending to its full context.
   double TimeRegion(const BucketKey& key, int iters);
 

@@ -64,7 +64,11 @@ struct Engine::Buffers {
   at::Tensor dec_tokens;      // (max_batch) int64, token fed to each decode row ...
   at::Tensor dec_carry_flag;  // (max_batch) bool, ... unless set: then dec_carry's is fed
   at::Tensor dec_pos;         // (max_batch) int64, position of that token
-  at::Tensor dec_carry;       // (max_batch) int64, the previous queued step's tokens (device)
+  // (max_batch) int64, each row's token from the last decode step queued: its region writes
+  // the greedy tokens here (and the engine the sampled rows' after it), the next step reads the
+  // rows flagged in dec_carry_flag. Engine-owned, not a region output: those are valid only until
+  // the runner's next run (Note [Graph memory pool], engine/step_runner.h).
+  at::Tensor dec_carry;
   // Host staging of decode steps (pinned when the device is CUDA, so the copies are truly
   // asynchronous), two halves used by alternate steps, since a step is staged while the one
   // before it is still queued: dec_in's contents, and each row's token read back.
@@ -80,7 +84,6 @@ struct Engine::QueuedStep {
   std::vector<std::pair<SequenceId, int64_t>> rows;  // (sequence, KV cache row) of each fed row
   BucketKey key;  // its bucket, or the exact shape of an eager fallback
   RunKind kind = RunKind::kEager;
-  at::Tensor tokens;  // (key.batch) int64 on the device: each row's next token
   int half = 0;       // host staging half (Buffers::host_dec_in, host_dec_tokens, dec_done)
   Clock::time_point queued_at;
 };

@@ -5,12 +5,28 @@
 // up on a side stream, captures it once per bucket into a graph in one shared memory pool, keeps
 // the returned tensors as the bucket's static outputs, and later only replays.
 //
-// Note [Graph memory pool]: all graphs of one runner allocate from one private pool (the first
-// graph's pool, passed to every later capture_begin). Blocks freed at the end of one capture can
-// be reused by later captures, so intermediates are shared; the static outputs stay referenced by
-// the runner and are never reused by another graph. A graph's outputs are overwritten by its own
-// next replay: the engine consumes them before replaying that bucket again. The first graph owns
-// the pool and must outlive the others, so graphs are destroyed in reverse capture order.
+// Note [Graph memory pool]: all graphs of one runner allocate from one private pool (the
+// runner's pool id, passed to every capture_begin). Blocks freed at the end of one capture can be
+// reused by later captures, so intermediates are shared. A graph's static outputs stay referenced
+// by the runner, so no later capture reuses them; but an output of a graph captured later can sit
+// in memory that was an intermediate of a graph captured earlier, and every replay of that
+// earlier graph overwrites it. So the contract of every runner is: a run's outputs are valid
+// until the runner's next Run or Capture of any bucket. What the engine needs across runs (the
+// decode step's tokens, which the next step carries, with a prefill in between) it keeps in
+// buffers of its own, written inside the region; the trainer clones its losses. PyTorch states
+// the same condition for graphs that share a pool (torch.cuda.graph's `pool` argument: safe when
+// they replay in capture order and nothing outlives the next replay). The first graph holds the
+// pool, so graphs are destroyed in reverse capture order.
+//
+// Note [Output lifetime check]: on a GPU, a kept output is overwritten only where the allocator
+// happened to place it inside an earlier graph's intermediates: a bug that shows up on some
+// bucket layouts, under some interleavings, as garbage (token ids far outside the vocabulary, a
+// device-side assert). With checking on, the eager runner makes the contract hold every time:
+// it returns copies of the region's outputs, and its next Run or Capture fills the copies it
+// returned before with a poison value (NaN, or the type's lowest integer), so CPU tests catch an
+// output kept across runs as a NaN or an out-of-range index. Checking is on where the static
+// input check is (below: builds without NDEBUG, VLMGRAPH_CHECK_GRAPHS=1), or through
+// set_check_output_lifetime / EngineOptions::check_graphs.
 //
 // Note [Capture guard]: a region that throws between capture_begin and capture_end (a failed
 // check, an out-of-memory, a synchronising call that invalidates the capture) must not leave the
@@ -35,8 +51,9 @@
 // WatchStaticInputs the runner records, per graph, the data pointers of the tensors the provider
 // returns at capture and, when checking is on, compares them before each replay (vLLM's
 // CUDAGraphWrapper does the same in debug mode). Checking is on in builds without NDEBUG, when the
-// environment sets VLMGRAPH_CHECK_GRAPH_INPUTS=1, or after set_check_static_inputs(true); it costs
-// one call of the provider and one pointer compare per tensor per replay. A moved input throws
+// environment sets VLMGRAPH_CHECK_GRAPHS=1 (GraphChecksByDefault), or after
+// set_check_static_inputs(true); it costs one call of the provider and one pointer compare per
+// tensor per replay. A moved input throws
 // std::logic_error naming the bucket, the input's index and both addresses; nothing is replayed.
 //
 // Thread rules: used only from the engine's GPU thread.
@@ -69,6 +86,8 @@ class StepRunner {
   // Turns the replay check of Note [Static input check] on or off (a runner that does not
   // capture ignores it).
   virtual void set_check_static_inputs(bool check) { (void)check; }
+  // Turns Note [Output lifetime check] on or off (a runner that replays graphs ignores it).
+  virtual void set_check_output_lifetime(bool check) { (void)check; }
   // Captures `fn` for `key` if this runner captures and `key` has no graph yet. Returns seconds
   // spent (0 when nothing was captured). What `fn` throws propagates after the capture is ended
   // (Note [Capture guard]); `key` then has no graph.
@@ -86,18 +105,26 @@ class StepRunner {
   virtual int64_t pool_bytes() const = 0;
 };
 
+// Whether the graph checks (Notes [Static input check] and [Output lifetime check]) are on by
+// default: in builds without NDEBUG, or when the environment sets VLMGRAPH_CHECK_GRAPHS=1.
+bool GraphChecksByDefault();
+
 class EagerStepRunner : public StepRunner {
  public:
-  double Capture(const BucketKey&, const RegionFn&) override { return 0; }
+  double Capture(const BucketKey&, const RegionFn&) override;
   RunKind Run(const BucketKey&, const RegionFn& fn, bool,
-              std::vector<at::Tensor>* outputs) override {
-    *outputs = fn();
-    return RunKind::kEager;
-  }
+              std::vector<at::Tensor>* outputs) override;
+  void set_check_output_lifetime(bool check) override;
   bool Has(const BucketKey&) const override { return false; }
   bool captures() const override { return false; }
   int64_t graph_count() const override { return 0; }
   int64_t pool_bytes() const override { return 0; }
+
+ private:
+  void PoisonReturned();
+
+  bool check_output_lifetime_ = GraphChecksByDefault();
+  std::vector<at::Tensor> returned_;  // the copies the last Run returned (checking on)
 };
 
 // Returns a CUDA graph runner on `device` when this build has CUDA graph support

@@ -133,6 +133,9 @@ at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias);
 // stride along n, one kernel with a block per row: ATen's argmax takes ~16 us (H100) for a row of
 // nanovlm-460m's 49218 logits in one 512-thread block. Elsewhere at::argmax.
 at::Tensor ArgmaxRows(const at::Tensor& x);
+// ArgmaxRows written into `out` ((rows) int64 on x's device, contiguous), e.g. a static buffer
+// that a captured graph writes in place.
+void ArgmaxRowsInto(const at::Tensor& x, const at::Tensor& out);
 
 // Summed cross entropy of the head's logits, differentiable in hidden and weight:
 // sum over rows r with a counted target of lse(l_r) - l_r[target_r], l = hidden @ weight^T

@@ -52,6 +52,13 @@ std::pair<at::Tensor, at::Tensor> RotaryDifferentiable(const at::Tensor&, const 
 }
 at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias) { return x + bias; }
 at::Tensor ArgmaxRows(const at::Tensor& x) { return x.argmax(-1); }
+void ArgmaxRowsInto(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  out.scalar_type() == at::kLong && out.is_contiguous() &&
+                  out.device() == x.device(),
+              "ArgmaxRowsInto: x (rows, n) and out (rows) int64, contiguous, on x's device");
+  at::argmax_out(const_cast<at::Tensor&>(out), x, -1);
+}
 bool LinearCrossEntropySupported(const at::Tensor&, const at::Tensor&) { return false; }
 at::Tensor LinearCrossEntropy(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");

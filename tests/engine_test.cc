@@ -63,6 +63,9 @@ std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs,
   o.cuda_graphs = graphs;
   o.log_captures = false;
   o.overlap_decode_steps = overlap_decode_steps;
+  // Every engine of these tests runs under the graph checks (Notes [Static input check] and
+  // [Output lifetime check]): on the CPU, a region output kept past the next run reads poison.
+  o.check_graphs = true;
   return std::make_unique<Engine>(LoadModel(testing::TinyCheckpointDir()), o);
 }
 
@@ -426,6 +429,64 @@ TEST(Engine, OverlappedDecodeStepsEqualPlainSteps) {
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
   EXPECT_EQ(engine->ActiveSequences(), 0);
   EXPECT_EQ(engine->FreeSlots(), 4);
+}
+
+// Note [Graph memory pool]: a region's outputs are valid until the runner's next run of any
+// bucket (on a GPU, an earlier-captured graph's replay overwrites a later graph's outputs where
+// they sit in its intermediates). An overlapped engine queues decode step N + 1 fed with step N's
+// tokens on the device, and admits new requests (a prefill run) in between: the tokens carried
+// must not be a region output. With the eager runner's output lifetime check, such a carry reads
+// poison (the lowest int64) and the embedding fails; on a GPU it read another graph's
+// activations as token ids (a device-side assert in the gather).
+TEST(Engine, OverlappedStepsCarryTheirTokensAcrossAPrefill) {
+  std::vector<GenerateRequest> reqs = MixedRequests();
+  auto plain = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false);
+  const std::vector<Outcome> want = Drive(*plain, reqs);
+  auto engine = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, true);
+  // Two sequences decoding (one step queued ahead, carrying), then a third admitted: its prefill
+  // runs between the queued step and the next one.
+  std::vector<TokenEvent> events;
+  std::map<SequenceId, size_t> owner;
+  auto admit = [&](size_t k) {
+    const auto ids = engine->Admit({engine->Validate(reqs[k])}, &events);
+    owner[ids[0]] = k;
+  };
+  admit(0);
+  admit(1);
+  engine->Step(&events);
+  engine->Step(&events);
+  admit(3);
+  while (engine->ActiveSequences() > 0) engine->Step(&events);
+  std::vector<Outcome> got(reqs.size());
+  for (const TokenEvent& ev : events) {
+    got[owner.at(ev.id)].tokens.push_back(ev.token);
+    got[owner.at(ev.id)].reason = ev.reason;
+  }
+  for (size_t k : {0, 1, 3}) EXPECT_EQ(got[k], want[k]) << "request " << k;
+}
+
+TEST(StepRunner, EagerRunsPoisonWhatTheyReturnedAtTheNextRun) {
+  EagerStepRunner runner;
+  runner.set_check_output_lifetime(true);
+  const BucketKey a{Region::kDecode, 1, 8, 0}, b{Region::kPrefill, 1, 8, 0};
+  const at::Tensor input = at::arange(4, at::kLong);
+  std::vector<at::Tensor> first, second;
+  runner.Run(a, [&] { return std::vector<at::Tensor>{input, input.to(at::kFloat)}; }, false,
+             &first);
+  EXPECT_TRUE(at::equal(first[0], input));
+  runner.Run(b, [&] { return std::vector<at::Tensor>{input * 2}; }, false, &second);
+  EXPECT_TRUE(at::equal(second[0], input * 2));
+  // The first run's outputs now read poison; the region's own tensors are untouched.
+  EXPECT_TRUE(first[0].eq(std::numeric_limits<int64_t>::min()).all().item<bool>());
+  EXPECT_TRUE(first[1].isnan().all().item<bool>());
+  EXPECT_TRUE(at::equal(input, at::arange(4, at::kLong)));
+  // A capture counts as a run; without checking, outputs are the region's own.
+  runner.Capture(a, [] { return std::vector<at::Tensor>{}; });
+  EXPECT_TRUE(second[0].eq(std::numeric_limits<int64_t>::min()).all().item<bool>());
+  runner.set_check_output_lifetime(false);
+  std::vector<at::Tensor> plain;
+  runner.Run(a, [&] { return std::vector<at::Tensor>{input}; }, false, &plain);
+  EXPECT_EQ(plain[0].data_ptr(), input.data_ptr());
 }
 
 TEST(Engine, OverlappedStepsSurviveTimeRegionAndRunEachStepOnce) {
@@ -1042,6 +1103,44 @@ TEST(CudaGraphCapture, AnotherThreadAllocatesAndSynchronisesWhileAGraphCaptures_
   EXPECT_EQ(other_error, "");
   EXPECT_EQ(other_sum, (int64_t{300} << 20) + 4093);
   EXPECT_TRUE(runner->Has(BucketKey{Region::kDecode, 1, 32, 0}));
+#endif
+}
+
+// Note [Graph memory pool]: graphs share one pool, so the output of a graph captured later can sit
+// in an intermediate of a graph captured earlier, and every replay of that graph overwrites it.
+// Here the first graph's intermediate (x + 7, 4 MiB) is free once its capture ends; the second
+// graph's output has its size, so the pool gives it that block. This is why a run's outputs are
+// valid only until the runner's next run of any bucket, and the engine carries decode tokens in a
+// buffer of its own.
+TEST(CudaGraphCapture, AnEarlierGraphsReplayOverwritesALaterGraphsOutput_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+#if VLMGRAPH_WITH_CUDA
+  const at::Device cuda(at::kCUDA, 0);
+  const at::Tensor x = at::full({int64_t{1} << 20}, 1.0, at::TensorOptions().device(cuda));
+  auto runner = MakeCudaGraphStepRunner(0);
+  ASSERT_NE(runner, nullptr);
+  const BucketKey first{Region::kPrefill, 1, 16, 0}, second{Region::kDecode, 1, 16, 0};
+  const RegionFn first_fn = [&] {
+    const at::Tensor t = x + 7;
+    return std::vector<at::Tensor>{t.sum()};
+  };
+  const RegionFn second_fn = [&] { return std::vector<at::Tensor>{x * 3}; };
+  runner->Capture(first, first_fn);
+  // The caching allocator reuses a free block only for the stream it was allocated on, and each
+  // capture runs on the next of c10's 32 pool streams (getStreamFromPool, round robin): take 31
+  // so that the second capture runs on the first one's stream, as every 32nd capture of
+  // Engine::Warmup does.
+  for (int i = 0; i < 31; ++i) (void)c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0);
+  runner->Capture(second, second_fn);
+  std::vector<at::Tensor> second_out, first_out;
+  runner->Run(second, second_fn, false, &second_out);
+  const at::Tensor kept = second_out[0];
+  EXPECT_TRUE(kept.eq(3).all().item<bool>());
+  runner->Run(first, first_fn, false, &first_out);
+  EXPECT_EQ(first_out[0].item<double>(), 8.0 * (int64_t{1} << 20));
+  EXPECT_TRUE(kept.eq(8).all().item<bool>())
+      << "the second graph's output was not in the first graph's intermediate: the allocator "
+         "placed it elsewhere, and this test no longer shows the overwrite";
 #endif
 }
 

@@ -431,8 +431,25 @@ TEST(FusedOps, ArgmaxRowsEqualsATenArgmax_CUDA) {
         const at::Tensor v = x.narrow(1, 1, n - 1);
         EXPECT_TRUE(at::equal(ops::ArgmaxRows(v), v.argmax(-1))) << "n=" << n << " view";
       }
+      // Into a prefix of a larger buffer (the engine's dec_carry): the rows past it stay.
+      at::Tensor buffer = at::full({12}, -7, x.options().dtype(at::kLong));
+      ops::ArgmaxRowsInto(x, buffer.narrow(0, 0, 8));
+      EXPECT_TRUE(at::equal(buffer.narrow(0, 0, 8), x.argmax(-1))) << "n=" << n << " into";
+      EXPECT_EQ(buffer.narrow(0, 8, 4).eq(-7).all().item<bool>(), true);
     }
   }
+}
+
+TEST(FusedOps, ArgmaxRowsIntoEqualsATenArgmaxAndRefusesAMismatchedOut) {
+  at::manual_seed(6);
+  const at::Tensor x = at::randn({5, 33});
+  at::Tensor out = at::full({7}, -1, at::kLong);
+  ops::ArgmaxRowsInto(x, out.narrow(0, 1, 5));
+  EXPECT_TRUE(at::equal(out.narrow(0, 1, 5), x.argmax(-1)));
+  EXPECT_EQ(out[0].item<int64_t>(), -1);
+  EXPECT_EQ(out[6].item<int64_t>(), -1);
+  EXPECT_THROW(ops::ArgmaxRowsInto(x, at::empty({4}, at::kLong)), c10::Error);
+  EXPECT_THROW(ops::ArgmaxRowsInto(x, at::empty({5}, at::kInt)), c10::Error);
 }
 
 TEST(FusedOps, CpuTensorsKeepTheReferencePath) {

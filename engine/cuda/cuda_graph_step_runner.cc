@@ -11,8 +11,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -25,15 +23,6 @@
 
 namespace vlmgraph {
 namespace {
-
-bool CheckStaticInputsByDefault() {
-#ifndef NDEBUG
-  return true;
-#else
-  const char* v = std::getenv("VLMGRAPH_CHECK_GRAPH_INPUTS");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-#endif
-}
 
 // Note [Capture guard] (engine/step_runner.h): Begin() begins the capture of `graph` on the
 // current stream into `pool`; End() ends it; a guard destroyed between the two (an exception in
@@ -237,7 +226,7 @@ class CudaGraphStepRunner final : public StepRunner {
   std::map<BucketKey, Entry> graphs_;
   std::vector<BucketKey> order_;
   StaticInputsFn static_inputs_;
-  bool check_static_inputs_ = CheckStaticInputsByDefault();
+  bool check_static_inputs_ = GraphChecksByDefault();
 };
 
 }  // namespace

@@ -446,16 +446,26 @@ at::Tensor BiasAdd(const at::Tensor& x, const at::Tensor& bias) {
 }
 
 at::Tensor ArgmaxRows(const at::Tensor& x) {
-  if (!FusedKernelsAvailable(x) || x.dim() != 2 || x.stride(1) != 1 || x.size(1) == 0 ||
-      x.stride(0) < x.size(1) || x.size(1) > INT32_MAX) {
-    return x.argmax(-1);
-  }
+  if (x.dim() != 2) return x.argmax(-1);
   at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  ArgmaxRowsInto(x, out);
+  return out;
+}
+
+void ArgmaxRowsInto(const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  out.scalar_type() == at::kLong && out.is_contiguous() &&
+                  out.device() == x.device(),
+              "ArgmaxRowsInto: x (rows, n) and out (rows) int64, contiguous, on x's device");
+  if (!FusedKernelsAvailable(x) || x.stride(1) != 1 || x.size(1) == 0 ||
+      x.stride(0) < x.size(1) || x.size(1) > INT32_MAX) {
+    at::argmax_out(const_cast<at::Tensor&>(out), x, -1);
+    return;
+  }
   c10::cuda::CUDAGuard guard(x.device());
   Check(cuda::LaunchArgmax(IsBf16(x), x.data_ptr(), x.stride(0), x.size(0), x.size(1),
                            out.data_ptr<int64_t>(), c10::cuda::getCurrentCUDAStream()),
         "argmax");
-  return out;
 }
 
 bool LinearCrossEntropySupported(const at::Tensor& hidden, const at::Tensor& weight) {
