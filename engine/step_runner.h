@@ -36,7 +36,10 @@
 // runner always ends the capture: an intact capture through CUDAGraph::capture_end (its partial
 // graph is discarded), an invalidated one through cudaStreamEndCapture plus the allocators'
 // endAllocateToPool / releasePool that capture_end would have called. The region's exception then
-// propagates unchanged, the bucket has no graph, and the next Capture or Run may try again.
+// propagates unchanged, the bucket has no graph, and the next Capture or Run may try again. When
+// no graph holds the pool after that, the allocators keep it only as freeable (use count 0), and
+// a capture into the same pool id would fail their "use_count > 0" assert: the runner takes a new
+// pool id for the next capture.
 //
 // Note [Capture mode]: captures run in cudaStreamCaptureModeThreadLocal, not PyTorch's default
 // global mode. One process drives several GPUs from several threads (one engine per GPU, and a

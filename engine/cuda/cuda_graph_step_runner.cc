@@ -121,6 +121,20 @@ class CudaGraphStepRunner final : public StepRunner {
 
   double Capture(const BucketKey& key, const RegionFn& fn) override {
     if (graphs_.count(key)) return 0;
+    try {
+      return CaptureNew(key, fn);
+    } catch (...) {
+      // Note [Capture guard]: the failed capture gave back its hold on the pool. With no graph
+      // holding it, the allocators keep the pool only as freeable (use count 0), and a capture
+      // into the same id would fail their "use_count > 0" assert (create_or_incref_pool): the
+      // next capture gets a pool of its own.
+      if (graphs_.empty()) pool_ = at::cuda::graph_pool_handle();
+      throw;
+    }
+  }
+
+ private:
+  double CaptureNew(const BucketKey& key, const RegionFn& fn) {
     const auto t0 = std::chrono::steady_clock::now();
     c10::cuda::CUDAGuard device_guard(device_);
     auto caller = c10::cuda::getCurrentCUDAStream(device_);
@@ -154,6 +168,8 @@ class CudaGraphStepRunner final : public StepRunner {
     order_.push_back(key);
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+
+ public:
 
   RunKind Run(const BucketKey& key, const RegionFn& fn, bool capture_if_missing,
               std::vector<at::Tensor>* outputs) override {
