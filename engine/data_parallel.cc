@@ -269,7 +269,15 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
       setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = Millis(options.timeout_seconds);
-      group->state_->backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, o);
+      auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, o);
+      // Note [A rank's device]: the group's collectives without tensors (the barrier below) run
+      // on the bound device. Unbound, c10d guesses it from the process-wide "global rank", the
+      // rank of the first group the process made: in-process ranks (the Train RPC on a
+      // multi-GPU server) would all guess one GPU, and NCCL refuses them ("Duplicate GPU
+      // detected"). torch.distributed.init_process_group(device_id=...) binds it the same way.
+      nccl->setBoundDeviceId(
+          at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options.device_index)));
+      group->state_->backend = nccl;
     }
 #endif
     group->Barrier();  // every rank has joined (or the timeout threw)
@@ -366,8 +374,11 @@ void DataParallelGroup::Broadcast(const std::vector<at::Tensor>& tensors, int64_
 
 void DataParallelGroup::Barrier() {
   if (!state_->backend) return;
+  c10d::BarrierOptions o;
+  // Note [A rank's device] (Join): NCCL's barrier all-reduces on this rank's own GPU.
+  if (options_.backend == "nccl") o.device_ids = {options_.device_index};
   Wait("barrier", rank(), Millis(options_.timeout_seconds),
-       [&] { return state_->backend->barrier(); });
+       [&] { return state_->backend->barrier(o); });
 }
 
 void DataParallelGroup::StartAllReduceSum(const at::Tensor& tensor) {
