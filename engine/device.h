@@ -16,6 +16,16 @@ namespace vlmgraph {
 // Waits for all work queued on `device` (no-op on CPU).
 void SynchronizeDevice(const at::Device& device);
 
+// Makes `device` the calling thread's current CUDA device (c10::cuda::set_device), as
+// torch.cuda.set_device does for a process: whatever runs on the thread without a device of its
+// own (a stream, an event, a handle, a kernel launched outside a device guard) then lands on the
+// engine's GPU. The server calls it first on each engine's GPU thread. No-op for a CPU device or
+// a CUDA device without an index.
+void BindThreadToDevice(const at::Device& device);
+
+// The calling thread's current CUDA device index (-1 in a build without CUDA or with no device).
+int CurrentDeviceIndex();
+
 // "" while `device` can run work; else the CUDA error that left its context unusable (a
 // device-side assert, an illegal memory access, a launch failure: CUDA keeps reporting such
 // "sticky" errors to every later call, so only a new process recovers). Waits for the device's

@@ -12,6 +12,8 @@
 namespace vlmgraph {
 
 void SynchronizeDevice(const at::Device&) {}
+void BindThreadToDevice(const at::Device&) {}
+int CurrentDeviceIndex() { return -1; }
 std::string DeviceFault(const at::Device&) { return ""; }
 
 struct DeviceEvent::Impl {};

@@ -44,10 +44,18 @@ void EngineRouter::Start(size_t i, const Scheduler::EngineStartup& make_engine) 
 }
 
 void EngineRouter::OnDeviceFault(size_t i, const std::string& error) {
-  const int64_t left = serving_engines();
   LogError("engine " + std::to_string(i) + " (" + slots_[i].device +
-           ") stopped after a device fault: " + error + "; " + std::to_string(left) + " of " +
-           std::to_string(size()) + " engines serve");
+           ") stopped after a device fault: " + error);
+  // Note [Device faults] (server/scheduler.h): the error is sticky for the whole process, so
+  // every other engine stops too, now rather than at its next kernel.
+  for (size_t j = 0; j < size(); ++j) {
+    if (j != i) {
+      schedulers_[j]->StopForProcessFault(error + " (raised on " + slots_[i].device +
+                                          "; sticky for every GPU of the process)");
+    }
+  }
+  const int64_t left = serving_engines();
+  LogError(std::to_string(left) + " of " + std::to_string(size()) + " engines serve");
   if (left == 0 && !every_engine_failed_.exchange(true) && on_every_engine_failed_) {
     on_every_engine_failed_();
   }

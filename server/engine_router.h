@@ -18,10 +18,12 @@
 // running in it plus requests and work items waiting in its queue (Scheduler::Load), as vLLM's
 // data-parallel balancer counts them; ties go round robin, so a trickle of requests spreads over
 // every engine too. A request stays on its engine to the end. Requests are validated on the first
-// engine (Engine::Validate is a pure check of the config every engine shares). An engine whose
-// device failed (Note [Device faults], server/scheduler.h) is skipped from then on: its own
-// requests failed with UNAVAILABLE, the others keep serving. With no engine left, Pick throws
-// UNAVAILABLE naming each device's error. A submission refused by a scheduler that failed
+// engine (Engine::Validate is a pure check of the config every engine shares). An engine that
+// stopped is skipped from then on. A device fault (Note [Device faults], server/scheduler.h) is
+// sticky for the whole process, so when one engine's GPU fails the router stops every engine
+// with that error (StopForProcessFault): every request fails UNAVAILABLE, and
+// on_every_engine_failed runs (the server restarts). With no engine left, Pick throws
+// UNAVAILABLE naming each device's error. A submission refused by a scheduler that stopped
 // between the pick and the submission is tried on the next serving engine.
 //
 // A Train job runs on every serving engine, one data-parallel rank per engine

@@ -96,9 +96,9 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   std::vector<EngineSlot> slots;
   const std::vector<std::string> devices = ServingDevices(config);
   for (size_t i = 0; i < devices.size(); ++i) slots.push_back({devices[i], GpuLabel(devices[i], i)});
-  // Note [Device faults] (server/scheduler.h): an engine whose GPU fails stops alone; once none is
-  // left, the server shuts down with status 1, through the same drain as SIGTERM, so the
-  // container's restart policy replaces it.
+  // Note [Device faults] (server/scheduler.h): a GPU that fails stops every engine (the CUDA
+  // error is sticky for the process); the server then shuts down with status 1, through the same
+  // drain as SIGTERM, so the container's restart policy replaces it.
   EngineRouter router(std::move(slots), &metrics, scheduler_options,
                       [] { kill(getpid(), SIGTERM); });
   for (size_t i = 0; i < router.size(); ++i) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "base/log.h"
+#include "engine/device.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -125,6 +126,20 @@ std::string Scheduler::device_fault() const {
   return device_fault_;
 }
 
+void Scheduler::StopForProcessFault(const std::string& fault) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_ || stopping_ || !device_fault_.empty()) return;
+    device_fault_ = fault;
+    accepting_ = false;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (metrics_) metrics_->SetHealthy(false);
+  LogError("the device" + (options_.device.empty() ? std::string() : " " + options_.device) +
+           " stops serving: " + fault);
+}
+
 bool Scheduler::serving() const {
   std::lock_guard<std::mutex> lock(mu_);
   return started_ && accepting_ && !stopping_ && device_fault_.empty();
@@ -138,8 +153,8 @@ std::exception_ptr Scheduler::FaultError() const {
 std::string Scheduler::FaultMessage(const std::string& fault) const {
   return "the GPU failed (" + fault + ")" +
          (options_.device.empty() ? std::string() : " on " + options_.device) +
-         "; retry the request: the server serves on its other GPUs, or restarts when none is "
-         "left";
+         "; the server restarts (such a CUDA error stops every GPU of the process): retry the "
+         "request";
 }
 
 bool Scheduler::DeviceFailed() {
@@ -228,6 +243,9 @@ void Scheduler::Enqueue(const std::string& rpc, std::function<bool(Engine&)> fn,
   const bool cleanup = admission == Admission::kCleanup;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!device_fault_.empty()) {
+      throw ServerError(grpc::StatusCode::UNAVAILABLE, FaultMessage(device_fault_));
+    }
     if (stopping_) throw ServerError(grpc::StatusCode::UNAVAILABLE, "server is shutting down");
     if (admission == Admission::kNew) {
       CheckAccepting();
@@ -263,6 +281,8 @@ bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
 
 void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready) {
   try {
+    // Everything this thread runs is for its engine's device (Note [Data-parallel routing]).
+    if (!options_.device.empty()) BindThreadToDevice(at::Device(options_.device));
     owned_engine_ = make_engine();
     engine_ = owned_engine_.get();
   } catch (...) {

@@ -51,12 +51,18 @@
 // device-side assert, an illegal memory access) cannot be recovered inside the process: the
 // scheduler stops accepting (serving() turns false, vlmgraph_engine_healthy{gpu} 0), fails
 // everything queued or running with UNAVAILABLE naming the error and the device, stops its loop
-// (it never retries on a dead device) and calls SchedulerOptions::on_device_fault once. With
-// several engines (server/engine_router.h) only this engine's requests fail and the router sends
-// no more to it; once no engine is left the server's main shuts down with a non-zero exit
-// status, so the container's restart policy brings up a fresh process (as vLLM's API server
-// exits when its engine dies). A failed decode step that leaves the device usable ends the
-// running sequences with the error and frees every slot.
+// (it never retries on a dead device) and calls SchedulerOptions::on_device_fault once. Such an
+// error is sticky for the whole process, not for one GPU (CUDA: "any further CUDA work will
+// return the same error; the process must be terminated"): on 2 H100s, a device-side assert on
+// cuda:1 made the next synchronise on cuda:0 return cudaErrorAssert too
+// (DataParallelGpus.AFaultOnOneGpuStopsEveryEngine_CUDA). So with several engines
+// (server/engine_router.h) the router stops every other engine at once with the same error
+// (StopForProcessFault): their requests fail UNAVAILABLE at once instead of at their next
+// kernel, and the server's main shuts down with a non-zero exit status, so the container's
+// restart policy brings up a fresh process (as vLLM's API server exits when its engine dies).
+// One server process per GPU behind a load balancer keeps the other GPUs serving. A failed
+// decode step that leaves the device usable ends the running sequences with the error and frees
+// every slot.
 //
 // Thread rules: Submit*, Cancel, RunOnGpuThread, QueueDepth, Load, serving and engine() (for the Engine's
 // thread-safe methods only) are safe from any thread; Start and Stop from the owning (main)
@@ -95,8 +101,9 @@ inline double SecondsSince(Clock::time_point t0) {
 struct SchedulerOptions {
   int64_t max_queue_delay_us = 2000;
   int64_t max_queue_size = 256;  // waiting requests and work items of this scheduler
-  // The engine's device as users name it ("cuda:1", "cpu"): in logs and in the error a device
-  // fault gives its requests. May be empty.
+  // The engine's device as users name it ("cuda:1", "cpu"): the GPU thread's current device
+  // (BindThreadToDevice, before the engine is made), and in logs and in the error a device fault
+  // gives its requests. May be empty.
   std::string device;
   // Called once, on the GPU thread, with the error when the device fails for good (Note [Device
   // faults]). May be empty.
@@ -177,6 +184,11 @@ class Scheduler {
   void Stop();
   // The device error that stopped the GPU thread (Note [Device faults]), "" if none. Any thread.
   std::string device_fault() const;
+  // Note [Device faults]: another engine's GPU failed with an error that is sticky for the whole
+  // process. This one stops as if its own had failed with `fault` (everything queued or running
+  // fails UNAVAILABLE), without asking its device, and without calling on_device_fault. No-op
+  // before Start returned or once stopped. Any thread.
+  void StopForProcessFault(const std::string& fault);
   // Whether new work is accepted now: started, no device fault, not stopping. Any thread.
   bool serving() const;
   const SchedulerOptions& options() const { return options_; }

@@ -1,9 +1,10 @@
 // Serving on several engines behind one front (server/engine_router.h): two CPU engines of the tiny
 // preset, the real gRPC service and OpenAI-compatible HTTP front in this process. Requests spread
 // over both engines by load, the metrics carry a gpu label per engine, /health lists both, and an
-// engine whose (injected) device failure stops it fails only its own requests (UNAVAILABLE over
-// gRPC, 503 with OpenAI's error body over HTTP) while the other keeps serving; with none left,
-// both fronts answer UNAVAILABLE / 503.
+// (injected) device failure of one engine stops both (a sticky CUDA error is process-wide, Note
+// [Device faults]): every request fails (UNAVAILABLE over gRPC, 503 with OpenAI's error body over
+// HTTP) and both fronts answer UNAVAILABLE / 503. On 2 GPUs a real device-side assert shows the
+// process-wide effect (DataParallelGpus.AFaultOnOneGpuStopsEveryEngine_CUDA).
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
@@ -15,6 +16,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -23,6 +26,9 @@
 #include <thread>
 #include <vector>
 
+#include <torch/cuda.h>
+
+#include "engine/device.h"
 #include "server/config/config.h"
 #include "server/engine_from_config.h"
 #include "server/engine_router.h"
@@ -272,9 +278,10 @@ TEST_F(DataParallelTest, HealthListsEveryEngine) {
   }
 }
 
-TEST_F(DataParallelTest, AFailedEngineFailsOnlyItsRunningRequests) {
-  // One long gRPC generation and one long HTTP completion per engine... then engine 1's GPU fails:
-  // its requests end with UNAVAILABLE / 503, engine 0's finish.
+TEST_F(DataParallelTest, AFaultOnOneEngineStopsEveryEngine) {
+  // One long gRPC generation and one long HTTP completion per engine... then engine 1's GPU fails
+  // (Note [Device faults]: the CUDA error is sticky for the whole process): every request ends
+  // with UNAVAILABLE / 503 naming the error, both engines stop, and the server is told to restart.
   for (auto& injector : injectors_) injector->step_delay_ms = 5;
   auto g0 = std::async(std::launch::async, [this] { return Generate(1, 100); });
   auto g1 = std::async(std::launch::async, [this] { return Generate(2, 100); });
@@ -287,45 +294,37 @@ TEST_F(DataParallelTest, AFailedEngineFailsOnlyItsRunningRequests) {
     std::this_thread::sleep_for(milliseconds(5));
   }
   injectors_[1]->armed = true;
-  std::vector<grpc::Status> grpc_statuses = {g0.get().first, g1.get().first};
-  std::vector<std::pair<int, json>> http = {h0.get(), h1.get()};
-  int grpc_ok = 0, grpc_unavailable = 0, http_ok = 0, http_503 = 0;
-  for (const grpc::Status& s : grpc_statuses) {
-    grpc_ok += s.ok();
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      ++grpc_unavailable;
-      EXPECT_NE(s.error_message().find("GPU failed"), std::string::npos) << s.error_message();
-      EXPECT_NE(s.error_message().find(kInjectedFault), std::string::npos) << s.error_message();
-    }
+  for (const grpc::Status& s : {g0.get().first, g1.get().first}) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << s.error_message();
+    EXPECT_NE(s.error_message().find("GPU failed"), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find(kInjectedFault), std::string::npos) << s.error_message();
+    EXPECT_NE(s.error_message().find("the server restarts"), std::string::npos) << s.error_message();
   }
-  for (const auto& [status, body] : http) {
-    http_ok += status == 200;
-    if (status == 503) {
-      ++http_503;
-      EXPECT_EQ(body["error"]["type"], "server_error") << body.dump();
-      EXPECT_NE(body["error"]["message"].get<std::string>().find("GPU failed"), std::string::npos);
-    }
+  for (const auto& [status, body] : {h0.get(), h1.get()}) {
+    EXPECT_EQ(status, 503) << body.dump();
+    EXPECT_EQ(body["error"]["type"], "server_error") << body.dump();
+    EXPECT_NE(body["error"]["message"].get<std::string>().find(kInjectedFault), std::string::npos)
+        << body.dump();
   }
-  EXPECT_EQ(grpc_ok, 1);
-  EXPECT_EQ(grpc_unavailable, 1);
-  EXPECT_EQ(http_ok, 1);
-  EXPECT_EQ(http_503, 1);
-
-  // Engine 1 is out; engine 0 takes everything from now on.
+  EXPECT_EQ(router_->serving_engines(), 0);
+  EXPECT_EQ(every_engine_failed_.load(), 1);
   const auto [status, health] = Health();
-  EXPECT_EQ(status, 200);
-  EXPECT_EQ(health["status"], "degraded");
-  EXPECT_EQ(health["engines"][0]["healthy"], true);
+  EXPECT_EQ(status, 503);
+  EXPECT_EQ(health["engines"][0]["healthy"], false);
   EXPECT_EQ(health["engines"][1]["healthy"], false);
   EXPECT_EQ(health["engines"][1]["error"], kInjectedFault);
-  injectors_[0]->step_delay_ms = 0;
-  for (int i = 0; i < 4; ++i) {
-    EXPECT_TRUE(Generate(i, 4).first.ok());
-    EXPECT_EQ(Complete(4).first, 200);
-  }
-  EXPECT_EQ(router_->serving_engines(), 1);
-  EXPECT_EQ(every_engine_failed_.load(), 0);
-  EXPECT_NE(metrics_.Render().find("vlmgraph_engine_healthy{gpu=\"1\"} 0"), std::string::npos);
+  EXPECT_NE(health["engines"][0]["error"].get<std::string>().find(kInjectedFault),
+            std::string::npos)
+      << health.dump();
+  EXPECT_NE(health["engines"][0]["error"].get<std::string>().find("raised on cpu"),
+            std::string::npos)
+      << health.dump();
+  const grpc::Status after = Generate(3, 4).first;
+  EXPECT_EQ(after.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(after.error_message().find("no GPU of this server can serve"), std::string::npos);
+  const std::string text = metrics_.Render();
+  EXPECT_NE(text.find("vlmgraph_engine_healthy{gpu=\"0\"} 0"), std::string::npos);
+  EXPECT_NE(text.find("vlmgraph_engine_healthy{gpu=\"1\"} 0"), std::string::npos);
 }
 
 TEST_F(DataParallelTest, WithEveryEngineDownBothFrontsAnswerUnavailable) {
@@ -353,6 +352,153 @@ TEST_F(DataParallelTest, WithEveryEngineDownBothFrontsAnswerUnavailable) {
   EXPECT_EQ(health_status, 503);
   EXPECT_EQ(health["engines"].size(), 2u);
   EXPECT_EQ(health["engines"][0]["healthy"], false);
+}
+
+// What a stream of the router brought: its tokens and its error (nullptr when it finished).
+struct Streamed {
+  std::vector<int64_t> tokens;
+  std::exception_ptr error;
+};
+
+Streamed Collect(const std::shared_ptr<GenerationStream>& stream) {
+  Streamed out;
+  for (int i = 0; i < 6000; ++i) {
+    GenerationStream::Update u = stream->Wait(milliseconds(10));
+    out.tokens.insert(out.tokens.end(), u.tokens.begin(), u.tokens.end());
+    if (u.done || u.error) {
+      out.error = u.error;
+      return out;
+    }
+  }
+  out.error = std::make_exception_ptr(std::runtime_error("no end within 60 s"));
+  return out;
+}
+
+// The scenario of AFaultOnOneGpuStopsEveryEngine_CUDA, in its own process (a device-side assert
+// leaves CUDA unusable for the rest of the process). Prints each failed check; returns their
+// count.
+int OneGpuFaultsAndEveryEngineStops() {
+  int failed = 0;
+  auto check = [&](bool ok, const std::string& what) {
+    if (!ok) {
+      ++failed;
+      std::fprintf(stderr, "FAILED: %s\n", what.c_str());
+    }
+  };
+  ServerConfig config = FillDefaults(RawConfig{});
+  config.model = "nanovlm-tiny";
+  config.device = "cuda";
+  config.data_parallel_size = 2;
+  config.buckets.batch_sizes = {1, 2, 4};
+  config.buckets.seq_lens = {16, 32};
+  config.buckets.context_lens = {64};
+  config.buckets.tile_counts = {1};
+  ValidateConfig(config, /*check_files=*/false);
+  const std::vector<std::string> devices = ServingDevices(config);
+  std::vector<EngineSlot> slots;
+  for (size_t i = 0; i < devices.size(); ++i) slots.push_back({devices[i], GpuLabel(devices[i], i)});
+  std::atomic<int> every_engine_failed{0};
+  // Leaked: engines on a failed device must not be destroyed (as the server exits).
+  auto* router = new EngineRouter(std::move(slots), nullptr, SchedulerOptions{0, 64},
+                                  [&every_engine_failed] { ++every_engine_failed; });
+  for (size_t i = 0; i < router->size(); ++i) {
+    router->Start(i, [&config, router, i] {
+      ServerConfig c = config;
+      c.device = router->slot(i).device;
+      std::unique_ptr<Engine> engine = BuildEngine(c);
+      engine->Warmup();
+      return engine;
+    });
+  }
+  // Each GPU thread is bound to its engine's device.
+  for (size_t i = 0; i < 2; ++i) {
+    int current = -2;
+    router->scheduler(i).RunOnGpuThread(
+        "check", [&](Engine&) { current = CurrentDeviceIndex(); }, Clock::now());
+    check(current == static_cast<int>(i), "GPU thread " + std::to_string(i) +
+                                              " runs on device " + std::to_string(current));
+  }
+  GenerateRequest r;
+  r.input_ids = {5, 17, 42, 7, 99, 3, 64, 12};
+  r.sampling.max_new_tokens = 48;
+  auto run = [&](Scheduler& s) {
+    return Collect(s.SubmitGenerate(router->engine().Validate(r), Clock::now()));
+  };
+  const Streamed want = run(router->scheduler(0));
+  check(!want.error && want.tokens.size() == 48u, "engine 0 generates before the fault");
+  check(run(router->scheduler(1)).tokens == want.tokens, "engine 1 generates what engine 0 does");
+
+  // A request runs on engine 1 when its GPU hits a device-side assert (an index out of bounds in
+  // a gather, as a bad token id in the embedding).
+  std::shared_ptr<GenerationStream> running =
+      router->scheduler(1).SubmitGenerate(router->engine().Validate(r), Clock::now());
+  GenerationStream::Update first = running->Wait(std::chrono::seconds(30));
+  check(!first.tokens.empty() && !first.done, "the request on engine 1 runs");
+  try {
+    router->scheduler(1).RunOnGpuThread(
+        "InjectFault",
+        [](Engine& engine) {
+          const at::Device device = engine.options().device;
+          const at::Tensor table = at::ones({4}, at::TensorOptions().device(device));
+          const at::Tensor index =
+              at::full({1}, 1000, at::TensorOptions().dtype(at::kLong).device(device));
+          (void)table.index_select(0, index);
+          SynchronizeDevice(device);
+        },
+        Clock::now());
+    check(false, "the injected fault threw");
+  } catch (const ServerError& e) {
+    check(e.code() == grpc::StatusCode::UNAVAILABLE,
+          std::string("the faulting work ends UNAVAILABLE: ") + e.what());
+  }
+  const Streamed ended = Collect(running);
+  check(ended.error != nullptr, "the request on engine 1 ended with an error");
+  if (ended.error) {
+    const grpc::Status status = StatusFromException(ended.error);
+    check(status.error_code() == grpc::StatusCode::UNAVAILABLE,
+          "the request on engine 1 ended UNAVAILABLE: " + status.error_message());
+  }
+  std::fprintf(stderr, "engine 1's device fault: %s\n",
+               router->scheduler(1).device_fault().c_str());
+  // The premise of Note [Device faults]: the error is sticky for the process, cuda:0 included.
+  std::string cuda0;
+  try {
+    at::Tensor t = at::ones({4}, at::TensorOptions().device(at::Device(at::kCUDA, 0)));
+    cuda0 = std::to_string((t * 2).sum().item<double>());
+  } catch (const std::exception& e) {
+    cuda0 = std::string("error: ") + e.what();
+  }
+  std::fprintf(stderr, "cuda:0 after the fault on cuda:1: %.120s\n", cuda0.c_str());
+  check(cuda0.rfind("error: ", 0) == 0, "cuda:0 fails too after the assert on cuda:1");
+  // Every engine stops at once, with the error; the server is told to restart.
+  for (int i = 0; i < 1000 && router->serving_engines() > 0; ++i)
+    std::this_thread::sleep_for(milliseconds(2));
+  check(router->serving_engines() == 0, "no engine serves");
+  check(router->scheduler(0).device_fault().find("raised on cuda:1") != std::string::npos,
+        "engine 0 stopped with engine 1's error: " + router->scheduler(0).device_fault());
+  check(every_engine_failed.load() == 1, "on_every_engine_failed ran once");
+  try {
+    Scheduler* chosen = nullptr;
+    (void)router->SubmitGenerate(router->engine().Validate(r), Clock::now(), &chosen);
+    check(false, "a request after the fault is refused");
+  } catch (const ServerError& e) {
+    check(e.code() == grpc::StatusCode::UNAVAILABLE, std::string("refused UNAVAILABLE: ") + e.what());
+  }
+  if (failed == 0) std::fprintf(stderr, "every engine stopped after engine 1's device fault\n");
+  std::fflush(stderr);
+  return failed;
+}
+
+// Note [Device faults] (server/scheduler.h) on real GPUs: a device-side assert on cuda:1 ends
+// engine 1's running request (UNAVAILABLE), makes CUDA fail on cuda:0 too (the error is sticky
+// for the process), and the router stops both engines at once and reports that none is left (the
+// server restarts); and each engine's GPU thread is bound to its device. In a child process of
+// its own (gtest's threadsafe death-test style re-executes this binary).
+TEST(DataParallelGpus, AFaultOnOneGpuStopsEveryEngine_CUDA) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  EXPECT_EXIT(std::_Exit(OneGpuFaultsAndEveryEngineStops() == 0 ? 0 : 1),
+              ::testing::ExitedWithCode(0), "every engine stopped after engine 1's device fault");
 }
 
 TEST(DataParallelConfig, DevicesFromTheConfig) {

@@ -29,6 +29,14 @@ void SynchronizeDevice(const at::Device& device) {
   c10::cuda::device_synchronize();
 }
 
+void BindThreadToDevice(const at::Device& device) {
+  if (device.is_cuda() && device.has_index()) c10::cuda::set_device(device.index());
+}
+
+int CurrentDeviceIndex() {
+  return c10::cuda::device_count() > 0 ? static_cast<int>(c10::cuda::current_device()) : -1;
+}
+
 std::string DeviceFault(const at::Device& device) {
   if (!device.is_cuda()) return "";
   c10::cuda::CUDAGuard guard(device);

@@ -16,7 +16,8 @@
 // Endpoints (every one but /health needs `Authorization: Bearer <key>` when keys are configured,
 // server/auth.h: the inference scope, the publish scope for /v1/admin/rollback):
 //   GET  /health               200 while at least one engine serves, 503 once shutting down or
-//                              when no engine can serve (vLLM's); the body lists every engine:
+//                              when no engine can serve (vLLM's; a device fault stops every
+//                              engine, Note [Device faults]); the body lists every engine:
 //                              {"status": "serving" | "degraded", "engines": [{"device":
 //                              "cuda:0", "gpu": "0", "healthy": true, "running": 3, "waiting":
 //                              0}, ...]} ("error": the device error of a failed engine); a 503
