@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Multi-GPU checks of one host, called by scripts/gpu-check.sh (parts dptrain, dpserve) with
-#   multi_gpu.sh BIN_DIR OUT_DIR dptrain|dpserve
+# Multi-GPU checks of one host, called by scripts/gpu-check.sh (parts dptrain, dpserve, dpsoak) with
+#   multi_gpu.sh BIN_DIR OUT_DIR dptrain|dpserve|dpsoak
 # dptrain: the data-parallel *_CUDA tests (NCCL ranks as processes against one rank); the graphed
 #   training step of nanovlm-460m bf16 at 8 x 1024 per GPU on 1, 2, 4, 8 GPUs (as many as the host
 #   has) under torchrun, tokens/s per GPU, with bench/allreduce_overlap.py on each trace; then
-#   vlmgraph-train on 2 GPUs under torchrun (a chat JSONL), and the same job with rank 1 killed
-#   by SIGKILL: rank 0 must exit with status 3 within the timeout (20 s).
+#   vlmgraph-train on 2 GPUs under torchrun (a chat JSONL), and the same job with rank 1's process
+#   (not its `timeout` wrapper) killed by SIGKILL: rank 0 must exit with status 3 within the
+#   timeout (20 s).
 # dpserve: vlmgraph-server with --data-parallel-size N (1, 2, 4, 8 as the host allows) on
-#   SmolLM2-135M's shape (bench/make_smol_checkpoint.py), 256 streams per GPU, 128 tokens per
-#   request: gRPC with one vlmgraph-grpc-load process per GPU, HTTP with $HTTP_LOAD (default
-#   ../shared/tools/http_load.py, skipped when absent) with 8 processes per GPU.
+#   SmolLM2-135M's shape (bench/make_smol_checkpoint.py), 128 tokens per request: gRPC alone at
+#   128 streams per GPU (one vlmgraph-grpc-load), then HTTP at 256 per GPU with $HTTP_LOAD (default
+#   ../shared/tools/http_load.py, skipped when absent; 8 processes per GPU), then gRPC at 256 per
+#   GPU (one loader per GPU). Any gRPC error, a server that died, a device fault in its log or an
+#   unclean shutdown fails the check.
+# dpsoak: the server on every GPU under gRPC and HTTP at once (128 streams per GPU each) for
+#   $VLMGRAPH_DPSOAK_SECONDS (default 600): 0 errors, no device fault, a clean shutdown.
+# dpserve and dpsoak need $VLMGRAPH_TOKENIZER (a SmolLM2 tokenizer.json).
 # Prints one summary line per figure; logs go to OUT_DIR. Exit status: the number of failed checks.
 set -uo pipefail
 BIN=$1 OUT=$2 WHAT=$3
@@ -62,43 +68,94 @@ PY
         eval "pid$r=\$!"
       done
       sleep 30
-      kill -9 "$pid1"
+      # $pid1 is the `timeout` wrapper: kill the rank itself, its child.
+      rank1=$(pgrep -P "$pid1" -x vlmgraph-train)
+      [ -n "$rank1" ] || { echo "rank 1 is not running (see $OUT/dp_kill_r1.log)"; failed=$((failed + 1)); }
+      kill -9 $rank1
       t0=$(date +%s.%N)
       wait "$pid0"
       rc=$?
-      echo "SIGKILL of rank 1: rank 0 exit status $rc after $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s (want 3 within 20 s)"
-      [ "$rc" = 3 ] || failed=$((failed + 1))
+      took=$(python3 -c "print(round($(date +%s.%N) - $t0, 1))")
+      echo "SIGKILL of rank 1: rank 0 exit status $rc after $took s (want 3 within 25 s: the 20 s timeout, and the step watchdog's 5 s)"
+      { [ "$rc" = 3 ] && python3 -c "import sys; sys.exit($took > 25)"; } || failed=$((failed + 1))
       grep -h UNAVAILABLE "$OUT/dp_kill_r0.log" | tail -1
     fi
     ;;
-  dpserve)
+  dpserve | dpsoak)
     smol
     HTTP_LOAD=${HTTP_LOAD:-$ROOT/../shared/tools/http_load.py}
-    for w in $WORLDS; do
+    [ -n "$TOKENIZER" ] || { echo "$WHAT needs VLMGRAPH_TOKENIZER (the loads send chat messages)"; exit 1; }
+    serve() {  # serve W: the server on W GPUs in the background; sets pid, grpc, http
       "$BIN/server/vlmgraph-server" --config deploy/config.yaml --model /tmp/vlmgraph-smol \
-        ${TOKENIZER:+--tokenizer "$TOKENIZER"} --data-parallel-size "$w" --grpc-address 127.0.0.1:0 \
+        --tokenizer "$TOKENIZER" --data-parallel-size "$1" --grpc-address 127.0.0.1:0 \
         --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 --set 'auth.api_keys_file=""' \
-        >"$OUT/dp_serve_w$w.out" 2>"$OUT/dp_serve_w$w.log" &
+        >"$OUT/dp_serve_w$1.out" 2>"$OUT/dp_serve_w$1.log" &
       pid=$!
-      for _ in $(seq 900); do grep -q ready "$OUT/dp_serve_w$w.out" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
-      grpc=$(sed -n 's/.* grpc \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$w.out")
-      http=$(sed -n 's/.* http \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$w.out")
-      [ -n "$grpc" ] || { echo "server on $w GPU(s) did not start"; failed=$((failed + 1)); kill $pid; continue; }
-      if [ -n "$TOKENIZER" ] && [ -f "$HTTP_LOAD" ]; then
+      for _ in $(seq 900); do grep -q ready "$OUT/dp_serve_w$1.out" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+      grpc=$(sed -n 's/.* grpc \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$1.out")
+      http=$(sed -n 's/.* http \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$1.out")
+      [ -n "$grpc" ] || { echo "server on $1 GPU(s) did not start"; failed=$((failed + 1)); kill $pid 2>/dev/null; return 1; }
+    }
+    grpc_load() {  # grpc_load NAME PROCS STREAMS_EACH SECONDS: PROCS vlmgraph-grpc-load processes
+      for i in $(seq "$2"); do
+        "$BIN/bench/vlmgraph-grpc-load" --address "$grpc" --concurrency "$3" --seconds "$4" --warmup 3 \
+          --max-tokens 128 >"$OUT/$1_$i.json" 2>&1 &
+        loaders+=($!)
+      done
+    }
+    grpc_report() {  # grpc_report NAME LABEL: the figures of grpc_load NAME; errors fail the check
+      python3 - "$OUT" "$1" "$2" <<'PY' || failed=$((failed + 1))
+import glob, json, sys
+out, name, label = sys.argv[1:]
+rows = [json.loads(l) for f in glob.glob(f"{out}/{name}_*.json") for l in open(f) if l.startswith("{")]
+errors = sum(r["errors"] for r in rows) if rows else -1
+print("%s: %.0f tokens/s, %d requests, %d errors, TTFT p99 (worst process) %.1f ms"
+      % (label, sum(r["tok_per_s"] for r in rows), sum(r["requests"] for r in rows), errors,
+         max((r["ttft_p99_ms"] for r in rows), default=0)))
+sys.exit(errors != 0)
+PY
+    }
+    stop_server() {  # stop_server W: SIGTERM, exit status 0, and no device fault in its log
+      if ! kill -0 $pid 2>/dev/null; then
+        echo "the server on $1 GPU(s) died"; failed=$((failed + 1))
+      fi
+      kill -TERM $pid 2>/dev/null
+      wait $pid
+      local rc=$?
+      grep -E "device|stopped|fault|assert" "$OUT/dp_serve_w$1.log" | grep -v "ready on" | head -5
+      if [ "$rc" != 0 ] || grep -qE "failed and cannot run|device-side assert|stopped after a device fault" "$OUT/dp_serve_w$1.log"; then
+        echo "server on $1 GPU(s): exit status $rc, or a device fault in its log"; failed=$((failed + 1))
+      fi
+    }
+  ;;&
+  dpserve)
+    for w in $WORLDS; do
+      serve "$w" || continue
+      # gRPC alone first, at 128 streams per GPU: a load that once brought every GPU down.
+      loaders=(); grpc_load "dp_grpc128_w$w" 1 $((128 * w)) 15; wait "${loaders[@]}"
+      grpc_report "dp_grpc128_w$w" "grpc $w GPU(s), 128 streams per GPU"
+      if [ -f "$HTTP_LOAD" ]; then
         python3 "$HTTP_LOAD" --url "http://$http" --model auto --concurrency $((256 * w)) --procs $((8 * w > 32 ? 32 : 8 * w)) \
           --seconds 15 --warmup 3 --max-tokens 128 2>&1 | tail -1 | sed "s/^/http $w GPU(s): /"
       fi
-      if [ -n "$TOKENIZER" ]; then
-        for i in $(seq "$w"); do
-          "$BIN/bench/vlmgraph-grpc-load" --address "$grpc" --concurrency 256 --seconds 15 --warmup 3 \
-            --max-tokens 128 >"$OUT/dp_grpc_w${w}_$i.json" 2>&1 &
-        done
-        wait $(jobs -p | grep -vx "$pid")
-        python3 -c "import glob, json; rows = [json.loads(l) for f in glob.glob('$OUT/dp_grpc_w${w}_*.json') for l in open(f) if l.startswith('{')]; print('grpc $w GPU(s): %.0f tokens/s, %d errors, TTFT p99 (worst process) %.1f ms' % (sum(r['tok_per_s'] for r in rows), sum(r['errors'] for r in rows), max(r['ttft_p99_ms'] for r in rows)))"
-      fi
-      kill -TERM $pid
-      wait $pid
+      loaders=(); grpc_load "dp_grpc_w$w" "$w" 256 15; wait "${loaders[@]}"
+      grpc_report "dp_grpc_w$w" "grpc $w GPU(s), 256 streams per GPU"
+      stop_server "$w"
     done
+    ;;
+  dpsoak)
+    # gRPC and HTTP at once on every GPU for $VLMGRAPH_DPSOAK_SECONDS (default 600): 128 gRPC and
+    # 128 HTTP streams per GPU; 0 errors, no device fault, a clean shutdown.
+    secs=${VLMGRAPH_DPSOAK_SECONDS:-600}
+    serve "$NG" || exit "$failed"
+    loaders=(); grpc_load dp_soak_grpc 1 $((128 * NG)) "$secs"
+    python3 "$HTTP_LOAD" --url "http://$http" --model auto --concurrency $((128 * NG)) --procs 16 \
+      --seconds "$secs" --warmup 3 --max-tokens 128 >"$OUT/dp_soak_http.json" 2>&1
+    wait "${loaders[@]}"
+    grpc_report dp_soak_grpc "soak $NG GPU(s), $secs s: grpc"
+    tail -1 "$OUT/dp_soak_http.json" | sed "s/^/soak $NG GPU(s), $secs s: http /"
+    python3 -c "import json, sys; r = json.loads(open('$OUT/dp_soak_http.json').read().strip().splitlines()[-1]); sys.exit(r['errors'] != 0)" || failed=$((failed + 1))
+    stop_server "$NG"
     ;;
 esac
 exit "$failed"
