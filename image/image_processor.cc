@@ -535,12 +535,40 @@ void CheckTileCount(const std::vector<int64_t>& tiles_per_image, int64_t max_til
                    smaller);
 }
 
-ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg) {
+int64_t ResizeWorkingPixels(int64_t height, int64_t width, const VlmConfig& cfg) {
+  const auto [out_h, out_w] = ResizedSize(height, width, cfg);
+  return std::max({height * width, height * out_w, out_h * out_w});
+}
+
+void CheckResizeFits(int64_t height, int64_t width, const VlmConfig& cfg,
+                     const ImageLimits& limits) {
+  if (height < 1 || width < 1) return;  // the shape checks say what is wrong
+  // Both sides are at most limits.max_pixels here (the input's own check), so the products fit.
+  if (height > limits.max_pixels || width > limits.max_pixels ||
+      height * width > limits.max_pixels) {
+    throw ImageError("image is " + std::to_string(width) + "x" + std::to_string(height) +
+                     " pixels; at most " + std::to_string(limits.max_pixels) +
+                     " are allowed (limits.max_image_pixels)");
+  }
+  const int64_t working = ResizeWorkingPixels(height, width, cfg);
+  if (working <= limits.max_pixels) return;
+  const auto [out_h, out_w] = ResizedSize(height, width, cfg);
+  throw ImageError("image of " + std::to_string(width) + "x" + std::to_string(height) +
+                   " pixels: resizing it to " + std::to_string(out_w) + "x" +
+                   std::to_string(out_h) + " passes through " + std::to_string(out_w) + "x" +
+                   std::to_string(height) + " = " + std::to_string(working) +
+                   " pixels, over limits.max_image_pixels (" + std::to_string(limits.max_pixels) +
+                   "); crop it to at most " + std::to_string(limits.max_pixels / out_w) +
+                   " pixels of height, or pad it to a less extreme aspect ratio");
+}
+
+ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg, const ImageLimits& limits) {
   if (image.dim() != 3 || image.size(0) != 3 || image.size(1) < 1 || image.size(2) < 1) {
     std::ostringstream o;
     o << "an image must be (3, H, W) RGB, got shape " << image.sizes();
     throw ImageError(o.str());
   }
+  CheckResizeFits(image.size(1), image.size(2), cfg, limits);
   const bool is_uint8 = image.scalar_type() == at::kByte;
   const auto [out_h, out_w] = ResizedSize(image.size(1), image.size(2), cfg);
   at::Tensor x = image.to(at::kFloat).unsqueeze(0);  // (1, 3, H, W)
@@ -578,7 +606,9 @@ ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg) {
 
 ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg,
                                   const ImageLimits& limits) {
-  return TileImage(DecodeImage(bytes, limits), cfg);
+  const ImageSize size = ReadImageSize(bytes, limits);
+  CheckResizeFits(size.height, size.width, cfg, limits);  // before the decoder allocates
+  return TileImage(DecodeImage(bytes, limits), cfg, limits);
 }
 
 }  // namespace vlmgraph

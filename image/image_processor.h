@@ -95,9 +95,22 @@ int64_t MaxTilesPerImage(const VlmConfig& cfg);
 void CheckTileCount(const std::vector<int64_t>& tiles_per_image, int64_t max_tiles,
                     const VlmConfig& cfg);
 
+// Pixels of the largest image the resize of a height x width image passes through: the image
+// itself, the horizontal pass's height x out_w (PIL's order: horizontal first), and the resized
+// out_h x out_w (ResizedSize). A thin image is widened by the horizontal pass: 1 x 400000 pixels
+// pass through 400000 x 512 of them.
+int64_t ResizeWorkingPixels(int64_t height, int64_t width, const VlmConfig& cfg);
+// Throws ImageError unless ResizeWorkingPixels fits limits.max_pixels: the pixel limit bounds
+// what the resize allocates (3 float32 planes of that many pixels), not only the input. Saying
+// which pass, and what to change. Checked before decoding where the header gives the size.
+void CheckResizeFits(int64_t height, int64_t width, const VlmConfig& cfg,
+                     const ImageLimits& limits);
+
 // Resizes and tiles one RGB image: (3, H, W) uint8, or float32 in [0, 1] (a raw tensor from a
-// client; rounded to uint8 levels like a decoded image after the bicubic resize).
-ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg);
+// client; rounded to uint8 levels like a decoded image after the bicubic resize). Throws
+// ImageError for a bad shape and, before allocating anything, where CheckResizeFits does.
+ImageTiles TileImage(const at::Tensor& image, const VlmConfig& cfg,
+                     const ImageLimits& limits = ImageLimits{});
 
 // DecodeImage + TileImage.
 ImageTiles PreprocessEncodedImage(const std::string& bytes, const VlmConfig& cfg,

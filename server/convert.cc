@@ -1,6 +1,7 @@
 #include "server/convert.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -73,7 +74,7 @@ ImageTiles TensorImageToTiles(const v1::FloatTensor& t, const VlmConfig& cfg, co
     return t;
   }
   try {
-    return TileImage(x, cfg);
+    return TileImage(x, cfg, ImageLimits{limits.max_image_bytes, limits.max_image_pixels});
   } catch (const ImageError& e) {
     throw InvalidArgument(field + ".tensor: " + e.what());
   }
@@ -102,8 +103,9 @@ int64_t DeclaredTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& 
                       const std::string& field) {
   if (img.has_encoded()) {
     try {
-      const ImageSize size = ReadImageSize(
-          img.encoded(), ImageLimits{limits.max_image_bytes, limits.max_image_pixels});
+      const ImageLimits image_limits{limits.max_image_bytes, limits.max_image_pixels};
+      const ImageSize size = ReadImageSize(img.encoded(), image_limits);
+      CheckResizeFits(size.height, size.width, cfg, image_limits);
       return ImageTileCount(size.height, size.width, cfg);
     } catch (const ImageError& e) {
       throw InvalidArgument(field + ": " + e.what());
@@ -481,15 +483,17 @@ std::vector<TrainExample> ToTrainBatch(const v1::TrainBatch& batch, const VlmCon
 
 namespace {
 
-// Note [Checkpoint directories]: SaveCheckpoint.directory is a client's name for a directory that
-// must stay inside train.checkpoint_dir. It is checked by name (no "", ".", ".." components, the
-// characters the proto allows, NAME_MAX per component) and then component by component below the
-// canonical root with lstat(2): an existing component must be a real directory, never a symbolic
-// link (which could point anywhere) nor a file. Components that do not exist yet are created as
-// plain directories by the save, so the result stays strictly inside the root. POSIX calls, not
-// std::filesystem: the pip LibTorch exports its own copy of std::filesystem (see
-// tests/server_scheduler_test.cc). Nothing here guards against another local user swapping a
-// directory for a link between this check and the save; the threat is the gRPC client.
+// Note [Checkpoint directories]: SaveCheckpoint.directory (and TrainConfig.save_directory,
+// resume_from) is a client's name for a directory that must stay inside train.checkpoint_dir. It
+// is checked by name (no "", ".", ".." components, the characters the proto allows, NAME_MAX per
+// component), then opened one component at a time from the opened canonical root with
+// openat(O_DIRECTORY | O_NOFOLLOW): a component that is a symbolic link (which could point
+// anywhere) or a file is refused, a missing one is made with mkdirat when the caller creates.
+// Every read and write of the checkpoint then goes through the opened directory
+// (/proc/self/fd/N, CheckpointDir::io_path), and the files in it through AtomicFile (O_NOFOLLOW,
+// rename): swapping a component of the path for a link after the check moves nothing outside
+// the root, the save lands in the directory that was checked. POSIX calls, not std::filesystem:
+// the pip LibTorch exports its own copy of std::filesystem (see tests/server_scheduler_test.cc).
 
 // `path` made absolute and lexically normal: "/a/b", no ".", "..", "" components.
 std::string AbsoluteNormal(const std::string& path) {
@@ -534,8 +538,12 @@ std::string WeaklyCanonical(const std::string& path) {
 
 }  // namespace
 
-std::string ResolveCheckpointDir(const std::string& root, const std::string& name,
-                                 const std::string& field) {
+std::string CheckpointDir::io_path() const {
+  return fd ? "/proc/self/fd/" + std::to_string(*fd) : path;
+}
+
+std::vector<std::string> CheckpointDirComponents(const std::string& name,
+                                                 const std::string& field) {
   constexpr size_t kMaxNameBytes = 1024;
   constexpr size_t kMaxComponentBytes = 255;  // NAME_MAX of Linux file systems
   if (name.empty()) throw InvalidArgument(field + ": must not be empty");
@@ -570,34 +578,84 @@ std::string ResolveCheckpointDir(const std::string& root, const std::string& nam
                             " bytes; at most " + std::to_string(kMaxComponentBytes) + " each");
     }
   }
+  return parts;
+}
+
+CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name,
+                                const std::string& field, bool create) {
+  const std::vector<std::string> parts = CheckpointDirComponents(name, field);
   // Note [Checkpoint directories]
-  std::string dir = WeaklyCanonical(AbsoluteNormal(root));
-  std::string shown;  // the part of `name` checked so far
-  bool exists = true;
+  CheckpointDir out;
+  out.path = WeaklyCanonical(AbsoluteNormal(root));
+  auto owned = [](int fd) {
+    return std::shared_ptr<int>(new int(fd), [](int* p) {
+      ::close(*p);
+      delete p;
+    });
+  };
+  const int root_fd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (root_fd < 0 && !(errno == ENOENT && create)) {
+    throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                      field + ": cannot open train.checkpoint_dir '" + out.path +
+                          "': " + std::strerror(errno));
+  }
+  std::shared_ptr<int> dir;
+  if (root_fd >= 0) {
+    dir = owned(root_fd);
+  } else {
+    // The root itself is the server's configuration (links allowed): made as mkdir -p would.
+    for (size_t slash = out.path.find('/', 1);; slash = out.path.find('/', slash + 1)) {
+      const std::string made = out.path.substr(0, slash);
+      if (::mkdir(made.c_str(), 0755) != 0 && errno != EEXIST) {
+        throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                          field + ": cannot make train.checkpoint_dir '" + out.path +
+                              "': " + std::strerror(errno));
+      }
+      if (slash == std::string::npos) break;
+    }
+    const int fd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+      throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                        field + ": cannot open train.checkpoint_dir '" + out.path +
+                            "': " + std::strerror(errno));
+    }
+    dir = owned(fd);
+  }
+  std::string shown;  // the part of `name` opened so far
   for (const std::string& part : parts) {
-    dir += (dir.back() == '/' ? "" : "/") + part;
+    out.path += (out.path.back() == '/' ? "" : "/") + part;
     shown += (shown.empty() ? "" : "/") + part;
-    if (!exists) continue;
-    struct stat st {};
-    if (::lstat(dir.c_str(), &st) != 0) {
-      if (errno == ENOENT) {
-        exists = false;
-        continue;
+    int fd = ::openat(*dir, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT && create) {
+      if (::mkdirat(*dir, part.c_str(), 0755) != 0 && errno != EEXIST) {
+        throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
+                          field + ": cannot make '" + shown + "': " + std::strerror(errno));
+      }
+      fd = ::openat(*dir, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    }
+    if (fd < 0) {
+      const int error = errno;
+      struct stat st {};
+      const bool stat_ok = ::fstatat(*dir, part.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0;
+      if (stat_ok && S_ISLNK(st.st_mode)) {
+        throw InvalidArgument(field + ": '" + shown +
+                              "' is a symbolic link; checkpoints must stay inside "
+                              "train.checkpoint_dir");
+      }
+      if (stat_ok && !S_ISDIR(st.st_mode)) {
+        throw InvalidArgument(field + ": '" + shown +
+                              "' is a file, not a directory; choose another name");
+      }
+      if (error == ENOENT) {
+        throw InvalidArgument(field + ": '" + shown + "' does not exist in train.checkpoint_dir");
       }
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                        field + ": cannot inspect '" + dir + "': " + std::strerror(errno));
+                        field + ": cannot open '" + shown + "': " + std::strerror(error));
     }
-    if (S_ISLNK(st.st_mode)) {
-      throw InvalidArgument(field + ": '" + shown +
-                            "' is a symbolic link; checkpoints must stay inside "
-                            "train.checkpoint_dir");
-    }
-    if (!S_ISDIR(st.st_mode)) {
-      throw InvalidArgument(field + ": '" + shown +
-                            "' is a file, not a directory; choose another name");
-    }
+    dir = owned(fd);
   }
-  return dir;
+  out.fd = std::move(dir);
+  return out;
 }
 
 }  // namespace vlmgraph::server

@@ -22,6 +22,7 @@
 
 #include <ATen/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,7 @@
 #include "model/config.h"
 #include "server/config/config.h"
 #include "server/text_prompt.h"
+#include "server/text_stream.h"
 #include "text/chat_format.h"
 #include "vlmgraph/v1/chat.pb.h"
 #include "vlmgraph/v1/forward.pb.h"
@@ -40,10 +42,6 @@
 namespace vlmgraph::server {
 
 using Limits = ServerConfig::Limits;
-
-// Stop strings per request, and the longest one, in bytes (OpenAI allows 4; vLLM any number).
-inline constexpr size_t kMaxStopStrings = 16;
-inline constexpr size_t kMaxStopStringBytes = 256;
 
 // One image -> its tiles and grid. Ready-made tiles ([N, 3, S, S] tensors) have grid_rows = 0
 // (unknown) unless N is 1. `field` prefixes error messages ("images[0]").
@@ -113,12 +111,28 @@ LearningRates ToLearningRates(const v1::TrainConfig& config);
 void CheckPrompt(const std::vector<int64_t>& ids, const at::Tensor& tiles, const VlmConfig& cfg,
                  int64_t max_tokens, const std::string& field);
 
+// A checkpoint directory below train.checkpoint_dir, held open (Note [Checkpoint directories] in
+// convert.cc). Copies share the open directory; the last one closes it.
+struct CheckpointDir {
+  std::string path;           // absolute, below the canonical root: what clients and logs see
+  std::shared_ptr<int> fd;    // the directory, opened component by component
+
+  // The path every read and write of the checkpoint goes through while this is alive:
+  // /proc/self/fd/N, i.e. the directory that was opened, whatever its path names meanwhile.
+  std::string io_path() const;
+};
+
 // `name` relative to `root` (SaveCheckpoint.directory rules: only [A-Za-z0-9._/-], not absolute,
-// no "", "." or ".." components, at most 1024 bytes and 255 per component) -> the absolute path
-// below the canonical `root`. INVALID_ARGUMENT also when an existing component is a symbolic link
-// or a file (Note [Checkpoint directories] in convert.cc); FAILED_PRECONDITION when one cannot be
-// inspected. Reads the file system; writes nothing. Messages start with `field`.
-std::string ResolveCheckpointDir(const std::string& root, const std::string& name,
-                                 const std::string& field = "save.directory");
+// no "", "." or ".." components, at most 1024 bytes and 255 per component), opened below the
+// canonical `root` one component at a time without following a symbolic link (openat with
+// O_NOFOLLOW), missing components created when `create` (mode 0755). INVALID_ARGUMENT when a
+// component is a symbolic link or a file, or (not `create`) does not exist; FAILED_PRECONDITION
+// when the root cannot be opened or a directory cannot be made. Messages start with `field`.
+CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name,
+                                const std::string& field = "save.directory", bool create = true);
+
+// OpenCheckpointDir's checks of `name` alone (no file system access): its components.
+std::vector<std::string> CheckpointDirComponents(const std::string& name,
+                                                 const std::string& field = "save.directory");
 
 }  // namespace vlmgraph::server

@@ -26,6 +26,11 @@
 
 namespace vlmgraph::server {
 
+// Stop strings per gRPC request, and the longest one, in bytes, on both APIs (OpenAI allows 4
+// strings; vLLM any number): each is matched against the held-back text at every token.
+inline constexpr size_t kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopStringBytes = 256;
+
 class TextStream {
  public:
   struct Delta {

@@ -429,6 +429,39 @@ TEST(ServerImage, SizeAndTileCountComeFromTheHeaderAlone) {
   }
 }
 
+// A thin image is widened by the resize's horizontal pass (PIL's order): 1 x 400000 pixels pass
+// through 400000 x out_w floats (2.4 GB for 512-pixel tiles). Its pixels count against the pixel
+// limit, so such an image is refused, from its header before decoding, or from its tensor shape
+// before the resize allocates anything; an image that fits still tiles.
+TEST(ServerImage, AThinImageIsRefusedBeforeItsResizeAllocates) {
+  const VlmConfig cfg = Tiny();  // 64-pixel tiles: the horizontal pass is height x 64
+  const ImageLimits limits{32 << 20, 1000000};
+  EXPECT_EQ(ResizeWorkingPixels(400000, 1, cfg), int64_t{400000} * 64);
+  EXPECT_EQ(ResizeWorkingPixels(300, 451, cfg), 300 * 451);
+  EXPECT_EQ(ResizeWorkingPixels(1, 400000, cfg), 400000);  // wide: the input is the largest
+  const std::string png = Encode(at::zeros({400000, 1, 3}, at::kByte));
+  ASSERT_LT(png.size(), 2u << 20);
+  EXPECT_NO_THROW(ReadImageSize(png, limits));  // 400000 pixels: under the input's own limit
+  std::string message;
+  try {
+    PreprocessEncodedImage(png, cfg, limits);
+  } catch (const ImageError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("1x400000 pixels: resizing it to 64x256 passes through 64x400000 = "
+                         "25600000 pixels, over limits.max_image_pixels (1000000)"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("at most 15625 pixels of height"), std::string::npos) << message;
+  // A [3, H, W] tensor (what a gRPC client may send) and the header-only check say the same.
+  EXPECT_THROW(TileImage(at::zeros({3, 400000, 1}), cfg, limits), ImageError);
+  EXPECT_THROW(CheckResizeFits(400000, 1, cfg, limits), ImageError);
+  EXPECT_THROW(CheckResizeFits(15626, 1, cfg, limits), ImageError);
+  EXPECT_NO_THROW(CheckResizeFits(15625, 1, cfg, limits));
+  EXPECT_EQ(TileImage(at::zeros({3, 15625, 1}, at::kByte), cfg, limits).tiles.size(0), 5);
+  EXPECT_EQ(PreprocessEncodedImage(Encode(Gradient(300, 451)), cfg, limits).tiles.size(0), 13);
+}
+
 TEST(ServerImage, TooManyTilesSayHowManyEachImageMakes) {
   const VlmConfig cfg = Tiny();
   EXPECT_NO_THROW(CheckTileCount({17}, 17, cfg));

@@ -233,6 +233,13 @@ TEST(OpenAiProtocol, RequestErrors) {
        "stop", "at most 4"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "stop": 7})", 400, "stop",
        "a string or a list of strings"},
+      // Each stop string is matched at every token: at most kMaxStopStringBytes, as on gRPC.
+      {R"({"messages": [{"role": "user", "content": "hi"}], "stop": ")" + std::string(257, 'x') +
+           R"("})",
+       400, "stop", "stop: 257 bytes; a stop string may have at most 256"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", ")" +
+           std::string(25 << 20, 'x') + R"("]})",
+       400, "stop", "stop[1]: 26214400 bytes; a stop string may have at most 256"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "stream_options": {}})", 400,
        "stream_options", "only allowed when stream is true"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true})", 400, "logprobs",

@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "base/atomic_file.h"
 #include "base/log.h"
 #include "engine/engine.h"
 #include "engine/engine_types.h"
@@ -263,9 +264,9 @@ TEST(ServerConvert, TrainConfigLearningRates) {
 }
 
 TEST(ServerConvert, CheckpointDirectoriesStayUnderTheRoot) {
-  EXPECT_EQ(ResolveCheckpointDir("/srv/ckpt", "run1/step_10"), "/srv/ckpt/run1/step_10");
+  EXPECT_EQ(CheckpointDirComponents("run1/step_10"), (std::vector<std::string>{"run1", "step_10"}));
   for (const char* bad : {"", "../etc", "a/../../b", "/abs", "a b", "a;b"}) {
-    EXPECT_EQ(StatusOf([&] { ResolveCheckpointDir("/srv/ckpt", bad); }).error_code(),
+    EXPECT_EQ(StatusOf([&] { CheckpointDirComponents(bad); }).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT)
         << bad;
   }
@@ -295,6 +296,8 @@ class CheckpointRoot {
   std::string Link(const std::string& rel, const std::string& target) {
     return Made(rel, ::symlink(target.c_str(), Path(rel).c_str()));
   }
+  // Removes `rel` (made by the code under test) with the rest.
+  void Adopt(const std::string& rel) { made_.push_back(Path(rel)); }
 
  private:
   std::string Path(const std::string& rel) const { return base_ + "/" + rel; }
@@ -319,9 +322,20 @@ TEST(ServerConvert, CheckpointDirectoriesRefuseLinksFilesAndTheRootItself) {
   ASSERT_NE(canonical, nullptr);
   const std::string canonical_root(canonical);
   std::free(canonical);
-  EXPECT_EQ(ResolveCheckpointDir(root, "run1/step_10"), canonical_root + "/run1/step_10");
-  EXPECT_EQ(ResolveCheckpointDir(root, "real/x"), canonical_root + "/real/x");
-  EXPECT_EQ(ResolveCheckpointDir(t.base() + "/rootlink", "a.b"), canonical_root + "/a.b");
+  EXPECT_EQ(OpenCheckpointDir(root, "run1/step_10").path, canonical_root + "/run1/step_10");
+  t.Adopt("root/run1");
+  t.Adopt("root/run1/step_10");
+  EXPECT_EQ(OpenCheckpointDir(root, "real/x").path, canonical_root + "/real/x");
+  t.Adopt("root/real/x");
+  EXPECT_EQ(OpenCheckpointDir(t.base() + "/rootlink", "a.b").path, canonical_root + "/a.b");
+  t.Adopt("root/a.b");
+  // Without create (resume_from), a missing directory is refused, and nothing is made.
+  EXPECT_NE(StatusOf([&] { OpenCheckpointDir(root, "none/x", "config.resume_from", false); })
+                .error_message()
+                .find("config.resume_from: 'none' does not exist"),
+            std::string::npos);
+  struct stat st {};
+  EXPECT_NE(::lstat((root + "/none").c_str(), &st), 0);
   const std::string long_component(300, 'a');
   std::string long_name;
   while (long_name.size() <= 1024) long_name += "abcdefgh/";
@@ -343,12 +357,34 @@ TEST(ServerConvert, CheckpointDirectoriesRefuseLinksFilesAndTheRootItself) {
       {"afile/x/y", "is a file"},
   };
   for (const auto& [name, message] : refused) {
-    const grpc::Status s = StatusOf([&] { ResolveCheckpointDir(root, name); });
+    const grpc::Status s = StatusOf([&] { OpenCheckpointDir(root, name); });
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << name << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(message), std::string::npos)
         << name << ": " << s.error_message();
   }
+}
+
+// Note [Checkpoint directories]: a save writes through the directory that was opened and
+// checked. Swapping that path for a link to another directory afterwards (a local user racing
+// the save) moves nothing outside the root: the files land in the opened directory, wherever it
+// now is, and the next open refuses the link.
+TEST(ServerConvert, ACheckpointDirectoryStaysTheOneOpenedWhenItsPathIsSwappedForALink) {
+  CheckpointRoot t;
+  const std::string root = t.Dir("root"), outside = t.Dir("outside");
+  t.Dir("root/race");
+  const CheckpointDir dir = OpenCheckpointDir(root, "race");
+  ASSERT_EQ(::rename((root + "/race").c_str(), (root + "/moved").c_str()), 0);
+  t.Adopt("root/moved");
+  t.Link("root/race", outside);
+  WriteFileAtomically(dir.io_path() + "/config.json", "{}");
+  t.Adopt("root/moved/config.json");
+  struct stat st {};
+  EXPECT_EQ(::lstat((root + "/moved/config.json").c_str(), &st), 0);
+  EXPECT_NE(::lstat((outside + "/config.json").c_str(), &st), 0) << "the save left the root";
+  const grpc::Status again = StatusOf([&] { OpenCheckpointDir(root, "race"); });
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(again.error_message().find("symbolic link"), std::string::npos) << again.error_message();
 }
 
 TEST(ServerLog, LogSafeEscapesControlBytesAndCutsLongText) {
@@ -434,7 +470,7 @@ TEST(ServerStatus, OnePlaceMapsEveryErrorKind) {
 std::set<std::string> DocumentedMetrics() {
   std::ifstream in(std::string(VLMGRAPH_FIXTURES_DIR) + "/../../docs/metrics.md");
   std::set<std::string> names;
-  const std::regex row(R"(^\| `(vlmgraph_[a-z_]+)` \|)");
+  const std::regex row(R"(^\| `((?:vlmgraph|process)_[a-z_]+)` \|)");
   for (std::string line; std::getline(in, line);) {
     std::smatch m;
     if (std::regex_search(line, m, row)) names.insert(m[1]);

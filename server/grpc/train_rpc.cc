@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <system_error>
 #include <thread>
 
@@ -119,7 +121,7 @@ struct JobPolicy {
   bool publish_on_end = false;
   int64_t max_consecutive_skipped_steps = 5;
   int64_t save_every_steps = 0;
-  std::string save_directory;  // absolute; "" = no autosave
+  std::optional<CheckpointDir> save_directory;  // none = no autosave
 };
 
 JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_root) {
@@ -143,7 +145,7 @@ JobPolicy ToJobPolicy(const v1::TrainConfig& c, const std::string& checkpoint_ro
     throw InvalidArgument("config.save_directory: required when save_every_steps is set");
   if (!c.save_directory().empty()) {
     p.save_directory =
-        ResolveCheckpointDir(checkpoint_root, c.save_directory(), "config.save_directory");
+        OpenCheckpointDir(checkpoint_root, c.save_directory(), "config.save_directory");
   }
   return p;
 }
@@ -220,9 +222,13 @@ class IdleWatchdog {
 
 // A save that the file system refused (no space, no permission, a name too long for it): the
 // server's state, not a bug, so never INTERNAL.
-ServerError SaveFailed(const std::string& dir, const std::string& what) {
+ServerError SaveFailed(const CheckpointDir& dir, std::string what) {
+  // Errors name the files by the path they were written through (/proc/self/fd/N/...).
+  const std::string io = dir.io_path();
+  for (size_t at = what.find(io); at != std::string::npos; at = what.find(io, at + dir.path.size()))
+    what.replace(at, io.size(), dir.path);
   return ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                     "save.directory: cannot write the checkpoint to " + dir + ": " + what);
+                     "save.directory: cannot write the checkpoint to " + dir.path + ": " + what);
 }
 
 v1::StepMode ToProto(RunKind kind) {
@@ -283,9 +289,12 @@ void VlmGraphService::RunTrain(
   // Training and saving need the train scope (RpcGuard); changing what every client is served
   // needs the publish scope too.
   if (policy.publish_on_end) Authorize(context, Scope::kPublish, "Train with publish_on_end");
+  // Held open while the job loads from it (Note [Checkpoint directories]).
+  CheckpointDir resume;
   if (!message.config().resume_from().empty()) {
-    options.resume_from = ResolveCheckpointDir(
-        config_.train.checkpoint_dir, message.config().resume_from(), "config.resume_from");
+    resume = OpenCheckpointDir(config_.train.checkpoint_dir, message.config().resume_from(),
+                               "config.resume_from", /*create=*/false);
+    options.resume_from = resume.io_path();
   }
 
   // The job lives on the GPU threads: one rank per serving engine, each created, stepped and
@@ -293,19 +302,19 @@ void VlmGraphService::RunTrain(
   std::unique_ptr<TrainRanks> job = std::make_unique<TrainRanks>(
       *router_, options, metrics_, config_.train.data_parallel_timeout_seconds);
   LogInfo("Train job started by " + context->peer() +
-          (options.resume_from.empty()
+          (resume.path.empty()
                ? ""
-               : " from " + options.resume_from + " at step " + std::to_string(job->steps())));
+               : " from " + resume.path + " at step " + std::to_string(job->steps())));
 
   // Saves run on the GPU thread; file-system refusals are the server's state, not a bug.
-  auto save = [&](const std::string& dir, Clock::time_point received,
+  auto save = [&](const CheckpointDir& dir, Clock::time_point received,
                   Scheduler::Admission admission) {
     int64_t steps = 0;
     job->OnFirstRank(
         "Train",
         [&](TrainBackend& rank) {
           try {
-            rank.Save(dir);
+            rank.Save(dir.io_path());  // Note [Checkpoint directories]: the opened directory
           } catch (const std::system_error& e) {  // std::filesystem_error included
             throw SaveFailed(dir, e.what());
           } catch (const CheckpointError& e) {
@@ -344,13 +353,13 @@ void VlmGraphService::RunTrain(
   // timeout, ABORTED, shutdown) after unsaved steps saves once more, so a client loses at most the
   // step in flight; the job resumes with TrainConfig.resume_from.
   auto final_autosave = [&] {
-    if (policy.save_directory.empty() || !job || job->steps() == saved_at_step) return;
+    if (!policy.save_directory || !job || job->steps() == saved_at_step) return;
     try {
-      save(policy.save_directory, Clock::now(), Scheduler::Admission::kCleanup);
-      LogInfo("Train job autosaved " + policy.save_directory + " at step " +
+      save(*policy.save_directory, Clock::now(), Scheduler::Admission::kCleanup);
+      LogInfo("Train job autosaved " + policy.save_directory->path + " at step " +
               std::to_string(job->steps()) + " as it ended");
     } catch (const std::exception& e) {
-      LogWarn("Train job could not autosave " + policy.save_directory +
+      LogWarn("Train job could not autosave " + policy.save_directory->path +
               " as it ended: " + LogSafe(e.what(), 512));
     }
   };
@@ -403,15 +412,15 @@ void VlmGraphService::RunTrain(
         break;
       }
       case v1::TrainRequest::kSave: {
-        const std::string dir =
-            ResolveCheckpointDir(config_.train.checkpoint_dir, message.save().directory());
+        const CheckpointDir dir =
+            OpenCheckpointDir(config_.train.checkpoint_dir, message.save().directory());
         const int64_t steps = save(dir, received, Scheduler::Admission::kInFlight);
-        if (dir == policy.save_directory) saved_at_step = steps;
+        if (policy.save_directory && dir.path == policy.save_directory->path) saved_at_step = steps;
         v1::CheckpointSaved* s = response.mutable_saved();
-        s->set_directory(dir);
+        s->set_directory(dir.path);
         s->set_step(steps);
         s->set_seconds(SecondsSince(received));
-        LogInfo("Train job saved a checkpoint to " + dir + " after " + std::to_string(steps) +
+        LogInfo("Train job saved a checkpoint to " + dir.path + " after " + std::to_string(steps) +
                 " steps");
         break;
       }
@@ -432,8 +441,8 @@ void VlmGraphService::RunTrain(
       v1::TrainResponse saved;
       v1::CheckpointSaved* s = saved.mutable_saved();
       const auto t0 = Clock::now();
-      s->set_step(save(policy.save_directory, t0, Scheduler::Admission::kInFlight));
-      s->set_directory(policy.save_directory);
+      s->set_step(save(*policy.save_directory, t0, Scheduler::Admission::kInFlight));
+      s->set_directory(policy.save_directory->path);
       s->set_seconds(SecondsSince(t0));
       s->set_automatic(true);
       saved_at_step = s->step();

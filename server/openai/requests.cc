@@ -11,6 +11,7 @@
 
 #include "image/image_processor.h"
 #include "server/image_workers.h"
+#include "server/text_stream.h"
 #include "text/tokenizer.h"
 
 namespace vlmgraph::server::openai {
@@ -199,8 +200,17 @@ GenerationParams ParseGenerationParams(const json& body, bool chat) {
     } else {
       throw WrongType("stop", "a string or a list of strings", *stop);
     }
-    for (std::string& s : strings) {
-      if (!s.empty()) p.stop.push_back(std::move(s));
+    // OpenAI's limit of 4, and the gRPC API's length bound (kMaxStopStringBytes); an empty
+    // string stops nothing and is dropped.
+    for (size_t i = 0; i < strings.size(); ++i) {
+      if (strings[i].size() > kMaxStopStringBytes) {
+        const std::string field = stop->is_array() ? "stop[" + std::to_string(i) + "]" : "stop";
+        throw BadRequest(field + ": " + std::to_string(strings[i].size()) +
+                             " bytes; a stop string may have at most " +
+                             std::to_string(kMaxStopStringBytes),
+                         "stop");
+      }
+      if (!strings[i].empty()) p.stop.push_back(std::move(strings[i]));
     }
   }
   if (const json* ids = Field(body, "stop_token_ids"))
@@ -311,6 +321,7 @@ void CheckImageHeaders(const std::vector<EncodedImage>& images, const VlmConfig&
   for (const EncodedImage& image : images) {
     try {
       const ImageSize size = ReadImageSize(image.bytes, image_limits);
+      CheckResizeFits(size.height, size.width, cfg, image_limits);
       tiles.push_back(ImageTileCount(size.height, size.width, cfg));
     } catch (const ImageError& e) {
       throw BadRequest(image.param + ": " + e.what(), image.param);

@@ -1,11 +1,10 @@
 // Fuzz target: the gRPC requests (server/convert.h: ToEngineRequest for GenerateRequest and
-// ForwardRequest, ToTrainBatch and ResolveCheckpointDir for TrainRequest), with their images
+// ForwardRequest, ToTrainBatch and CheckpointDirComponents for TrainRequest), with their images
 // (encoded PNG/JPEG and raw tensors) decoded and tiled, and text or chat prompts tokenized.
 // Input: one byte (message type: bits 0-1; bit 2: no tokenizer), then the serialized message as
 // the gRPC server receives it. Expected errors: ServerError (INVALID_ARGUMENT, and
 // FAILED_PRECONDITION without a tokenizer) and std::invalid_argument (ChatFormatError from the image
-// string). ResolveCheckpointDir inspects the file system below a directory that does not exist and
-// writes nothing.
+// string). CheckpointDirComponents checks the name alone: no file system access.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -54,7 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!r.ParseFromArray(message, message_size)) return;
         if (r.has_batch()) ToTrainBatch(r.batch(), cfg, limits, kMaxTokens);
         if (r.has_save())
-          ResolveCheckpointDir("/nonexistent/vlmgraph-fuzz/checkpoints", r.save().directory());
+          CheckpointDirComponents(r.save().directory());
         break;
       }
     }
