@@ -17,7 +17,6 @@
 // after a clean shutdown, 2 for a bad config or flags, 1 for other start-up failures.
 #include <pthread.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/descriptors.h"
 #include "base/log.h"
 #include "server/auth.h"
 #include "server/config/flags.h"
@@ -59,13 +59,12 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
           (config.data_parallel_size == 1
                ? std::string()
                : ", data_parallel_size " + std::to_string(config.data_parallel_size)));
-  // Every HTTP connection is a file descriptor: lift the soft limit to the hard one (as nginx's
-  // worker_rlimit_nofile), so http.max_connections is what bounds them.
-  rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &files);
-  }
+  // Every connection is a file descriptor: lift the soft limit to the hard one (as nginx's
+  // worker_rlimit_nofile); Note [Descriptor reserve] below bounds the HTTP front within it.
+  RaiseDescriptorLimit();
+  // Note [gRPC listener]: a gRPC listener that stopped accepting cannot come back: drain and
+  // exit with status 1, so the container is restarted.
+  GrpcServer::OnListenerFailed([] { kill(getpid(), SIGTERM); });
   // Keys and the exposure rule first: a server that must not start fails before any work.
   const ApiKeys keys = ApiKeys::Load(config);
   CheckExposure(config, keys);
@@ -132,16 +131,30 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   for (size_t i = 0; i < router.size(); ++i) schedulers.push_back(&router.scheduler(i));
   WeightsPublisher publisher(std::move(schedulers), &gate, &metrics);
   VlmGraphService service(&router, &metrics, config, text.get(), &keys, &publisher);
-  GrpcServer grpc_server(config, &service);
+  GrpcServer grpc_server(config, &service, &metrics);
   grpc_server.SetServing(true);
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
-  if (!config.server.http_address.empty())
-    http = std::make_unique<OpenAiHttpServer>(config, &router, &metrics, text.get(), &keys,
+  if (!config.server.http_address.empty()) {
+    // Note [Descriptor reserve] (base/descriptors.h): the HTTP front leaves room for gRPC.
+    ServerConfig http_config = config;
+    const DescriptorUse fds = ReadDescriptorUse();
+    ServerConfig::Http& h = http_config.http;
+    h.max_connections = ConnectionsWithinDescriptors(h.max_connections, fds);
+    if (h.max_connections_per_client > h.max_connections) h.max_connections_per_client = h.max_connections;
+    if (h.max_connections < config.http.max_connections) {
+      LogWarn("http.max_connections " + std::to_string(config.http.max_connections) +
+              " lowered to " + std::to_string(h.max_connections) + ": the file descriptor limit is " +
+              std::to_string(fds.limit) + " (" + std::to_string(fds.open) +
+              " open), and gRPC and files keep a reserve; raise the limit (ulimit -n, "
+              "compose's ulimits.nofile) to take more");
+    }
+    http = std::make_unique<OpenAiHttpServer>(http_config, &router, &metrics, text.get(), &keys,
                                               &publisher);
+  }
   if (http) {
     metrics.SetScrapeHook([&http, &metrics] {
       const HttpServerStats s = http->stats();
-      metrics.ObserveHttpFront(s.open_connections, s.refused_connections, s.timed_out_requests);
+      metrics.ObserveHttpFront(s);
     });
   }
   const std::string metrics_address =
@@ -207,6 +220,10 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
           std::to_string(counters.eager_fallbacks) + " eager fallbacks, " +
           std::to_string(counters.real_tokens) + " real / " +
           std::to_string(counters.padded_tokens) + " padded tokens");
+  if (GrpcServer::listener_failed()) {
+    LogError("exiting with status 1: gRPC's listener had stopped accepting (Note [gRPC listener])");
+    return 1;
+  }
   return 0;
 }
 

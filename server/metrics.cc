@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "base/descriptors.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {
@@ -132,6 +133,18 @@ Metrics::Metrics(const ListenAddress& metrics_address)
                                          "or http.max_connections_per_client")
                                    .Register(r)
                                    .Add({});
+  http_body_bytes_in_flight_ = &BuildGauge()
+                                    .Name("vlmgraph_http_body_bytes_in_flight")
+                                    .Help("Request body bytes the HTTP front holds or reads now, "
+                                          "of http.max_body_bytes_in_flight")
+                                    .Register(r)
+                                    .Add({});
+  http_refused_bodies_ = &BuildCounter()
+                              .Name("vlmgraph_http_refused_bodies_total")
+                              .Help("HTTP requests refused (503) because their body would not fit "
+                                    "http.max_body_bytes_in_flight")
+                              .Register(r)
+                              .Add({});
   http_timed_out_requests_ = &BuildCounter()
                                   .Name("vlmgraph_http_timed_out_requests_total")
                                   .Help("HTTP connections cut by a deadline: idle, request head, "
@@ -165,6 +178,17 @@ Metrics::Metrics(const ListenAddress& metrics_address)
                    .Register(r);
   heap_in_use_ = &heap.Add({{"state", "in_use"}});
   heap_free_ = &heap.Add({{"state", "free"}});
+  // The names of Prometheus' client libraries (their process collector), read at each scrape.
+  open_fds_ = &BuildGauge()
+                   .Name("process_open_fds")
+                   .Help("Open file descriptors of the process (every connection is one)")
+                   .Register(r)
+                   .Add({});
+  max_fds_ = &BuildGauge()
+                  .Name("process_max_fds")
+                  .Help("The process's file descriptor limit (RLIMIT_NOFILE, soft)")
+                  .Register(r)
+                  .Add({});
   gpu_allocated_ = &BuildGauge()
                         .Name("vlmgraph_gpu_memory_allocated_bytes")
                         .Help("Device memory held by live tensors")
@@ -244,6 +268,9 @@ std::string Metrics::Render() const {
     std::lock_guard<std::mutex> lock(scrape_hook_mu_);  // held while the hook runs: see Set
     if (scrape_hook_) scrape_hook_();
   }
+  const DescriptorUse fds = ReadDescriptorUse();
+  open_fds_->Set(static_cast<double>(fds.open));
+  max_fds_->Set(static_cast<double>(fds.limit));
 #if defined(__GLIBC__)
   // Read at scrape time. mallinfo2 (glibc >= 2.33) sums every malloc arena: uordblks = bytes in
   // allocated chunks, hblkhd = bytes in mmap'd chunks, fordblks = free bytes held in the arenas.
@@ -305,21 +332,19 @@ void Metrics::SetScrapeHook(std::function<void()> hook) {
   scrape_hook_ = std::move(hook);
 }
 
-void Metrics::ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
-                                int64_t timed_out_requests_total) {
+void Metrics::ObserveHttpFront(const HttpServerStats& stats) {
   std::lock_guard<std::mutex> lock(http_front_mu_);
-  http_open_connections_->Set(static_cast<double>(open_connections));
+  http_open_connections_->Set(static_cast<double>(stats.open_connections));
+  http_body_bytes_in_flight_->Set(static_cast<double>(stats.body_bytes_in_flight));
   // Counters only go up: add what is new since the last scrape.
-  if (refused_connections_total > http_refused_seen_) {
-    http_refused_connections_->Increment(
-        static_cast<double>(refused_connections_total - http_refused_seen_));
-    http_refused_seen_ = refused_connections_total;
-  }
-  if (timed_out_requests_total > http_timed_out_seen_) {
-    http_timed_out_requests_->Increment(
-        static_cast<double>(timed_out_requests_total - http_timed_out_seen_));
-    http_timed_out_seen_ = timed_out_requests_total;
-  }
+  auto add_new = [](prometheus::Counter* counter, int64_t total, int64_t* seen) {
+    if (total <= *seen) return;
+    counter->Increment(static_cast<double>(total - *seen));
+    *seen = total;
+  };
+  add_new(http_refused_connections_, stats.refused_connections, &http_refused_seen_);
+  add_new(http_refused_bodies_, stats.refused_bodies, &http_refused_bodies_seen_);
+  add_new(http_timed_out_requests_, stats.timed_out_requests, &http_timed_out_seen_);
 }
 
 void Metrics::InitHttpEndpoints(const std::vector<std::string>& endpoints) {

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "engine/engine_types.h"
+#include "server/http/http_server.h"
 #include "server/http/metrics_http.h"
 
 namespace prometheus {
@@ -118,10 +119,10 @@ class Metrics : public EngineObserver {
   // front's counters: main sets it, and clears it with nullptr before what it reads goes away).
   // Any thread.
   void SetScrapeHook(std::function<void()> hook);
-  // The HTTP front's state (server/http/http_server.h HttpServerStats): open connections now, and
-  // the totals of connections refused over the limits and of requests cut by a deadline.
-  void ObserveHttpFront(int64_t open_connections, int64_t refused_connections_total,
-                        int64_t timed_out_requests_total);
+  // The HTTP front's state (server/http/http_server.h HttpServerStats): open connections and
+  // body bytes in flight now, and the totals of connections refused over the limits, of bodies
+  // refused over the body budget and of requests cut by a deadline.
+  void ObserveHttpFront(const HttpServerStats& stats);
 
   // The series of the engine labelled gpu="`gpu`", made on the first call (its healthy gauge
   // at 1); the reference stays valid as long as this Metrics.
@@ -191,9 +192,14 @@ class Metrics : public EngineObserver {
   std::function<void()> scrape_hook_;  // scrape_hook_mu_
   prometheus::Gauge* http_open_connections_;
   prometheus::Counter* http_refused_connections_;
+  prometheus::Gauge* http_body_bytes_in_flight_;
+  prometheus::Counter* http_refused_bodies_;
   prometheus::Counter* http_timed_out_requests_;
   std::mutex http_front_mu_;
   int64_t http_refused_seen_ = 0, http_timed_out_seen_ = 0;  // http_front_mu_
+  int64_t http_refused_bodies_seen_ = 0;                     // http_front_mu_
+  prometheus::Gauge* open_fds_;      // set in Render (a scrape)
+  prometheus::Gauge* max_fds_;
   prometheus::Gauge* heap_in_use_;  // set in Render (a scrape)
   prometheus::Gauge* heap_free_;
   prometheus::Family<prometheus::Gauge>* gpu_allocated_;

@@ -85,7 +85,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [max_queue_delay_us, max_queue_size] = batching;
   const auto& [grpc_address, metrics_address, http_address, api_key] = endpoints;
   const auto& [io_threads, workers, http_idle, head_timeout, body_timeout, write_timeout,
-               max_connections, max_connections_per_client] = http;
+               max_connections, max_connections_per_client, max_body_bytes_in_flight] = http;
   const auto& [api_keys_file, allow_unauthenticated] = auth;
   const auto& [cert_file, key_file, client_ca_file] = tls;
   const auto& [max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
@@ -130,6 +130,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(write_timeout),
           Text(max_connections),
           Text(max_connections_per_client),
+          Text(max_body_bytes_in_flight),
           Text(api_keys_file),
           Text(allow_unauthenticated),
           Text(cert_file),
@@ -194,6 +195,7 @@ ServerConfig NonDefaultConfig() {
   c.http.write_timeout_seconds = 4.5;
   c.http.max_connections = 99;
   c.http.max_connections_per_client = 9;
+  c.http.max_body_bytes_in_flight = 0;
   c.auth.api_keys_file = "/keys";
   c.auth.allow_unauthenticated = true;
   c.tls.cert_file = "/c.pem";

@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -148,7 +150,7 @@ class DataParallelTest : public ::testing::Test {
       metrics_.ForGpu(router_->slot(i).gpu).InitBuckets(router_->scheduler(i).engine().options().buckets);
     }
     service_ = std::make_unique<VlmGraphService>(router_.get(), &metrics_, config_, text_.get());
-    grpc_ = std::make_unique<GrpcServer>(config_, service_.get());
+    grpc_ = std::make_unique<GrpcServer>(config_, service_.get(), &metrics_);
     grpc_->SetServing(true);
     http_ = std::make_unique<OpenAiHttpServer>(config_, router_.get(), &metrics_, text_.get());
     stub_ = v1::VlmGraph::NewStub(
@@ -261,6 +263,55 @@ TEST_F(DataParallelTest, RequestsGoToTheLeastLoadedEngine) {
     EXPECT_NE(text.find(std::string("vlmgraph_kv_cache_bytes{gpu=\"") + gpu + "\"}"),
               std::string::npos);
   }
+}
+
+// Note [Malformed requests] (server/grpc/grpc_server.h): bytes protobuf cannot parse, sent as a
+// unary Forward and as a streaming Generate, get INVALID_ARGUMENT naming the request type (gRPC
+// itself answers INTERNAL / UNIMPLEMENTED with no message), and are counted.
+TEST_F(DataParallelTest, AMalformedRequestIsInvalidArgumentNamingItsType) {
+  auto channel = grpc::CreateChannel(grpc_->address(), grpc::InsecureChannelCredentials());
+  // Field 1, length-delimited, with a length varint that never ends.
+  const std::string garbage = "\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01";
+  grpc::Slice slice(garbage);
+  const grpc::ByteBuffer request(&slice, 1);
+  {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer response;
+    const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel.get(),
+        grpc::internal::RpcMethod("/vlmgraph.v1.VlmGraph/Forward",
+                                  grpc::internal::RpcMethod::NORMAL_RPC),
+        &ctx, request, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("not a valid serialized vlmgraph.v1.ForwardRequest"),
+              std::string::npos)
+        << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+            channel.get(),
+            grpc::internal::RpcMethod("/vlmgraph.v1.VlmGraph/Generate",
+                                      grpc::internal::RpcMethod::SERVER_STREAMING),
+            &ctx, request));
+    grpc::ByteBuffer chunk;
+    while (reader->Read(&chunk)) {
+    }
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("not a valid serialized vlmgraph.v1.GenerateRequest"),
+              std::string::npos)
+        << s.error_message();
+  }
+  const std::string text = metrics_.Render();
+  for (const char* rpc : {"Forward", "Generate"}) {
+    const std::string series = std::string("vlmgraph_requests_total{code=\"INVALID_ARGUMENT\",rpc=\"") +
+                               rpc + "\"} 1";
+    EXPECT_NE(text.find(series), std::string::npos) << series;
+  }
+  // The server serves on.
+  EXPECT_TRUE(Generate(1, 4).first.ok());
 }
 
 TEST_F(DataParallelTest, HealthListsEveryEngine) {

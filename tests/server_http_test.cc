@@ -258,6 +258,64 @@ TEST(HttpServer, TheHeadDecidesBeforeAnyBodyByteIsRead) {
   EXPECT_EQ(f.bodies.load(), 0);
 }
 
+// Note [Body budget]: bodies of every connection together stay within max_body_bytes_in_flight.
+// Each accepted head reserves its Content-Length (a chunked body: the endpoint's 1 KiB) before a
+// byte of it is read, until its exchange is done; a head that does not fit gets 503 with
+// Retry-After and its body is never read. The budget comes back when the exchange ends.
+TEST(HttpServer, BodiesOfAllConnectionsShareOneBudget) {
+  HttpServerOptions o = Fixture::Options();
+  o.request_body_timeout_seconds = 5;
+  o.max_body_bytes_in_flight = 1500;
+  Fixture f(o);
+  // Two slow bodies of 700 bytes each (the head and 10 bytes sent): 1400 reserved.
+  Client a(f.port()), b(f.port());
+  ASSERT_TRUE(a.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 700\r\n\r\n" +
+                     std::string(10, 'a')));
+  ASSERT_TRUE(b.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 700\r\n\r\n" +
+                     std::string(10, 'b')));
+  for (int i = 0; i < 400 && f.server->stats().body_bytes_in_flight < 1400; ++i)
+    std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_EQ(f.server->stats().body_bytes_in_flight, 1400);
+  // A third body of 200 bytes does not fit, nor a chunked one (it reserves the endpoint's 1 KiB):
+  // 503, Retry-After, the connection closed; no handler saw them.
+  Client c(f.port());
+  ASSERT_TRUE(c.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 200\r\n\r\n"));
+  std::string got = c.ReadUntil("bytes", milliseconds(2000));
+  EXPECT_NE(got.find("HTTP/1.1 503"), std::string::npos) << got;
+  EXPECT_NE(got.find("Retry-After: 1"), std::string::npos) << got;
+  EXPECT_NE(got.find("http.max_body_bytes_in_flight = 1500; this body: 200 bytes"),
+            std::string::npos)
+      << got;
+  EXPECT_TRUE(c.WaitClosed(milliseconds(3000)));
+  Client chunked(f.port());
+  ASSERT_TRUE(chunked.Send("POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"));
+  EXPECT_NE(chunked.ReadUntil("\r\n\r\n", milliseconds(2000)).find("HTTP/1.1 503"),
+            std::string::npos);
+  // A GET has no body and passes.
+  Client get(f.port());
+  ASSERT_TRUE(get.Send(Get("/ok")));
+  EXPECT_NE(get.ReadUntil("ok /ok").find("200 OK"), std::string::npos);
+  EXPECT_EQ(f.server->stats().refused_bodies, 2);
+  EXPECT_EQ(f.bodies.load(), 1);  // the GET
+  // The first body completes and is answered: its 700 bytes come back to the budget, and a body
+  // of 200 bytes fits now.
+  ASSERT_TRUE(a.Send(std::string(690, 'a')));
+  EXPECT_NE(a.ReadUntil(std::string(700, 'a'), milliseconds(3000)).find("200 OK"),
+            std::string::npos);
+  for (int i = 0; i < 400 && f.server->stats().body_bytes_in_flight > 700; ++i)
+    std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_EQ(f.server->stats().body_bytes_in_flight, 700);
+  Client d(f.port());
+  ASSERT_TRUE(d.Send("POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 200\r\n\r\n" +
+                     std::string(200, 'd')));
+  EXPECT_NE(d.ReadUntil(std::string(200, 'd'), milliseconds(3000)).find("200 OK"),
+            std::string::npos);
+  b.Close();
+  for (int i = 0; i < 400 && f.server->stats().body_bytes_in_flight > 0; ++i)
+    std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_EQ(f.server->stats().body_bytes_in_flight, 0);  // a client gone mid-body gives it back
+}
+
 TEST(HttpServer, ExpectContinueIsAnsweredAfterTheHeadIsAccepted) {
   Fixture f;
   Client c(f.port());

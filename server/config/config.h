@@ -104,6 +104,7 @@ struct ServerConfig {
     double write_timeout_seconds = 0;
     int64_t max_connections = 0;
     int64_t max_connections_per_client = 0;  // 0 = no limit
+    int64_t max_body_bytes_in_flight = 0;    // 0 = no limit (Note [Body budget])
   } http;
 
   struct Auth {

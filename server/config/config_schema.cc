@@ -602,6 +602,14 @@ std::vector<ConfigKey> BuildKeys() {
                "balancer, where every client has its address.")
           .Default(1024)
           .Range(0, 10000000),
+      Key("http.max_body_bytes_in_flight", &SC::http, &SC::Http::max_body_bytes_in_flight)
+          .Doc("Request bodies of every HTTP connection together, bytes: each request head "
+               "reserves its Content-Length (a chunked body: the largest body an endpoint reads) "
+               "before its body is read, until its response is done; a head that does not fit "
+               "gets 503 with Retry-After: 1. 0 = no limit; else at least the largest body "
+               "(limits.max_images_per_request x max_image_bytes x 4/3 + 4 MiB).")
+          .Default(int64_t{1} << 30)
+          .Range(0, kTwoTo40),
 
       Key("auth.api_keys_file", &SC::auth, &SC::Auth::api_keys_file)
           .Doc("API keys with scopes (docs/security.md); \"\" = no keys. One \"SCOPES KEY\" line "
@@ -633,7 +641,9 @@ std::vector<ConfigKey> BuildKeys() {
           .Default(20 << 20)
           .Range(1, INT_MAX),
       Key("limits.max_image_pixels", &SC::limits, &SC::Limits::max_image_pixels)
-          .Doc("Width x height of one image, checked from the header before decoding.")
+          .Doc("Width x height of one image, and of the largest image its resize passes "
+               "through (a thin image is widened to the tile size first), checked from the "
+               "header or tensor shape before decoding or resizing.")
           .Default(40000000)
           .Range(1, kTwoTo40),
       Key("limits.max_images_per_request", &SC::limits, &SC::Limits::max_images_per_request)

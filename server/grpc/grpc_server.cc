@@ -1,17 +1,23 @@
 #include "server/grpc/grpc_server.h"
 
+#include <google/protobuf/descriptor.h>
+#include <grpc/support/log.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 
+#include "base/log.h"
 #include "server/auth.h"
 
 namespace vlmgraph::server {
@@ -61,9 +67,127 @@ std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerConfig& config)
   return grpc::SslServerCredentials(options);
 }
 
+// Note [gRPC listener]: gRPC's log, forwarded at its severity, and watched for a failed accept.
+std::mutex g_listener_mu;
+std::atomic<bool> g_listener_failed{false};
+std::function<void()> g_on_listener_failed;  // g_listener_mu
+
+void ForwardGrpcLog(gpr_log_func_args* args) {
+  const std::string message = std::string("gRPC: ") + (args->message ? args->message : "");
+  if (args->severity == GPR_LOG_SEVERITY_ERROR) {
+    LogError(message);
+  } else if (args->severity == GPR_LOG_SEVERITY_INFO) {
+    LogInfo(message);
+  } else {
+    LogDebug(message);
+  }
+  if (message.find("Failed accept4") == std::string::npos || g_listener_failed.exchange(true)) {
+    return;
+  }
+  std::function<void()> fn;
+  {
+    std::lock_guard<std::mutex> lock(g_listener_mu);
+    fn = g_on_listener_failed;
+  }
+  LogError("gRPC's listener stopped accepting connections (" + message +
+           "): gRPC does not retry a failed accept; the server must restart");
+  if (fn) fn();
+}
+
+// Note [Malformed requests] (grpc_server.h).
+class MalformedRequests final : public grpc::experimental::Interceptor {
+ public:
+  MalformedRequests(std::string method, Metrics* metrics)
+      : method_(std::move(method)), metrics_(metrics), started_(std::chrono::steady_clock::now()) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using Hook = grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(Hook::POST_RECV_MESSAGE) && !first_seen_) {
+      first_seen_ = true;
+      malformed_ = methods->GetRecvMessage() == nullptr;
+    }
+    if (malformed_ && methods->QueryInterceptionHookPoint(Hook::PRE_SEND_STATUS)) {
+      const grpc::Status sent = methods->GetSendStatus();
+      if (sent.error_message().empty() && (sent.error_code() == grpc::StatusCode::INTERNAL ||
+                                           sent.error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
+        methods->ModifySendStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, Message()));
+        const size_t slash = method_.rfind('/');
+        const std::string rpc = slash == std::string::npos ? method_ : method_.substr(slash + 1);
+        if (metrics_) {
+          metrics_->ObserveRequest(
+              rpc, grpc::StatusCode::INVALID_ARGUMENT,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+        }
+        LogDebug(method_ + " -> INVALID_ARGUMENT: a request that protobuf could not parse");
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  std::string Message() const {
+    std::string type;
+    const size_t slash = method_.rfind('/');
+    if (slash != std::string::npos && slash > 1) {
+      // "/package.Service/Method": the method's request type from the generated descriptors; the
+      // service's own may not be linked in, and then vlmgraph.v1's naming (<Method>Request) is
+      // looked up among the messages, which are.
+      const auto* pool = google::protobuf::DescriptorPool::generated_pool();
+      const std::string service_name = method_.substr(1, slash - 1);
+      const std::string method = method_.substr(slash + 1);
+      if (const auto* service = pool->FindServiceByName(service_name)) {
+        if (const auto* m = service->FindMethodByName(method)) type = m->input_type()->full_name();
+      } else if (const size_t dot = service_name.rfind('.'); dot != std::string::npos) {
+        const std::string guess = service_name.substr(0, dot + 1) + method + "Request";
+        if (pool->FindMessageTypeByName(guess) != nullptr) type = guess;
+      }
+    }
+    return "the request of " + method_ + " is not a valid serialized " +
+           (type.empty() ? std::string("protobuf message") : type) +
+           " (protobuf could not parse it): send a message of that type, built with the "
+           "service's .proto files (proto/vlmgraph/v1)";
+  }
+
+  const std::string method_;
+  Metrics* const metrics_;
+  const std::chrono::steady_clock::time_point started_;
+  bool first_seen_ = false;
+  bool malformed_ = false;
+};
+
+class MalformedRequestsFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MalformedRequestsFactory(Metrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    return new MalformedRequests(info->method() ? info->method() : "", metrics_);
+  }
+
+ private:
+  Metrics* const metrics_;
+};
+
+void InstallGrpcLog() {
+  static std::once_flag once;
+  std::call_once(once, [] { gpr_set_log_function(ForwardGrpcLog); });
+}
+
 }  // namespace
 
-GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
+void GrpcServer::OnListenerFailed(std::function<void()> fn) {
+  InstallGrpcLog();
+  {
+    std::lock_guard<std::mutex> lock(g_listener_mu);
+    g_on_listener_failed = fn;
+  }
+  if (g_listener_failed.load() && fn) fn();
+}
+
+bool GrpcServer::listener_failed() { return g_listener_failed.load(); }
+
+GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service, Metrics* metrics) {
+  InstallGrpcLog();
   const ListenAddress& address = config.server.grpc_address;
   address_ = address;
   grpc::EnableDefaultHealthCheckService(true);
@@ -75,6 +199,9 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service) {
   // gRPC sets SO_REUSEPORT by default: a second server on the same address would then start and
   // take part of the traffic. Without it the second bind fails, as it should.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MalformedRequestsFactory>(metrics));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {
     throw std::runtime_error("server.grpc_address: cannot listen on " + address.ToString() + ": " +

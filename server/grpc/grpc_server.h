@@ -16,6 +16,23 @@
 // its sequence. Shutdown returns once every handler returned and every callback call is done; only
 // then is the scheduler stopped.
 //
+// Note [gRPC listener]: gRPC 1.51 (Debian's) stops its listener for good when an accept4 fails
+// with anything but EAGAIN/ECONNABORTED/EINTR, out of file descriptors (EMFILE) included: it logs
+// "Failed accept4: Too many open files" and never accepts again, while calls on open connections
+// and the HTTP front go on, so an HTTP health check would keep a server whose gRPC is dead.
+// GrpcServer routes gRPC's log into the server's (gpr_set_log_function, at its severity) and
+// watches it for that line: then listener_failed() turns true and the callback given to
+// OnListenerFailed runs once (main drains and exits with status 1, so the container is
+// restarted). Note [Descriptor reserve] (base/descriptors.h) keeps the HTTP front from using up
+// the descriptors gRPC needs; a flood of gRPC connections alone can still reach the limit.
+//
+// Note [Malformed requests]: a request message that protobuf cannot parse never reaches a
+// handler: gRPC answers it itself, INTERNAL (unary) or UNIMPLEMENTED (Generate) with an empty
+// message, and nothing logs or counts it. A server interceptor sees the call's first received
+// message (null when it did not parse) and, when gRPC's own empty status goes out, replaces it
+// with INVALID_ARGUMENT naming the method and its request type; the call is logged (debug, as
+// other refusals) and counted in vlmgraph_requests_total{rpc, code="INVALID_ARGUMENT"}.
+//
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
 // Errors: the constructor throws std::runtime_error naming server.grpc_address and the reason when
 // it cannot bind, also when another process holds the address (SO_REUSEPORT is off, so a second
@@ -24,16 +41,19 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "server/config/config.h"
+#include "server/metrics.h"
 
 namespace vlmgraph::server {
 
 class GrpcServer {
  public:
-  GrpcServer(const ServerConfig& config, grpc::Service* service);
+  // `metrics` (may be null) counts what Note [Malformed requests] refuses.
+  GrpcServer(const ServerConfig& config, grpc::Service* service, Metrics* metrics = nullptr);
   ~GrpcServer();
   GrpcServer(const GrpcServer&) = delete;
   GrpcServer& operator=(const GrpcServer&) = delete;
@@ -43,6 +63,11 @@ class GrpcServer {
   std::string address() const;
 
   void SetServing(bool serving);
+
+  // Note [gRPC listener]: `fn` runs once, on a gRPC thread, when a gRPC listener of this process
+  // stopped accepting (at once if one already has). Process-wide: gRPC's log is.
+  static void OnListenerFailed(std::function<void()> fn);
+  static bool listener_failed();
   // Stops accepting calls, waits up to `timeout_seconds` for running calls, cancels the rest and
   // waits for their handlers to return (callback calls: for their OnDone). Idempotent.
   void Shutdown(double timeout_seconds);

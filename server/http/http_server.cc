@@ -90,6 +90,9 @@ struct HttpServerImpl : std::enable_shared_from_this<HttpServerImpl> {
       : options(std::move(options_in)), handlers(std::move(handlers_in)), acceptor(ioc) {}
 
   void Accept();
+  // Note [Body budget]: reserves `bytes` of max_body_bytes_in_flight; false when they do not
+  // fit, else *token gives them back when its last copy is destroyed.
+  bool ReserveBody(int64_t bytes, std::shared_ptr<void>* token);
   bool Register(const std::string& ip);  // false: over a limit
   void Unregister(const std::string& ip);
   void Track(const std::shared_ptr<HttpConnectionBase>& c);
@@ -110,6 +113,8 @@ struct HttpServerImpl : std::enable_shared_from_this<HttpServerImpl> {
   int64_t open = 0;                                            // mu
   std::atomic<int64_t> refused{0};
   std::atomic<int64_t> timed_out{0};
+  std::atomic<int64_t> body_bytes{0};  // reserved (Note [Body budget])
+  std::atomic<int64_t> refused_bodies{0};
   std::atomic<int> running_threads{0};
 };
 
@@ -350,6 +355,26 @@ class HttpConnection final : public HttpConnectionBase {
       return WriteErrorAndClose(413, BodyTooLarge(verdict.max_body_bytes));
     }
     max_body_bytes_ = verdict.max_body_bytes;
+    // Note [Body budget]: the body's bytes are reserved before one of them is read.
+    const int64_t body_bytes = head_.content_length
+                                   ? static_cast<int64_t>(*head_.content_length)
+                                   : (parser_->chunked() ? verdict.max_body_bytes : 0);
+    if (!server_->ReserveBody(body_bytes, &body_reservation_)) {
+      ++server_->refused_bodies;
+      const std::string message =
+          "the server is reading as many request bytes as it allows at once "
+          "(http.max_body_bytes_in_flight = " +
+          std::to_string(server_->options.max_body_bytes_in_flight) + "; this body: " +
+          std::to_string(body_bytes) + " bytes); retry in a moment";
+      std::string content_type = "text/plain", body = message;
+      if (server_->handlers.error_body) {
+        try {
+          std::tie(content_type, body) = server_->handlers.error_body(503, message);
+        } catch (const std::exception&) {
+        }
+      }
+      return RefuseAndClose(503, std::move(content_type), std::move(body), {{"Retry-After", "1"}});
+    }
     parser_->body_limit(static_cast<std::uint64_t>(std::max<int64_t>(0, verdict.max_body_bytes)));
     if (parser_->is_done()) return OnBodyDone();
     SetDeadline(Phase::kBody, server_->options.request_body_timeout_seconds);
@@ -409,7 +434,8 @@ class HttpConnection final : public HttpConnectionBase {
     response_started_ = streaming_ = head_written_ = end_requested_ = last_written_ = false;
     reported_status = 0;
     queue_.clear();
-    exchange_ = std::make_shared<HttpExchange>(shared_from_this(), std::move(head_), started_);
+    exchange_ = std::make_shared<HttpExchange>(shared_from_this(), std::move(head_), started_,
+                                               std::move(body_reservation_));
     head_ = HttpRequest{};
     try {
       server_->handlers.on_request(exchange_);
@@ -550,6 +576,7 @@ class HttpConnection final : public HttpConnectionBase {
   double started_ = 0;
   int64_t requests_ = 0;
   int64_t max_body_bytes_ = 0;
+  std::shared_ptr<void> body_reservation_;  // the current body's share of the budget
   bool keep_alive_ = true;
   bool reading_ = false;
   bool timed_out_ = false;
@@ -567,10 +594,11 @@ class HttpConnection final : public HttpConnectionBase {
 // HttpExchange
 
 HttpExchange::HttpExchange(std::shared_ptr<HttpConnectionBase> connection, HttpRequest request,
-                           double started_monotonic_seconds)
+                           double started_monotonic_seconds, std::shared_ptr<void> body_reservation)
     : connection_(std::move(connection)),
       request_(std::move(request)),
-      started_(started_monotonic_seconds) {}
+      started_(started_monotonic_seconds),
+      body_reservation_(std::move(body_reservation)) {}
 
 HttpExchange::~HttpExchange() = default;
 
@@ -646,6 +674,20 @@ void HttpExchange::MarkGone() {
 
 // ---------------------------------------------------------------------------------------------
 // HttpServer
+
+bool HttpServerImpl::ReserveBody(int64_t bytes, std::shared_ptr<void>* token) {
+  token->reset();
+  const int64_t limit = options.max_body_bytes_in_flight;
+  if (bytes <= 0 || limit <= 0) return true;
+  int64_t now = body_bytes.load();
+  do {
+    if (now + bytes > limit) return false;
+  } while (!body_bytes.compare_exchange_weak(now, now + bytes));
+  // A null pointer with a deleter: the deleter still runs when the last copy goes.
+  *token = std::shared_ptr<void>(nullptr,
+                                 [self = shared_from_this(), bytes](void*) { self->body_bytes -= bytes; });
+  return true;
+}
 
 bool HttpServerImpl::Register(const std::string& ip) {
   std::lock_guard<std::mutex> lock(mu);
@@ -801,6 +843,8 @@ HttpServerStats HttpServer::stats() const {
   }
   s.refused_connections = impl_->refused.load();
   s.timed_out_requests = impl_->timed_out.load();
+  s.body_bytes_in_flight = impl_->body_bytes.load();
+  s.refused_bodies = impl_->refused_bodies.load();
   s.io_threads = static_cast<int>(impl_->threads.size());
   return s;
 }

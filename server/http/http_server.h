@@ -31,6 +31,12 @@
 //   - max_head_bytes: a longer request line answers 414, longer headers 431;
 //   - the body: HeadVerdict::max_body_bytes, checked against Content-Length before one byte of the
 //     body is read (413), and again while a chunked body arrives;
+//   - max_body_bytes_in_flight, Note [Body budget]: the bodies of all connections together. Each
+//     accepted head reserves its Content-Length (a chunked body: the endpoint's max_body_bytes)
+//     before one byte of its body is read, until its exchange is done; a head that does not fit
+//     gets 503 with Retry-After: 1 and Connection: close (its body is never read). Without it,
+//     clients with a key could make the server hold N x the per-request limit in bodies that
+//     trickle in;
 //   - max_pending_write_bytes: a streaming response whose client reads slower than it is written
 //     and falls this far behind is closed (the exchange reports the client gone).
 //
@@ -76,6 +82,7 @@ struct HttpServerOptions {
   double write_timeout_seconds = 30;
   int64_t max_connections = 16384;
   int64_t max_connections_per_client = 1024;  // 0: no limit
+  int64_t max_body_bytes_in_flight = 0;       // 0: no limit (Note [Body budget])
   int64_t max_head_bytes = 64 * 1024;
   int64_t max_pending_write_bytes = 16 * 1024 * 1024;
   int64_t max_requests_per_connection = 10000;  // then Connection: close
@@ -141,9 +148,10 @@ class HttpExchange : public std::enable_shared_from_this<HttpExchange> {
   // (the client went away, a write timed out, the server stopped); at once if it already has.
   void OnClientGone(std::function<void()> fn);
 
-  // Used by the connection (http_server.cc).
+  // Used by the connection (http_server.cc). `body_reservation` holds the body's share of
+  // max_body_bytes_in_flight until the exchange is destroyed (may be null).
   HttpExchange(std::shared_ptr<HttpConnectionBase> connection, HttpRequest request,
-               double started_monotonic_seconds);
+               double started_monotonic_seconds, std::shared_ptr<void> body_reservation = nullptr);
   ~HttpExchange();
 
  private:
@@ -156,6 +164,7 @@ class HttpExchange : public std::enable_shared_from_this<HttpExchange> {
   std::shared_ptr<HttpConnectionBase> connection_;
   const HttpRequest request_;
   const double started_;  // monotonic seconds
+  const std::shared_ptr<void> body_reservation_;
   mutable std::mutex mu_;
   bool gone_ = false;
   std::vector<std::function<void()>> on_gone_;
@@ -181,6 +190,8 @@ struct HttpServerStats {
   int64_t open_connections = 0;
   int64_t refused_connections = 0;  // over max_connections or max_connections_per_client
   int64_t timed_out_requests = 0;   // idle, head, body or write deadline
+  int64_t body_bytes_in_flight = 0;  // reserved by bodies being read or handled (Note [Body budget])
+  int64_t refused_bodies = 0;        // heads refused because their body would not fit the budget
   int io_threads = 0;
 };
 

@@ -612,6 +612,15 @@ OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, EngineRouter* rou
   o.write_timeout_seconds = config.http.write_timeout_seconds;
   o.max_connections = config.http.max_connections;
   o.max_connections_per_client = config.http.max_connections_per_client;
+  o.max_body_bytes_in_flight = config.http.max_body_bytes_in_flight;
+  if (o.max_body_bytes_in_flight > 0 && o.max_body_bytes_in_flight < m.max_body_bytes) {
+    throw ServerConfigError("http.max_body_bytes_in_flight",
+                            "must be 0 (no limit) or at least the largest request body, " +
+                                std::to_string(m.max_body_bytes) +
+                                " bytes (from limits.max_images_per_request and "
+                                "limits.max_image_bytes), got " +
+                                std::to_string(o.max_body_bytes_in_flight));
+  }
   HttpHandlers h;
   h.on_head = [&m](const HttpRequest& head) { return m.OnHead(head); };
   h.on_request = [&m](std::shared_ptr<HttpExchange> x) { m.OnRequest(std::move(x)); };

@@ -93,8 +93,9 @@ def free_port():
 class Server:
     """A vlmgraph-server process with `config` (a dict, written as YAML) on free loopback ports."""
 
-    def __init__(self, config=None, args=(), name="server", config_file=None):
-        """`config_file`: serve this YAML file as it is instead of writing `config`."""
+    def __init__(self, config=None, args=(), name="server", config_file=None, nofile=None):
+        """`config_file`: serve this YAML file as it is instead of writing `config`; `nofile`: the
+        server's file descriptor limit (soft and hard RLIMIT_NOFILE), as `ulimit -n` sets it."""
         self.dir = scratch_dir(name)
         self.config_path = config_file or os.path.join(self.dir, "config.yaml")
         config = dict(config or {})
@@ -114,6 +115,7 @@ class Server:
         # unless `args` turn it off (--http-address '').
         self.args = [SERVER, "--config", self.config_path, "--grpc-address", "127.0.0.1:0",
                      "--metrics-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", *args]
+        self.nofile = nofile
         self.proc = None
         self.address = self.metrics_address = None
         self.http_address = None  # host:port of the OpenAI-compatible API; None when it is off
@@ -122,7 +124,12 @@ class Server:
         if not os.path.isfile(SERVER):
             raise AssertionError(f"server binary {SERVER} not built")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        limit = None
+        if self.nofile:
+            import resource
+            limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))  # noqa: E731
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     preexec_fn=limit)
         deadline = time.time() + timeout
         line = ""
         while time.time() < deadline:
