@@ -587,6 +587,11 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
   // Note [Checkpoint directories]
   CheckpointDir out;
   out.path = WeaklyCanonical(AbsoluteNormal(root));
+  // What the file system refused, for FAILED_PRECONDITION: the checkpoint's path, then why.
+  const std::string target = out.path + (out.path.back() == '/' ? "" : "/") + name;
+  const std::string refused = field + (create ? ": cannot write the checkpoint to "
+                                              : ": cannot read the checkpoint in ") +
+                              target + ": ";
   auto owned = [](int fd) {
     return std::shared_ptr<int>(new int(fd), [](int* p) {
       ::close(*p);
@@ -596,8 +601,7 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
   const int root_fd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (root_fd < 0 && !(errno == ENOENT && create)) {
     throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                      field + ": cannot open train.checkpoint_dir '" + out.path +
-                          "': " + std::strerror(errno));
+                      refused + "cannot open train.checkpoint_dir: " + std::strerror(errno));
   }
   std::shared_ptr<int> dir;
   if (root_fd >= 0) {
@@ -608,16 +612,14 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
       const std::string made = out.path.substr(0, slash);
       if (::mkdir(made.c_str(), 0755) != 0 && errno != EEXIST) {
         throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                          field + ": cannot make train.checkpoint_dir '" + out.path +
-                              "': " + std::strerror(errno));
+                          refused + "cannot make train.checkpoint_dir: " + std::strerror(errno));
       }
       if (slash == std::string::npos) break;
     }
     const int fd = ::open(out.path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) {
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                        field + ": cannot open train.checkpoint_dir '" + out.path +
-                            "': " + std::strerror(errno));
+                        refused + "cannot open train.checkpoint_dir: " + std::strerror(errno));
     }
     dir = owned(fd);
   }
@@ -629,7 +631,7 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
     if (fd < 0 && errno == ENOENT && create) {
       if (::mkdirat(*dir, part.c_str(), 0755) != 0 && errno != EEXIST) {
         throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                          field + ": cannot make '" + shown + "': " + std::strerror(errno));
+                          refused + "cannot make '" + shown + "': " + std::strerror(errno));
       }
       fd = ::openat(*dir, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     }
@@ -650,7 +652,7 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
         throw InvalidArgument(field + ": '" + shown + "' does not exist in train.checkpoint_dir");
       }
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
-                        field + ": cannot open '" + shown + "': " + std::strerror(error));
+                        refused + "cannot open '" + shown + "': " + std::strerror(error));
     }
     dir = owned(fd);
   }
