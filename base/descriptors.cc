@@ -8,24 +8,29 @@
 #include <cstdint>
 
 namespace vlmgraph {
+namespace {
+
+// The soft RLIMIT_NOFILE (INT64_MAX when unlimited, 0 when unreadable).
+int64_t SoftLimit() {
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return 0;
+  return files.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(files.rlim_cur);
+}
+
+}  // namespace
 
 int64_t RaiseDescriptorLimit() {
   rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) != 0) return 0;
-  if (files.rlim_cur < files.rlim_max) {
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
     files.rlim_cur = files.rlim_max;
     setrlimit(RLIMIT_NOFILE, &files);
-    getrlimit(RLIMIT_NOFILE, &files);
   }
-  return files.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(files.rlim_cur);
+  return SoftLimit();
 }
 
 DescriptorUse ReadDescriptorUse() {
   DescriptorUse use;
-  rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
-    use.limit = files.rlim_cur == RLIM_INFINITY ? INT64_MAX : static_cast<int64_t>(files.rlim_cur);
-  }
+  use.limit = SoftLimit();
   if (DIR* dir = opendir("/proc/self/fd")) {
     while (const dirent* e = readdir(dir)) {
       if (e->d_name[0] != '.') ++use.open;

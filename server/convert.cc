@@ -623,17 +623,18 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
     }
     dir = owned(fd);
   }
+  constexpr int kComponent = O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC;
   std::string shown;  // the part of `name` opened so far
   for (const std::string& part : parts) {
     out.path += (out.path.back() == '/' ? "" : "/") + part;
     shown += (shown.empty() ? "" : "/") + part;
-    int fd = ::openat(*dir, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = ::openat(*dir, part.c_str(), kComponent);
     if (fd < 0 && errno == ENOENT && create) {
       if (::mkdirat(*dir, part.c_str(), 0755) != 0 && errno != EEXIST) {
         throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
                           refused + "cannot make '" + shown + "': " + std::strerror(errno));
       }
-      fd = ::openat(*dir, part.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+      fd = ::openat(*dir, part.c_str(), kComponent);
     }
     if (fd < 0) {
       const int error = errno;

@@ -133,44 +133,6 @@ class CudaGraphStepRunner final : public StepRunner {
     }
   }
 
- private:
-  double CaptureNew(const BucketKey& key, const RegionFn& fn) {
-    const auto t0 = std::chrono::steady_clock::now();
-    c10::cuda::CUDAGuard device_guard(device_);
-    auto caller = c10::cuda::getCurrentCUDAStream(device_);
-    auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_);
-    // The side stream must see everything the caller queued (buffer fills).
-    at::cuda::CUDAEvent ready;
-    ready.record(caller);
-    ready.block(side);
-    Entry entry;
-    {
-      c10::cuda::CUDAStreamGuard stream_guard(side);
-      // Warm-up on the side stream: cuBLAS/cuDNN handles and workspaces, kernel selection and
-      // allocator blocks are set up outside the capture.
-      for (int i = 0; i < 2; ++i) fn();
-      side.synchronize();
-      entry.graph = std::make_unique<at::cuda::CUDAGraph>();
-      if (static_inputs_) {
-        for (const at::Tensor& t : static_inputs_()) {
-          entry.input_addresses.push_back(t.defined() ? t.data_ptr() : nullptr);
-        }
-      }
-      CaptureGuard capture(entry.graph.get(), pool_, device_);
-      capture.Begin();
-      entry.outputs = fn();
-      capture.End();
-    }
-    at::cuda::CUDAEvent done;
-    done.record(side);
-    done.block(caller);
-    graphs_.emplace(key, std::move(entry));
-    order_.push_back(key);
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
- public:
-
   RunKind Run(const BucketKey& key, const RegionFn& fn, bool capture_if_missing,
               std::vector<at::Tensor>* outputs) override {
     RunKind kind = RunKind::kReplay;
@@ -211,6 +173,41 @@ class CudaGraphStepRunner final : public StepRunner {
   }
 
  private:
+  double CaptureNew(const BucketKey& key, const RegionFn& fn) {
+    const auto t0 = std::chrono::steady_clock::now();
+    c10::cuda::CUDAGuard device_guard(device_);
+    auto caller = c10::cuda::getCurrentCUDAStream(device_);
+    auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_);
+    // The side stream must see everything the caller queued (buffer fills).
+    at::cuda::CUDAEvent ready;
+    ready.record(caller);
+    ready.block(side);
+    Entry entry;
+    {
+      c10::cuda::CUDAStreamGuard stream_guard(side);
+      // Warm-up on the side stream: cuBLAS/cuDNN handles and workspaces, kernel selection and
+      // allocator blocks are set up outside the capture.
+      for (int i = 0; i < 2; ++i) fn();
+      side.synchronize();
+      entry.graph = std::make_unique<at::cuda::CUDAGraph>();
+      if (static_inputs_) {
+        for (const at::Tensor& t : static_inputs_()) {
+          entry.input_addresses.push_back(t.defined() ? t.data_ptr() : nullptr);
+        }
+      }
+      CaptureGuard capture(entry.graph.get(), pool_, device_);
+      capture.Begin();
+      entry.outputs = fn();
+      capture.End();
+    }
+    at::cuda::CUDAEvent done;
+    done.record(side);
+    done.block(caller);
+    graphs_.emplace(key, std::move(entry));
+    order_.push_back(key);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
   struct Entry {
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     std::vector<at::Tensor> outputs;  // static outputs, overwritten by each replay of this graph

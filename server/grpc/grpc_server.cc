@@ -97,8 +97,12 @@ void ForwardGrpcLog(gpr_log_func_args* args) {
 // Note [Malformed requests] (grpc_server.h).
 class MalformedRequests final : public grpc::experimental::Interceptor {
  public:
+  // `method`: "/package.Service/Method" as gRPC names it.
   MalformedRequests(std::string method, Metrics* metrics)
-      : method_(std::move(method)), metrics_(metrics), started_(std::chrono::steady_clock::now()) {}
+      : method_(std::move(method)),
+        slash_(method_.rfind('/')),
+        metrics_(metrics),
+        started_(std::chrono::steady_clock::now()) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using Hook = grpc::experimental::InterceptionHookPoints;
@@ -111,11 +115,9 @@ class MalformedRequests final : public grpc::experimental::Interceptor {
       if (sent.error_message().empty() && (sent.error_code() == grpc::StatusCode::INTERNAL ||
                                            sent.error_code() == grpc::StatusCode::UNIMPLEMENTED)) {
         methods->ModifySendStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, Message()));
-        const size_t slash = method_.rfind('/');
-        const std::string rpc = slash == std::string::npos ? method_ : method_.substr(slash + 1);
         if (metrics_) {
           metrics_->ObserveRequest(
-              rpc, grpc::StatusCode::INVALID_ARGUMENT,
+              RpcName(), grpc::StatusCode::INVALID_ARGUMENT,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
         }
         LogDebug(method_ + " -> INVALID_ARGUMENT: a request that protobuf could not parse");
@@ -125,16 +127,19 @@ class MalformedRequests final : public grpc::experimental::Interceptor {
   }
 
  private:
+  std::string RpcName() const {
+    return slash_ == std::string::npos ? method_ : method_.substr(slash_ + 1);
+  }
+
   std::string Message() const {
     std::string type;
-    const size_t slash = method_.rfind('/');
-    if (slash != std::string::npos && slash > 1) {
-      // "/package.Service/Method": the method's request type from the generated descriptors; the
-      // service's own may not be linked in, and then vlmgraph.v1's naming (<Method>Request) is
-      // looked up among the messages, which are.
+    if (slash_ != std::string::npos && slash_ > 1) {
+      // The method's request type from the generated descriptors; the service's own may not be
+      // linked in, and then vlmgraph.v1's naming (<Method>Request) is looked up among the
+      // messages, which are.
       const auto* pool = google::protobuf::DescriptorPool::generated_pool();
-      const std::string service_name = method_.substr(1, slash - 1);
-      const std::string method = method_.substr(slash + 1);
+      const std::string service_name = method_.substr(1, slash_ - 1);
+      const std::string method = RpcName();
       if (const auto* service = pool->FindServiceByName(service_name)) {
         if (const auto* m = service->FindMethodByName(method)) type = m->input_type()->full_name();
       } else if (const size_t dot = service_name.rfind('.'); dot != std::string::npos) {
@@ -149,6 +154,7 @@ class MalformedRequests final : public grpc::experimental::Interceptor {
   }
 
   const std::string method_;
+  const size_t slash_;  // before the method's name; npos when gRPC gave none
   Metrics* const metrics_;
   const std::chrono::steady_clock::time_point started_;
   bool first_seen_ = false;
