@@ -7,7 +7,14 @@
 //   [--recompute none|vision|all]   (activation recomputation of the vision / all blocks)
 //   [--optimizer fused|aten]        (engine/fused_optimizer.h's kernels, or ATen's foreach ops)
 //   [--bucket-mb 25]                (data parallel: gradient all-reduce bucket, MiB)
+//   [--reduce-dtype default|float32|bfloat16]  (data parallel: DataParallelOptions::reduce_dtype)
 //   [--timeout-seconds 300]         (data parallel: a step longer than this ends the job)
+//   [--stage-tiles on|off]          (on: tiles staged in bf16 pinned memory ahead, as
+//                                    vlmgraph-train's prefetch does; off: float32 tiles converted
+//                                    on the step's path; Note [Staged tiles], engine/trainer.h)
+//   [--global-batch on|off]         (data parallel, on: the ranks split one synthetic batch of
+//                                    world_size x batch examples, so a 1-GPU run at that batch
+//                                    takes the same steps; off: each rank its own copy)
 //
 // Data parallel: started by torchrun (or anything that sets its RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR, MASTER_PORT; read as vlmgraph-train reads them, tools/train/launch.h), each rank trains its own batch x seq on cuda:LOCAL_RANK with NCCL
@@ -16,9 +23,12 @@
 //   torchrun --nproc_per_node=2 --no-python vlmgraph-train-bench --mode graph --batch 8 --seq 1024
 //
 // Figures: first step (including capture for graphs, from Trainer construction; the construction
-// alone is reported too), median of the following steps, peak device memory allocated and reserved
-// over the run. Capture times go to stderr.
+// alone is reported too), median of the following steps and their spread ((p90 - p10) / median;
+// "unstable" above 5%), every step's loss, peak device memory allocated and reserved over the
+// run, and the GPU's SM clock, power, temperature and throttle reasons over the timed steps
+// (NVML, bench/gpu_telemetry.h). Capture times go to stderr.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/cuda.h>
 
@@ -30,6 +40,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "bench/gpu_telemetry.h"
 #include "bench/profile_trace.h"
 #include "bench/synthetic.h"
 #include "engine/device.h"
@@ -42,14 +53,22 @@ using Clock = std::chrono::steady_clock;
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
                    const std::string& profile_trace, const std::string& recompute,
                    bool fused_optimizer, const vlmgraph::train::RankEnv& env,
-                   int64_t bucket_bytes, double timeout_seconds) {
+                   int64_t bucket_bytes, double timeout_seconds, const std::string& reduce_dtype,
+                   bool stage_tiles, bool global_batch) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
   const auto& cfg = source->cfg;
   // One 512px tile (64 image tokens) + text with next-token targets per example.
-  const std::vector<vlmgraph::TrainExample> examples =
-      vlmgraph::SyntheticTrainBatch(cfg, batch, seq, 1);
+  std::vector<vlmgraph::TrainExample> examples =
+      global_batch && env.world_size > 1
+          ? vlmgraph::ShardForRank(
+                vlmgraph::SyntheticTrainBatch(cfg, batch * env.world_size, seq, 1), env.rank,
+                env.world_size)
+          : vlmgraph::SyntheticTrainBatch(cfg, batch, seq, 1);
+  if (stage_tiles) {
+    for (auto& e : examples) vlmgraph::StageTrainExample(e, device, at::kBFloat16);
+  }
   vlmgraph::TrainOptions o;
   o.device = device;
   if (env.world_size > 1) {
@@ -63,6 +82,8 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
     dp.device_index = env.local_rank;
     dp.bucket_bytes = bucket_bytes;
     dp.timeout_seconds = timeout_seconds;
+    if (reduce_dtype == "float32") dp.reduce_dtype = at::kFloat;
+    if (reduce_dtype == "bfloat16") dp.reduce_dtype = at::kBFloat16;
     dp.group_name = std::string("train-bench-") + (graphs ? "graph" : "eager");
     o.data_parallel = vlmgraph::DataParallelGroup::Join(dp);
   }
@@ -100,13 +121,23 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   };
   auto first = step();
   const double first_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::vector<double> ms;
+  std::vector<double> ms, losses = {first.loss};
   double loss = first.loss;
+  char pci_bus_id[32] = {};
+  {
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(device.index());
+    std::snprintf(pci_bus_id, sizeof(pci_bus_id), "%08x:%02x:%02x.0", p->pciDomainID, p->pciBusID,
+                  p->pciDeviceID);
+  }
+  vlmgraph::bench::GpuTelemetry telemetry(pci_bus_id);
   for (int i = 0; i < steps; ++i) {
     auto r = step();
     ms.push_back(r.seconds * 1e3);
+    losses.push_back(r.loss);
     loss = r.loss;
   }
+  const nlohmann::json gpu = telemetry.Stop();
+  const double spread = vlmgraph::bench::RelativeSpread(ms);
   std::sort(ms.begin(), ms.end());
   if (!profile_trace.empty() && env.rank == 0) {  // after the timed steps: no bias
     vlmgraph::bench::ProfileTrace(profile_trace, [&] {
@@ -128,6 +159,12 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
           {"first_step_seconds", first_s},
           {"trainer_construction_seconds", construct_s},
           {"median_step_ms", median_ms},
+          {"step_ms_spread", spread},
+          {"unstable", spread > 0.05},
+          {"gpu", gpu},
+          {"losses", losses},
+          {"reduce_dtype", reduce_dtype},
+          {"staged_tiles", stage_tiles},
           {"first_loss", first.loss},
           {"last_loss", loss},
           {"graphs", trainer.captures()},
@@ -143,6 +180,7 @@ int Main(int argc, char** argv) {
   int64_t batch = 8, seq = 256;
   int steps = 20;
   double bucket_mb = 25, timeout_seconds = 300;
+  std::string reduce_dtype = "default", stage_tiles = "on", global_batch = "off";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset")
@@ -169,6 +207,17 @@ int Main(int argc, char** argv) {
       bucket_mb = std::stod(v);
     else if (k == "--timeout-seconds")
       timeout_seconds = std::stod(v);
+    else if (k == "--reduce-dtype")
+      reduce_dtype = v;  // default | float32 | bfloat16
+    else if (k == "--stage-tiles")
+      stage_tiles = v;  // on | off
+    else if (k == "--global-batch")
+      global_batch = v;  // on | off
+  }
+  if (reduce_dtype != "default" && reduce_dtype != "float32" && reduce_dtype != "bfloat16") {
+    std::fprintf(stderr, "--reduce-dtype: default, float32 or bfloat16, not %s\n",
+                 reduce_dtype.c_str());
+    return 2;
   }
   const vlmgraph::train::RankEnv env = vlmgraph::train::RankEnvFromEnvironment();
   if (env.world_size > 1) c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
@@ -183,7 +232,8 @@ int Main(int argc, char** argv) {
     if (mode != "both" && mode != m) continue;
     report[m] = Run(preset, std::string(m) == "graph", batch, seq, steps,
                     profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute,
-                    optimizer != "aten", env, static_cast<int64_t>(bucket_mb * 1048576), timeout_seconds);
+                    optimizer != "aten", env, static_cast<int64_t>(bucket_mb * 1048576),
+                    timeout_seconds, reduce_dtype, stage_tiles == "on", global_batch == "on");
     if (env.rank != 0) continue;
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);

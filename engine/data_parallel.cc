@@ -218,6 +218,10 @@ std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOpt
   }
   if (!(options.timeout_seconds > 0)) throw Invalid("data parallel: timeout_seconds must be > 0");
   if (options.bucket_bytes <= 0) throw Invalid("data parallel: bucket_bytes must be > 0");
+  if (options.reduce_dtype && *options.reduce_dtype != at::kFloat &&
+      *options.reduce_dtype != at::kBFloat16) {
+    throw Invalid("data parallel: reduce_dtype must be float32 or bfloat16");
+  }
   if (options.store_port < 0 || options.store_port > 65535 ||
       (options.store_port == 0 && (options.rank != 0 || options.launcher_store))) {
     throw Invalid("data parallel: store_port must lie in [1, 65535] (0 only on rank 0)");

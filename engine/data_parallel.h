@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,11 @@ struct DataParallelOptions {
   int64_t device_index = 0;      // nccl: this rank's GPU
   // Gradient all-reduce bucket, bytes (> 0): DDP's default bucket_cap_mb = 25.
   int64_t bucket_bytes = 25 * 1024 * 1024;
+  // The dtype gradients are all-reduced in (FSDP's MixedPrecision.reduce_dtype; DDP's
+  // bf16_compress_hook for bf16): float32 or bfloat16; unset = the trainer's compute dtype.
+  // bfloat16 applies to bf16 training with the fused optimizer (CUDA); other trainers reduce in
+  // float32 (engine/gradient_reducer.h).
+  std::optional<at::ScalarType> reduce_dtype;
   // Prefix of every store key, so several groups (jobs) can share one store.
   std::string group_name = "vlmgraph";
   // Peer liveness heartbeat period, seconds (> 0); see DataParallelGroup::LostPeer.

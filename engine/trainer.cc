@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "engine/device.h"
+#include "engine/gradient_reducer.h"
 #include "model/checkpoint.h"
 #include "base/log.h"
 #include "model/prompt_check.h"
@@ -138,47 +139,6 @@ struct Trainer::PendingStep {
   TrainStepResult result;
 };
 
-// Note [Overlapped all-reduce]: with data parallelism the gradients are averaged over the ranks
-// as PyTorch DDP's Reducer does it (Li et al. 2020, section 3.2.3), inside the step's graphs:
-// - Buckets: the trained parameters in reverse order (the order the backward produces their
-//   gradients), packed into buckets of at most DataParallelOptions::bucket_bytes of float32
-//   (the first one at most 1 MiB, DDP's first_bucket_bytes, so the first all-reduce starts
-//   early; a larger parameter alone). Each bucket's accumulators are views of one flat float32
-//   buffer, so a bucket is all-reduced in place, without copies in or out.
-// - A gradient hook on every trained parameter (it runs on autograd's thread, before autograd
-//   stores the gradient) records the gradient; once every gradient of a bucket has arrived and
-//   every earlier bucket is launched, the bucket's gradients are added into its accumulators and,
-//   in the step's last micro-batch, its SUM all-reduce is started (NCCL: on its own stream, so it
-//   runs while the backward of the earlier layers goes on). Buckets launch in bucket order on
-//   every rank, whatever order their gradients arrive in, so every rank starts the same
-//   collectives in the same order (DDP's rule); parameters that get no gradient are launched after
-//   the backward. The loss is all-reduced last, then the stream waits for every collective.
-// - The losses are divided by micro-batches x world_size (micro_batches_), so the SUM is the
-//   mean: world_size ranks with a micro-batches each take exactly the step of one rank with
-//   world_size x a (up to the order of float additions).
-// - Earlier micro-batches of a step only accumulate (DDP's no_sync): their graph is the bucket's
-//   second one (AccumulatingGraph), captured at Warmup when grad_accum_steps > 1, else when a step
-//   first needs it (it has no collective, so a rank may capture it alone).
-// With NCCL the collectives are captured into the micro-step's CUDA graph (NCCL supports capture
-// with one GPU per process; every rank captures the same collectives in the same order, after
-// warm-up runs on the capture stream, as CudaGraphStepRunner::Capture does): a replay runs the
-// backward and the bucket all-reduces overlapped, with no host work between them.
-struct Trainer::Reducer {
-  struct Bucket {
-    std::vector<size_t> params;  // indices into params_
-    at::Tensor flat;             // float32, the accumulators of `params` back to back
-    size_t ready = 0;            // gradients of the backward in progress that have arrived
-  };
-  std::vector<Bucket> buckets;    // launch order
-  std::vector<size_t> bucket_of;  // params_ index -> bucket
-  int64_t bytes = 0;              // all-reduced per step: every bucket + the loss
-  // The backward in progress.
-  bool active = false, reduce = false;
-  size_t next = 0;                // first bucket not launched yet
-  std::vector<at::Tensor> grads;  // params_ index -> its gradient, until its bucket launches
-  double wait_seconds = 0;        // host time in FinishAllReduces since the step began
-};
-
 namespace {
 // A model of `cfg` whose parameters are about to be overwritten: nanoVLM's random initialisation
 // (seconds on the CPU for nanovlm-460m) is skipped.
@@ -261,8 +221,13 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   // gradients: no float32 accumulators (4 bytes per trained parameter, 1.8 GB for nanovlm-460m),
   // no accumulation pass, and the optimizer reads 2 gradient bytes per parameter instead of 4
   // and writes none.
-  // Not with data parallelism: the gradients are averaged over the ranks before the optimizer.
-  direct_ = fused_ && mixed && options_.grad_accum_steps == 1 && !data_parallel_;
+  // With data parallelism only where the gradients are reduced in bf16: the optimizer then reads
+  // the averaged bf16 gradients from the all-reduce buckets (Note [Overlapped all-reduce] in
+  // engine/gradient_reducer.cc).
+  reduce_bf16_ = data_parallel_ && mixed && fused_ &&
+                 options_.data_parallel->options().reduce_dtype.value_or(
+                     options_.compute_dtype) == at::kBFloat16;
+  direct_ = fused_ && mixed && options_.grad_accum_steps == 1 && (!data_parallel_ || reduce_bf16_);
   auto src = source->named_parameters();
   for (const auto& spec : specs) {
     Group g;
@@ -304,7 +269,19 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     throw Invalid(
         "nothing to train: every learning rate is 0 (a part whose rate is 0 is frozen); set "
         "language_learning_rate, vision_learning_rate or projector_learning_rate above 0");
-  if (data_parallel_) BuildReducer();
+  if (data_parallel_) {
+    std::vector<at::Tensor*> accumulators;  // float32 reduction: replaced by bucket views
+    for (auto& g : groups_)
+      for (auto& grad : g.grads) accumulators.push_back(&grad);
+    reducer_ = std::make_unique<GradientReducer>(
+        params_, *options_.data_parallel, reduce_bf16_ ? at::kBFloat16 : at::kFloat, fused_,
+        accumulators);
+    if (!reduce_bf16_) {
+      master_grads_.clear();
+      for (auto& g : groups_)
+        for (auto& grad : g.grads) master_grads_.push_back(grad);
+    }
+  }
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
   micro_batches_ = at::ones({}, f32);
   dp_loss_sum_ = at::zeros({1}, f32);
@@ -350,96 +327,19 @@ void Trainer::CheckPeers() const {
                         ": a peer was lost: " + lost + "; the job ends");
 }
 
-void Trainer::BuildReducer() {
-  reducer_ = std::make_unique<Reducer>();
-  Reducer& r = *reducer_;
-  const int64_t cap = options_.data_parallel->options().bucket_bytes;
-  constexpr int64_t kFirstBucketBytes = 1 << 20;  // DDP's first_bucket_bytes
-  r.bucket_of.assign(params_.size(), 0);
-  std::vector<std::vector<size_t>> packed;
-  int64_t bucket_bytes = 0;
-  for (size_t k = params_.size(); k-- > 0;) {
-    const int64_t bytes = params_[k].numel() * 4;
-    const int64_t limit = packed.size() == 1 ? std::min(cap, kFirstBucketBytes) : cap;
-    if (packed.empty() || (!packed.back().empty() && bucket_bytes + bytes > limit)) {
-      packed.emplace_back();
-      bucket_bytes = 0;
-    }
-    packed.back().push_back(k);
-    bucket_bytes += bytes;
-  }
-  // The float32 accumulator of params_[k], to be replaced by a view of its bucket.
-  std::vector<at::Tensor*> accumulator(params_.size(), nullptr);
-  {
-    size_t k = 0;
-    for (auto& g : groups_)
-      for (auto& grad : g.grads) accumulator[k++] = &grad;
-  }
-  at::NoGradGuard no_grad;
-  for (const auto& indices : packed) {
-    if (indices.empty()) continue;
-    Reducer::Bucket b;
-    b.params = indices;
-    int64_t numel = 0;
-    for (size_t k : indices) numel += params_[k].numel();
-    b.flat = at::zeros({numel}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
-    int64_t offset = 0;
-    for (size_t k : indices) {
-      r.bucket_of[k] = r.buckets.size();
-      *accumulator[k] = b.flat.narrow(0, offset, params_[k].numel()).view(params_[k].sizes());
-      offset += params_[k].numel();
-    }
-    r.bytes += numel * 4;
-    r.buckets.push_back(std::move(b));
-  }
-  r.bytes += 4;  // the loss
-  master_grads_.clear();
-  for (auto& g : groups_)
-    for (auto& grad : g.grads) master_grads_.push_back(grad);
-  r.grads.resize(params_.size());
-  for (size_t k = 0; k < params_.size(); ++k) {
-    // In float32 mode too the accumulators are separate from the parameters' .grad: autograd's
-    // gradient is transient, as in bfloat16 mode (Note [Transient bf16 gradients]).
-    params_[k].mutable_grad() = at::Tensor();
-    params_[k].register_hook([this, k](const at::Tensor& grad) { OnGradient(k, grad); });
-  }
-}
-
-void Trainer::OnGradient(size_t i, const at::Tensor& grad) {
-  Reducer& r = *reducer_;
-  if (!r.active) return;
-  r.grads[i] = grad;
-  if (++r.buckets[r.bucket_of[i]].ready == r.buckets[r.bucket_of[i]].params.size())
-    LaunchReadyBuckets(/*all=*/false);
-}
-
-void Trainer::LaunchReadyBuckets(bool all) {
-  Reducer& r = *reducer_;
-  at::NoGradGuard no_grad;
-  for (; r.next < r.buckets.size(); ++r.next) {
-    Reducer::Bucket& b = r.buckets[r.next];
-    if (!all && b.ready < b.params.size()) return;
-    std::vector<at::Tensor> accumulators, grads;
-    for (size_t k : b.params) {
-      if (!r.grads[k].defined()) continue;  // no gradient: zero
-      accumulators.push_back(master_grads_[k]);
-      grads.push_back(std::move(r.grads[k]));
-      r.grads[k] = at::Tensor();
-    }
-    if (!grads.empty()) {
-      if (fused_) {
-        // One multi-tensor kernel; the squared norm it also sums is not used (the optimizer
-        // takes the norm of the averaged gradients).
-        AccumulateGradients(accumulators, grads, grad_sq_sum_);
-      } else {
-        at::_foreach_add_(accumulators, grads);
-      }
-    }
-    if (r.reduce) options_.data_parallel->StartAllReduceSum(b.flat);
-  }
-}
-
 Trainer::~Trainer() = default;
+
+void StageTrainExample(TrainExample& example, const at::Device& device,
+                       at::ScalarType compute_dtype) {
+  at::Tensor& tiles = example.tiles;
+  if (!tiles.defined() || !tiles.is_cpu()) return;
+  const bool pin = device.is_cuda();
+  if (tiles.scalar_type() == compute_dtype && (!pin || tiles.is_pinned())) return;
+  at::Tensor staged =
+      at::empty(tiles.sizes(), at::TensorOptions().dtype(compute_dtype).pinned_memory(pin));
+  staged.copy_(tiles);
+  tiles = staged;
+}
 
 int64_t Trainer::graph_pool_bytes() const { return runner_->pool_bytes(); }
 
@@ -506,30 +406,17 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool r
   // without a graph: its gradient is zero, so it adds nothing. BeginStep refuses a step where
   // this holds for every micro-batch.
   const bool learns = loss.requires_grad();
-  if (data_parallel_) {  // Note [Overlapped all-reduce]
-    Reducer& r = *reducer_;
+  if (data_parallel_) {  // Note [Overlapped all-reduce] in engine/gradient_reducer.cc
     dp_loss_sum_.add_(loss.detach());
-    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
-    for (auto& b : r.buckets) b.ready = 0;
-    r.next = 0;
-    r.reduce = reduce;
-    r.active = true;
-    try {
-      if (learns) loss.backward();
-      r.active = false;
-      LaunchReadyBuckets(/*all=*/true);
-      if (reduce) {
-        options_.data_parallel->StartAllReduceSum(dp_loss_sum_);
-        const auto t_wait = Clock::now();
-        options_.data_parallel->FinishAllReduces();
-        r.wait_seconds += SecondsSince(t_wait);
-      }
-    } catch (...) {
-      r.active = false;
-      for (auto& g : r.grads) g = at::Tensor();
-      throw;
+    reducer_->Backward(loss, learns,
+                       reduce ? GradientReducer::Mode::kReduce : GradientReducer::Mode::kAccumulate,
+                       master_grads_, grad_sq_sum_, dp_loss_sum_);
+    if (direct) {  // bf16 reduction: AdamW on the averaged bf16 gradients, in this graph
+      AdamWTensors t = adamw_;
+      t.grads = reducer_->reduced_gradients();
+      std::vector<at::Tensor> opt = RunFusedAdamW(t, /*direct=*/true);
+      return {loss.detach(), opt[0], opt[1]};
     }
-    for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
     return {loss.detach()};
   }
   if (!mixed_precision()) {
@@ -606,6 +493,11 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t, bool direc
 // captured graph. Step() reports the step as skipped; the server counts consecutive skips.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
+  if (reduce_bf16_) {  // the averaged bf16 gradients that ReduceAccumulated left in the buckets
+    AdamWTensors t = adamw_;
+    t.grads = reducer_->reduced_gradients();
+    return RunFusedAdamW(t, /*direct=*/true);
+  }
   if (fused_) return RunFusedAdamW(adamw_, /*direct=*/false);
   at::Tensor total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
   at::Tensor found_inf = at::isfinite(total).logical_not().to(at::kFloat);
@@ -657,12 +549,17 @@ void Trainer::Warmup() {
     MicroBuffers& buf = BuffersFor(key);
     // Data parallel: this graph all-reduces (the step's last micro-batch); with gradient
     // accumulation the earlier micro-batches' graph, which only accumulates, is captured too.
-    seconds =
-        runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
-    ++captures_;
-    if (options_.observer) options_.observer->OnCapture(key, seconds);
-    if (options_.log_captures) {
-      LogDebug(LogFormat("captured train   %-10s in %7.1f ms", key.Label().c_str(), seconds * 1e3));
+    // bf16 reduction with gradient accumulation: every micro-batch accumulates (FinishStep
+    // reduces), so the all-reducing graph would never run.
+    if (!(reduce_bf16_ && !direct_)) {
+      seconds =
+          runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
+      ++captures_;
+      if (options_.observer) options_.observer->OnCapture(key, seconds);
+      if (options_.log_captures) {
+        LogDebug(
+            LogFormat("captured train   %-10s in %7.1f ms", key.Label().c_str(), seconds * 1e3));
+      }
     }
     if (data_parallel_ && options_.grad_accum_steps > 1) {
       seconds = runner_->Capture(AccumulatingGraph(key),
@@ -726,6 +623,17 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
     dst.copy_(at::cat(tiles, 0));
     return;
   }
+  bool in_compute_dtype = true;  // Note [Staged tiles]
+  for (const at::Tensor& t : tiles)
+    in_compute_dtype = in_compute_dtype && t.scalar_type() == dst.scalar_type();
+  if (in_compute_dtype) {
+    int64_t offset = 0;
+    for (const at::Tensor& t : tiles) {
+      dst.narrow(0, offset, t.size(0)).copy_(t, /*non_blocking=*/true);
+      offset += t.size(0);
+    }
+    return;
+  }
   // Concatenated and converted to the compute dtype on the host: bf16 halves the bytes copied.
   at::Tensor staged = at::empty(dst.sizes(), host.dtype(dst.scalar_type()));
   at::cat_out(staged, tiles, 0);
@@ -735,7 +643,8 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
 at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct, bool last,
                               BucketKey* key, RunKind* kind, int64_t* target_tokens,
                               std::vector<at::Tensor>* optimizer_out) {
-  const bool reduce = data_parallel_ && last;
+  // bf16 reduction: a step of several micro-batches reduces after its last one (FinishStep).
+  const bool reduce = data_parallel_ && last && (!reduce_bf16_ || direct);
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
@@ -863,7 +772,7 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
       micro_batches * (data_parallel_ ? options_.data_parallel->world_size() : 1)));
   if (data_parallel_) {
     dp_loss_sum_.zero_();
-    reducer_->wait_seconds = 0;
+    reducer_->ResetWaitSeconds();
   }
   step->loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(options_.device));
   TrainStepResult& r = step->result;
@@ -924,8 +833,11 @@ void Trainer::FinishStep() {
   if (data_parallel_) {
     // The last micro-batch averaged the gradients and the loss over the ranks (Note [Overlapped
     // all-reduce]): the optimizer below sees the global gradient on every rank.
-    r.all_reduce_bytes = reducer_->bytes;
-    r.all_reduce_seconds = reducer_->wait_seconds;
+    // bf16 reduction of several micro-batches: the accumulated gradients are rounded into the
+    // buckets and averaged here, eagerly (its collectives pair with those the other ranks run).
+    if (reduce_bf16_ && !s.direct) reducer_->ReduceAccumulated(master_grads_, dp_loss_sum_);
+    r.all_reduce_bytes = reducer_->bytes_per_step();
+    r.all_reduce_seconds = reducer_->wait_seconds();
     s.loss_sum = dp_loss_sum_.squeeze(0);
   }
   if (!s.direct) {
@@ -990,6 +902,12 @@ void Trainer::PrepareAccumulation() {
   // and zero the (zero) accumulators. The accumulating micro-steps zero the norm before they add
   // into it.
   grad_sq_sum_.fill_(std::numeric_limits<double>::quiet_NaN());
+  // bf16 reduction: the optimizer takes the norm of the buckets' gradients, which every step
+  // overwrites before it reads them.
+  if (reduce_bf16_) {
+    for (const at::Tensor& g : reducer_->reduced_gradients())
+      g.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
   const double seconds = runner_->Capture(kOptimizerKey, [this] { return RunOptimizer(); });
   grad_sq_sum_.zero_();
   ++captures_;

@@ -88,6 +88,7 @@
 #include "engine/dispatch.h"
 #include "engine/engine_types.h"
 #include "engine/fused_optimizer.h"
+#include "engine/gradient_reducer.h"
 #include "engine/learning_rates.h"
 #include "engine/step_runner.h"
 #include "model/vision_language_model.h"
@@ -134,15 +135,20 @@ struct TrainOptions {
   // Data parallelism (engine/data_parallel.h): this trainer is one rank of the group. Null or a
   // group of one: a single rank. With more ranks the trainer starts from rank 0's weights
   // (broadcast at construction), each Step takes this rank's shard of the global batch
-  // (ShardForRank), and the float32 gradients and the loss are averaged over the ranks in
-  // buckets of DataParallelOptions::bucket_bytes that are all-reduced while the backward of the
-  // step's last micro-batch still runs, inside its CUDA graph (Note [Overlapped all-reduce] in
-  // trainer.cc; the earlier micro-batches only accumulate, as DDP's no_sync), so world_size ranks
-  // with grad_accum_steps a take the step one rank takes with grad_accum_steps world_size * a.
-  // The gradient norm (clipping, skipped steps) is taken after the average, on the global
-  // gradient, and the optimizer runs on the accumulators (the bf16 optimizer-inside-the-micro-step
-  // shortcut is off). Every rank must call Step the same number of times with the same shard
-  // sizes. A step that does not finish within the group's timeout_seconds (a rank died or hangs)
+  // (ShardForRank), and the gradients and the loss are averaged over the ranks in buckets of
+  // DataParallelOptions::bucket_bytes that are all-reduced while the backward of the step's last
+  // micro-batch still runs, inside its CUDA graph (Note [Overlapped all-reduce] in
+  // engine/gradient_reducer.cc; the earlier micro-batches only accumulate, as DDP's no_sync), so
+  // world_size ranks with grad_accum_steps a take the step one rank takes with grad_accum_steps
+  // world_size * a. The gradients travel in DataParallelOptions::reduce_dtype (by default the
+  // compute dtype): float32 reduction averages the float32 accumulators, which the optimizer
+  // reads; bf16 reduction (bf16 training with the fused optimizer) averages the backward's bf16
+  // gradients and runs AdamW on them inside the same graph, as one rank does (Note [Optimizer
+  // inside the micro-step] in trainer.cc), except for steps of several micro-batches, which
+  // accumulate in float32 and are reduced, rounded once, after their last backward. The
+  // gradient norm (clipping, skipped steps) is taken after the average, on the global gradient.
+  // Every rank must call Step the same number of times with shards that differ by at most one
+  // example. A step that does not finish within the group's timeout_seconds (a rank died or hangs)
   // aborts the group and throws EngineError(kUnavailable) (Note [A rank that dies]); the trainer
   // is unusable afterwards.
   std::shared_ptr<DataParallelGroup> data_parallel;
@@ -151,8 +157,20 @@ struct TrainOptions {
 struct TrainExample {
   std::vector<int64_t> input_ids;
   std::vector<int64_t> targets;  // same length, -100 = no loss at that position
-  at::Tensor tiles;              // (N, 3, S, S) float in [0, 1] or undefined
+  // (N, 3, S, S) float in [0, 1] (float32, or already the trainer's compute dtype), or undefined
+  at::Tensor tiles;
 };
+
+// Note [Staged tiles]: a step copies each example's tiles into the device's tile buffer. Tiles
+// already in the compute dtype go there directly (an asynchronous DMA from pinned memory); other
+// tiles are first converted on the host, on the step's path: ~1 ms per 512 px tile, during
+// which the device idles (8 ms of a 75 ms nanovlm-460m step at 8 x 1024). StageTrainExample does
+// that conversion ahead, as a PyTorch DataLoader's workers and pin_memory thread do: tiles to
+// `compute_dtype`, in pinned host memory when `device` is CUDA. Call it where the examples are
+// made (vlmgraph-train's prefetch thread, the Train RPC's handler), not on the thread that
+// drives the trainer. Thread-safe; no-op without tiles.
+void StageTrainExample(TrainExample& example, const at::Device& device,
+                       at::ScalarType compute_dtype);
 
 struct TrainStepResult {
   int64_t step = 0;      // optimizer steps taken so far (1 after the first)
@@ -257,7 +275,6 @@ class Trainer {
   struct Group;
   struct MicroBuffers;
   struct PendingStep;
-  struct Reducer;
 
   void ValidateExample(const TrainExample& e) const;
   // INVALID_ARGUMENT when no trained parameter is reached by any example of `examples`.
@@ -278,16 +295,8 @@ class Trainer {
   // too, on the backward's own gradients; with `reduce` (data parallel, the step's last
   // micro-batch) the gradient buckets and the loss are all-reduced during the backward.
   std::vector<at::Tensor> RunMicro(MicroBuffers& buf, bool direct, bool reduce);
-  // Data parallel (Note [Overlapped all-reduce]): the accumulators become views of per-bucket
-  // flat buffers and a gradient hook goes on every trained parameter.
-  void BuildReducer();
   // Data parallel: EngineError(kUnavailable) when the group lost a peer (LostPeer).
   void CheckPeers() const;
-  // The hook: parameter i's gradient of the backward in progress.
-  void OnGradient(size_t i, const at::Tensor& grad);
-  // Accumulates (and with the backward's `reduce`, starts the all-reduce of) every bucket whose
-  // gradients have all arrived, in bucket order; `all`: every bucket not yet launched.
-  void LaunchReadyBuckets(bool all);
   std::vector<at::Tensor> RunOptimizer();
   // Squared norm, step counters and FusedAdamW over `t` (Note [Skipped steps]); returns
   // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}. `direct`: t.grads
@@ -337,7 +346,11 @@ class Trainer {
   double lr_scale_ = 1;           // SetLearningRateScale
   // More than one rank (TrainOptions::data_parallel).
   bool data_parallel_ = false;
-  std::unique_ptr<Reducer> reducer_;  // data parallel only
+  // Data parallel only: the gradient buckets and their all-reduces (engine/gradient_reducer.h).
+  std::unique_ptr<GradientReducer> reducer_;
+  // Data parallel, bf16, fused: the gradients are all-reduced in bf16 (DataParallelOptions::
+  // reduce_dtype) and the optimizer reads them from the reducer's buckets.
+  bool reduce_bf16_ = false;
   // Data parallel: device float32 scalar, the step's loss summed over its micro-batches (the
   // graphs add into it) and, after the last micro-batch's all-reduce, over the ranks.
   at::Tensor dp_loss_sum_;

@@ -3,7 +3,10 @@
 #   multi_gpu.sh BIN_DIR OUT_DIR dptrain|dpserve|dpsoak
 # dptrain: the data-parallel *_CUDA tests (NCCL ranks as processes against one rank); the graphed
 #   training step of nanovlm-460m bf16 at 8 x 1024 per GPU on 1, 2, 4, 8 GPUs (as many as the host
-#   has) under torchrun, tokens/s per GPU, with bench/allreduce_overlap.py on each trace; then
+#   has) under torchrun, tokens/s per GPU with the GPU's clock and power, with
+#   bench/allreduce_overlap.py on each trace, float32 gradient reduction beside bf16's and, on 1
+#   GPU, tiles converted on the step's path beside staged ones; 200-step loss curves of 2 GPUs
+#   against 1 on the same global batch ($VLMGRAPH_DPTRAIN_CURVES=0 skips them); then
 #   vlmgraph-train on 2 GPUs under torchrun (a chat JSONL), and the same job with rank 1's process
 #   (not its `timeout` wrapper) killed by SIGKILL: rank 0 must exit with status 3 within the
 #   timeout (20 s).
@@ -34,20 +37,50 @@ case $WHAT in
     "$BIN/tests/trainer_test" --gtest_filter='DataParallel.*CUDA*' >"$OUT/dp_tests.log" 2>&1 || failed=$((failed + 1))
     grep -E "^\[  (PASSED|FAILED|SKIPPED) |nccl rank" "$OUT/dp_tests.log"
     B=(--mode graph --batch 8 --seq 1024 --steps 20)
-    for w in $WORLDS; do
+    train() {  # train NAME WORLD ARGS...: one bench run, its summary line
+      local name=$1 w=$2
+      shift 2
       if [ "$w" = 1 ]; then
-        "$BIN/bench/vlmgraph-train-bench" "${B[@]}" --json "$OUT/dp_train_w1.json" >"$OUT/dp_train_w1.log" 2>&1
+        "$BIN/bench/vlmgraph-train-bench" "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
       else
         python3 -m torch.distributed.run --nproc_per_node="$w" --master_port=$((29600 + w)) --no-python \
-          "$BIN/bench/vlmgraph-train-bench" "${B[@]}" --json "$OUT/dp_train_w$w.json" \
-          --profile-trace "$OUT/dp_trace_w$w" >"$OUT/dp_train_w$w.log" 2>&1
+          "$BIN/bench/vlmgraph-train-bench" "$@" --json "$OUT/$name.json" >"$OUT/$name.log" 2>&1
       fi || failed=$((failed + 1))
-      python3 -c "import json; d = json.load(open('$OUT/dp_train_w$w.json'))['graph']; print('train $w GPU(s): %.2f ms, %.0f tokens/s per GPU' % (d['median_step_ms'], d['tokens_per_second_per_gpu']))"
+      python3 -c "import json; d = json.load(open('$OUT/$name.json'))['graph']; g = d.get('gpu', {}); print('$name: %d GPU(s) %.2f ms (spread %.1f%%%s), %.0f tokens/s per GPU, SM clock median %s MHz, power median %s W, throttle %s' % ($w, d['median_step_ms'], 100 * d['step_ms_spread'], ' UNSTABLE' if d['unstable'] else '', d['tokens_per_second_per_gpu'], (g.get('sm_clock_mhz') or {}).get('median'), (g.get('power_w') or {}).get('median'), g.get('throttle_reasons', g.get('nvml'))))"
+    }
+    # Each world: the default step (bf16 gradient reduction, tiles staged ahead) with its overlap
+    # trace; with 2+ GPUs float32 reduction beside it; on 1 GPU the tiles converted on the step's
+    # path beside it (Note [Staged tiles], engine/trainer.h).
+    for w in $WORLDS; do
+      if [ "$w" = 1 ]; then
+        train dp_train_w1 1 "${B[@]}" --profile-trace "$OUT/dp_trace_w1"
+        train dp_train_w1_unstaged 1 "${B[@]}" --stage-tiles off
+      else
+        train dp_train_w$w "$w" "${B[@]}" --profile-trace "$OUT/dp_trace_w$w"
+        train dp_train_w${w}_f32reduce "$w" "${B[@]}" --reduce-dtype float32
+      fi
       if [ -f "$OUT/dp_trace_w$w.graph.json" ]; then
         python3 bench/allreduce_overlap.py "$OUT/dp_trace_w$w.graph.json" --steps 3 --json
         gzip -f "$OUT/dp_trace_w$w.graph.json"
       fi
     done
+    # 200-step loss curves: 2 GPUs (8 per GPU, bf16 reduction) against 1 GPU taking the same
+    # global batch of 16 in one micro-batch.
+    if [ "$NG" -ge 2 ] && [ "${VLMGRAPH_DPTRAIN_CURVES:-1}" = 1 ]; then
+      C=(--mode graph --seq 1024 --steps 199 --global-batch on)
+      train dp_curve_w1 1 "${C[@]}" --batch 16
+      train dp_curve_w2 2 "${C[@]}" --batch 8
+      python3 - "$OUT" <<'PY' || failed=$((failed + 1))
+import json, sys
+one = json.load(open(sys.argv[1] + "/dp_curve_w1.json"))["graph"]["losses"]
+two = json.load(open(sys.argv[1] + "/dp_curve_w2.json"))["graph"]["losses"]
+diff = [abs(a - b) for a, b in zip(one, two)]
+tail = sum(diff[-50:]) / 50
+print("loss curves, 200 steps, 1 GPU x 16 vs 2 GPUs x 8 (bf16 reduction): first %.4f / %.4f, last %.4f / %.4f, "
+      "max |diff| %.4f, mean |diff| over the last 50 %.4f" % (one[0], two[0], one[-1], two[-1], max(diff), tail))
+sys.exit(0 if len(one) == len(two) == 200 and max(diff) < 0.05 * max(one) else 1)
+PY
+    fi
     if [ "$NG" -ge 2 ] && [ -n "$TOKENIZER" ]; then
       smol
       python3 - "$OUT" <<'PY'

@@ -389,6 +389,13 @@ void VlmGraphService::RunTrain(
         std::vector<TrainExample> batch =
             ToTrainBatch(message.batch(), engine_->model_config(), config_.limits,
                          engine_->max_context(), text_);
+        {
+          // The tiles' conversion here, on the handler's thread, not on a GPU thread's step
+          // (Note [Staged tiles] in engine/trainer.h); the job's dtype as GraphedTrainer sets it.
+          const EngineOptions& eo = engine_->options();
+          for (TrainExample& e : batch)
+            StageTrainExample(e, eo.device, eo.device.is_cuda() ? eo.dtype : at::kFloat);
+        }
         // Each rank's shard in pieces, one micro-batch per piece: the GPU threads decode between
         // them (Note [Interleaving bound] in server/scheduler.h).
         double queue_seconds = 0;

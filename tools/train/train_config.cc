@@ -232,6 +232,12 @@ const std::vector<Key>& Keys() {
               0.001, 86400.0),
       MakeKey("distributed.bucket_bytes", &C::bucket_bytes,
               "Gradient all-reduce bucket, bytes (DDP's bucket_cap_mb).", 1.0),
+      MakeKey("distributed.reduce_dtype", &C::reduce_dtype,
+              "The dtype gradients are all-reduced in (FSDP's reduce_dtype): \"\" = the compute "
+              "dtype; bfloat16 halves the bytes and, with one micro-batch per step, runs AdamW "
+              "on the averaged bf16 gradients inside the step's graph; float32 averages the "
+              "float32 accumulators.",
+              std::nullopt, std::nullopt, {"", "float32", "bfloat16"}),
   };
   return keys;
 }

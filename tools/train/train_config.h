@@ -61,6 +61,7 @@ struct TrainRunConfig {
   std::string backend;  // "" = nccl on CUDA, gloo on CPU
   double timeout_seconds = 300;
   int64_t bucket_bytes = 25 * 1024 * 1024;
+  std::string reduce_dtype;  // "", "float32" or "bfloat16" ("" = dtype)
 };
 
 // Defaults, then the file (unless `path` is empty), then each override (key path, YAML value) in

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -295,6 +296,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       o.backend = backend;
       o.device_index = device.is_cuda() ? device.index() : 0;
       o.bucket_bytes = c.bucket_bytes;
+      if (c.reduce_dtype == "float32") o.reduce_dtype = at::kFloat;
+      if (c.reduce_dtype == "bfloat16") o.reduce_dtype = at::kBFloat16;
       o.group_name = env.group_name;
       group = DataParallelGroup::Join(o);
     }
@@ -375,21 +378,37 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     std::cout << "vlmgraph-train: nothing to do: step " << first_step << " of " << total_steps
               << std::endl;
   }
+  // This rank's examples of the global batch at `at`, their tiles staged in the compute dtype
+  // (Note [Staged tiles] in engine/trainer.h). Runs on the prefetch thread: each step's examples
+  // (image decoding, tokenizing, staging) are made while the step before runs on the device, as
+  // a PyTorch DataLoader's workers do; the main thread only waits for them.
+  const at::ScalarType compute_dtype = trainer->options().compute_dtype;
+  auto load = [&, compute_dtype](int64_t at) {
+    std::vector<int64_t> batch;
+    for (int64_t k = 0; k < c.global_batch_size; ++k) batch.push_back(order.At(at + k));
+    std::vector<TrainExample> examples;
+    for (int64_t index : ShardForRank(batch, env.rank, env.world_size)) {
+      examples.push_back(data->Example(index, *text, cfg, MaxTokens(c),
+                                       "buckets.train_seq_lens, with buckets.oversize reject",
+                                       c.max_tiles_per_example));
+      StageTrainExample(examples.back(), device, compute_dtype);
+    }
+    return examples;
+  };
+  std::future<std::vector<TrainExample>> prefetched;
+  if (trainer->steps() < total_steps) prefetched = std::async(std::launch::async, load, position);
   try {
     while (trainer->steps() < total_steps) {
       const auto t0 = std::chrono::steady_clock::now();
-      std::vector<int64_t> batch;
-      for (int64_t k = 0; k < c.global_batch_size; ++k) batch.push_back(order.At(position + k));
-      const std::vector<int64_t> shard = ShardForRank(batch, env.rank, env.world_size);
       std::vector<TrainExample> examples;
-      for (int64_t index : shard) {
-        try {
-          examples.push_back(data->Example(index, *text, cfg, MaxTokens(c),
-                                           "buckets.train_seq_lens, with buckets.oversize reject",
-                                           c.max_tiles_per_example));
-        } catch (const DatasetError& e) {
-          fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
-        }
+      try {
+        examples = prefetched.get();
+      } catch (const DatasetError& e) {
+        fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
+      }
+      if (trainer->steps() + 1 < total_steps) {
+        prefetched =
+            std::async(std::launch::async, load, position + c.global_batch_size);
       }
       if (c.lr_schedule == "cosine")
         trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));

@@ -1,0 +1,120 @@
+// engine/gradient_reducer.h: a data-parallel trainer's gradient averaging, overlapped with the
+// backward pass and captured inside the step's CUDA graphs (Note [Overlapped all-reduce] in
+// gradient_reducer.cc), as PyTorch DDP's Reducer does it (Li et al. 2020, section 3.2.3).
+//
+// The trained parameters are packed, in reverse order (the order the backward produces their
+// gradients), into buckets of at most DataParallelOptions::bucket_bytes (the first at most 1 MiB,
+// DDP's first_bucket_bytes); a gradient hook on every parameter launches a bucket's SUM
+// all-reduce once all its gradients have arrived and every earlier bucket is launched. Two
+// reduction dtypes (FSDP's MixedPrecision.reduce_dtype; DataParallelOptions::reduce_dtype):
+// - float32: each bucket is one flat float32 buffer whose views are the parameters' float32
+//   gradient accumulators; every micro-batch adds its gradients into them and the step's last
+//   micro-batch all-reduces them. 4 bytes per parameter on the wire.
+// - bfloat16 (bf16 training only): each bucket is one flat bf16 buffer (reduced_gradients()). The
+//   step's only micro-batch copies the backward's bf16 gradients into it and all-reduces it, so no
+//   float32 accumulator exists; a step of several micro-batches accumulates in the float32
+//   accumulators and ReduceAccumulated rounds them into the buckets. 2 bytes per parameter on the
+//   wire, as DDP's bf16_compress_hook sends; the optimizer's master update stays float32.
+// The losses that produced the gradients are divided by world_size beforehand, so the SUM is the
+// mean.
+//
+// Thread rules: the hooks run on autograd's thread while the thread that drives the trainer
+// waits in backward(); everything else on the trainer's thread. Every rank must build its reducer
+// from the same parameters and call the same operations in the same order (the collectives pair
+// by order). Errors: EngineError(kUnavailable) from the group's collectives.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/data_parallel.h"
+
+namespace vlmgraph {
+
+class GradientReducer {
+ public:
+  // params: the trained working parameters (their gradients' dtype is the model's compute
+  // dtype), in the optimizer's order; they get the reducer's gradient hooks and must outlive it.
+  // reduce_dtype: kFloat or kBFloat16 (the latter only for bf16 params). float32 mode: each
+  // *float32_accumulators[k] (float32, params[k]'s shape) is replaced by a view of its bucket.
+  // fused: the bf16 additions run as engine/fused_optimizer.h's AccumulateGradients (CUDA),
+  // else as ATen's _foreach_add_.
+  GradientReducer(const std::vector<at::Tensor>& params, DataParallelGroup& group,
+                  at::ScalarType reduce_dtype, bool fused,
+                  const std::vector<at::Tensor*>& float32_accumulators);
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  // What a backward does with its gradients.
+  enum class Mode {
+    // Add them into `accumulators` (float32), no collective: every micro-batch of a step but
+    // the last (DDP's no_sync), and in bfloat16 mode the last one of several too.
+    kAccumulate,
+    // The step's last micro-batch: float32 mode adds them into the accumulators (the buckets)
+    // and all-reduces each bucket; bfloat16 mode copies them into the buckets (the step's only
+    // micro-batch) and all-reduces each. Then loss_sum is all-reduced and the current stream
+    // waits for every collective.
+    kReduce,
+  };
+
+  // loss.backward() (when `learns`; otherwise every gradient is zero) with the hooks on.
+  // accumulators: float32, one per parameter (may be empty for bfloat16 kReduce); grad_sq_sum:
+  // float64 device scalar that AccumulateGradients adds into (not read here); loss_sum: the
+  // step's loss, all-reduced last with kReduce. Undefined gradients (a parameter the loss does
+  // not reach) count as zero.
+  void Backward(const at::Tensor& loss, bool learns, Mode mode,
+                const std::vector<at::Tensor>& accumulators, const at::Tensor& grad_sq_sum,
+                const at::Tensor& loss_sum);
+
+  // bfloat16 mode, after a step's micro-batches all ran kAccumulate: every bucket takes its
+  // accumulators rounded to bf16, the accumulators are zeroed, the buckets and then loss_sum are
+  // all-reduced and the current stream waits for them. The collectives pair with a kReduce
+  // backward's on ranks whose step had one micro-batch.
+  void ReduceAccumulated(const std::vector<at::Tensor>& accumulators, const at::Tensor& loss_sum);
+
+  // bfloat16 mode: views of the buckets, one per parameter (params[k]'s shape, bf16): the
+  // rank-averaged gradients after a kReduce backward or ReduceAccumulated. Empty in float32 mode
+  // (the accumulators hold them).
+  const std::vector<at::Tensor>& reduced_gradients() const { return reduced_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  // Bytes all-reduced per step: every bucket + the float32 loss.
+  int64_t bytes_per_step() const { return bytes_; }
+  // Host seconds spent waiting for the collectives since reset (gloo blocks; NCCL only queues a
+  // stream wait).
+  double wait_seconds() const { return wait_seconds_; }
+  void ResetWaitSeconds() { wait_seconds_ = 0; }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;  // indices into params_
+    at::Tensor flat;             // reduce dtype: the bucket's gradients back to back
+    size_t ready = 0;            // gradients of the backward in progress that have arrived
+  };
+  // The hook: parameter i's gradient of the backward in progress.
+  void OnGradient(size_t i, const at::Tensor& grad);
+  // Handles (and with kReduce starts the all-reduce of) every bucket whose gradients have all
+  // arrived, in bucket order; `all`: every bucket not launched yet.
+  void LaunchReadyBuckets(bool all);
+  void Finish(const at::Tensor& loss_sum);
+
+  DataParallelGroup& group_;
+  at::ScalarType reduce_dtype_;
+  bool fused_;
+  std::vector<at::Tensor> params_;
+  std::vector<Bucket> buckets_;    // launch order
+  std::vector<size_t> bucket_of_;  // params_ index -> bucket
+  std::vector<at::Tensor> reduced_;
+  int64_t bytes_ = 0;
+  double wait_seconds_ = 0;
+  // The backward in progress.
+  bool active_ = false;
+  Mode mode_ = Mode::kAccumulate;
+  size_t next_ = 0;                    // first bucket not launched yet
+  std::vector<at::Tensor> grads_;      // params_ index -> its gradient, until its bucket launches
+  const std::vector<at::Tensor>* accumulators_ = nullptr;
+  at::Tensor grad_sq_sum_;
+};
+
+}  // namespace vlmgraph
