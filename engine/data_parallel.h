@@ -119,6 +119,10 @@ class DataParallelGroup {
   // drives the group waits in backward(). Errors: EngineError(kUnavailable) (gloo: a rank died or
   // timed out).
   void StartAllReduceSum(const at::Tensor& tensor);
+  // The same for several tensors at once, in place, as one coalesced collective (c10d's
+  // allreduce_coalesced: NCCL groups them into one launch): each may have its own shape; one
+  // dtype and device. Every rank must pass the same list.
+  void StartAllReduceSum(const std::vector<at::Tensor>& tensors);
   void FinishAllReduces();
 
   // The step watchdog (NCCL groups; no-op for gloo, whose collectives time out and throw by

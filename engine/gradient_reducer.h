@@ -10,11 +10,13 @@
 // - float32: each bucket is one flat float32 buffer whose views are the parameters' float32
 //   gradient accumulators; every micro-batch adds its gradients into them and the step's last
 //   micro-batch all-reduces them. 4 bytes per parameter on the wire.
-// - bfloat16 (bf16 training only): each bucket is one flat bf16 buffer (reduced_gradients()). The
-//   step's only micro-batch copies the backward's bf16 gradients into it and all-reduces it, so no
-//   float32 accumulator exists; a step of several micro-batches accumulates in the float32
-//   accumulators and ReduceAccumulated rounds them into the buckets. 2 bytes per parameter on the
-//   wire, as DDP's bf16_compress_hook sends; the optimizer's master update stays float32.
+// - bfloat16 (bf16 training only): the step's only micro-batch all-reduces the backward's own
+//   bf16 gradients in place, a bucket's tensors as one coalesced collective
+//   (TakeReducedGradients hands them to the optimizer), so no float32 accumulator and no copy
+//   exist; a step of several micro-batches accumulates in the float32 accumulators and
+//   ReduceAccumulated rounds them into flat bf16 buffers (reduced_gradients(), made on first
+//   use). 2 bytes per parameter on the wire, as DDP's bf16_compress_hook sends; the optimizer's
+//   master update stays float32.
 // The losses that produced the gradients are divided by world_size beforehand, so the SUM is the
 // mean.
 //
@@ -63,21 +65,26 @@ class GradientReducer {
   // accumulators: float32, one per parameter (may be empty for bfloat16 kReduce); grad_sq_sum:
   // float64 device scalar that AccumulateGradients adds into (not read here); loss_sum: the
   // step's loss, all-reduced last with kReduce. Undefined gradients (a parameter the loss does
-  // not reach) count as zero.
+  // not reach) count as zero. Afterwards no parameter has a .grad, except after a bfloat16
+  // kReduce: then each holds its averaged gradient until TakeReducedGradients.
   void Backward(const at::Tensor& loss, bool learns, Mode mode,
                 const std::vector<at::Tensor>& accumulators, const at::Tensor& grad_sq_sum,
                 const at::Tensor& loss_sum);
 
+  // bfloat16 mode, after a kReduce backward: the rank-averaged bf16 gradients, one per
+  // parameter (zeros for one the loss did not reach), which the parameters' .grad give up.
+  std::vector<at::Tensor> TakeReducedGradients();
+
   // bfloat16 mode, after a step's micro-batches all ran kAccumulate: every bucket takes its
-  // accumulators rounded to bf16, the accumulators are zeroed, the buckets and then loss_sum are
-  // all-reduced and the current stream waits for them. The collectives pair with a kReduce
-  // backward's on ranks whose step had one micro-batch.
+  // accumulators rounded to bf16 (reduced_gradients()), the accumulators are zeroed, the buckets
+  // and then loss_sum are all-reduced and the current stream waits for them. The collectives
+  // pair with a kReduce backward's on ranks whose step had one micro-batch.
   void ReduceAccumulated(const std::vector<at::Tensor>& accumulators, const at::Tensor& loss_sum);
 
-  // bfloat16 mode: views of the buckets, one per parameter (params[k]'s shape, bf16): the
-  // rank-averaged gradients after a kReduce backward or ReduceAccumulated. Empty in float32 mode
-  // (the accumulators hold them).
-  const std::vector<at::Tensor>& reduced_gradients() const { return reduced_; }
+  // bfloat16 mode: flat per-bucket bf16 buffers, viewed one per parameter (params[k]'s shape),
+  // that ReduceAccumulated fills with the rank-averaged gradients; their addresses never change
+  // (a captured optimizer reads them). Allocated on the first call (2 bytes per parameter).
+  const std::vector<at::Tensor>& reduced_gradients();
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   // Bytes all-reduced per step: every bucket + the float32 loss.
   int64_t bytes_per_step() const { return bytes_; }
@@ -89,11 +96,15 @@ class GradientReducer {
  private:
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
-    at::Tensor flat;             // reduce dtype: the bucket's gradients back to back
-    size_t ready = 0;            // gradients of the backward in progress that have arrived
+    int64_t numel = 0;
+    // The bucket's gradients back to back: float32 mode, the accumulators; bfloat16 mode,
+    // ReduceAccumulated's buffer (undefined until reduced_gradients()).
+    at::Tensor flat;
+    size_t ready = 0;  // gradients of the backward in progress that have arrived
   };
-  // The hook: parameter i's gradient of the backward in progress.
-  void OnGradient(size_t i, const at::Tensor& grad);
+  struct Hook;
+  // The hook: parameter i's gradient of the backward in progress is in its .grad.
+  void OnGradient(size_t i);
   // Handles (and with kReduce starts the all-reduce of) every bucket whose gradients have all
   // arrived, in bucket order; `all`: every bucket not launched yet.
   void LaunchReadyBuckets(bool all);
@@ -112,7 +123,6 @@ class GradientReducer {
   bool active_ = false;
   Mode mode_ = Mode::kAccumulate;
   size_t next_ = 0;                    // first bucket not launched yet
-  std::vector<at::Tensor> grads_;      // params_ index -> its gradient, until its bucket launches
   const std::vector<at::Tensor>* accumulators_ = nullptr;
   at::Tensor grad_sq_sum_;
 };

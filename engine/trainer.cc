@@ -413,7 +413,7 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool r
                        master_grads_, grad_sq_sum_, dp_loss_sum_);
     if (direct) {  // bf16 reduction: AdamW on the averaged bf16 gradients, in this graph
       AdamWTensors t = adamw_;
-      t.grads = reducer_->reduced_gradients();
+      t.grads = reducer_->TakeReducedGradients();
       std::vector<at::Tensor> opt = RunFusedAdamW(t, /*direct=*/true);
       return {loss.detach(), opt[0], opt[1]};
     }
@@ -856,9 +856,18 @@ void Trainer::FinishStep() {
   // job's other ranks. A host thread that blocks before it gets here (the CUDA runtime may block
   // behind the hung kernel) is ended by the group's step watchdog
   // (DataParallelGroup::ArmStepWatchdog), which takes the process down 5 s later.
+  // The step's one host synchronisation: loss, gradient norm and found_inf together, queued
+  // behind the step and copied into pinned host memory, so the wait below covers the copy too
+  // (one round trip to the device, not two).
+  at::Tensor on_device = at::stack({s.loss_sum.to(at::kDouble),
+                                    s.optimizer_out.at(0).to(at::kDouble),
+                                    s.optimizer_out.at(1).to(at::kDouble)});
+  at::Tensor report = at::empty(
+      {3}, at::TensorOptions().dtype(at::kDouble).pinned_memory(options_.device.is_cuda()));
+  report.copy_(on_device, /*non_blocking=*/true);
+  DeviceEvent done(options_.device);
+  done.Record();
   if (data_parallel_ && options_.device.is_cuda()) {
-    DeviceEvent done(options_.device);
-    done.Record();
     const double timeout = options_.data_parallel->options().timeout_seconds;
     if (!done.WaitFor(timeout)) {
       throw EngineError(EngineError::Code::kUnavailable,
@@ -866,11 +875,9 @@ void Trainer::FinishStep() {
                             ": the step did not finish within " + LogFormat("%g", timeout) +
                             " s (timeout_seconds): a rank died or hangs; the job ends");
     }
+  } else {
+    done.Synchronize();
   }
-  // The step's one host synchronisation: loss, gradient norm and found_inf together.
-  at::Tensor report = at::stack({s.loss_sum.to(at::kDouble), s.optimizer_out.at(0).to(at::kDouble),
-                                 s.optimizer_out.at(1).to(at::kDouble)})
-                          .cpu();
   if (data_parallel_) {
     options_.data_parallel->DisarmStepWatchdog();
     // A collective whose peer was lost may have returned without reducing (Note [Heartbeats] in

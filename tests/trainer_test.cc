@@ -1275,14 +1275,14 @@ TEST(DataParallel, TwoNcclRanksMatchOneRank_CUDA) {
 
 // bf16 training, gradients reduced in bf16, AdamW inside each rank's graph: two NCCL ranks
 // track one rank that accumulates the same global batch in float32, within bf16 rounding of the
-// averaged gradients (a missing or doubled all-reduce moves the losses by > 0.1 within 20
-// steps).
+// averaged gradients. Measured on 2 x H100 (20 steps): max |loss diff| 1.1e-3, max |w diff|
+// 8.5e-4; with two micro-batches per rank 1.3e-3 and 2.8e-3. The bounds leave 2-9x of that.
 TEST(DataParallel, TwoNcclRanksReducingInBFloat16TrackOneRank_CUDA) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "built without NCCL";
   RankSetup bf16;
   bf16.dtype = "bfloat16";
-  bf16.max_loss_diff = 2e-2;
+  bf16.max_loss_diff = 1e-2;
   bf16.max_weight_diff = 5e-3;
   ExpectProcessRanksMatchOneRank("nccl", bf16);
 }
@@ -1295,7 +1295,7 @@ TEST(DataParallel, TwoAccumulatingNcclRanksReducingInBFloat16TrackOneRank_CUDA) 
   RankSetup bf16;
   bf16.dtype = "bfloat16";
   bf16.accum = 2;
-  bf16.max_loss_diff = 2e-2;
+  bf16.max_loss_diff = 1e-2;
   bf16.max_weight_diff = 5e-3;
   ExpectProcessRanksMatchOneRank("nccl", bf16);
 }

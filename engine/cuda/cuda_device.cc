@@ -75,13 +75,14 @@ bool DeviceEvent::WaitFor(double timeout_seconds) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_seconds));
-  // Polls at most every 200 us: a training step takes tens of milliseconds, so the added latency
-  // is a fraction of a percent, and the thread does not spin a core.
+  // Polls at most every 50 us: a training step takes tens of milliseconds, so the added latency
+  // (the next step's work queued up to 50 us late) is under 0.1%, and the thread sleeps between
+  // polls instead of spinning a core.
   auto pause = std::chrono::microseconds(10);
   while (!impl_->event->query()) {
     if (std::chrono::steady_clock::now() >= deadline) return false;
     std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(200));
+    pause = std::min(pause * 2, std::chrono::microseconds(50));
   }
   return true;
 }
