@@ -989,6 +989,23 @@ void Trainer::SaveCheckpoint(const std::string& dir) {
   WriteSafetensors((std::filesystem::path(dir) / "optimizer.safetensors").string(), state, meta);
 }
 
+int64_t Trainer::checkpoint_bytes() const {
+  int64_t bytes = 64 << 10, tensors = 0;
+  for (const auto& p : model_->parameters()) {
+    bytes += 4 * p.numel();
+    ++tensors;
+  }
+  for (const auto& b : model_->buffers()) {
+    bytes += 4 * b.numel();
+    ++tensors;
+  }
+  for (const auto& g : groups_) {
+    for (const auto& p : g.params) bytes += 8 * p.numel() + 4;
+    tensors += 3 * static_cast<int64_t>(g.params.size());
+  }
+  return bytes + 512 * tensors;
+}
+
 void Trainer::LoadOptimizerState(const std::string& path) {
   Warmup();  // its captures reset the optimizer state: before loading it, not after
   SafetensorsFile f = ReadSafetensors(path);

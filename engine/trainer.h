@@ -241,6 +241,10 @@ class Trainer {
   // with the hyperparameters, each group's rate as learning_rate.<group> and the rate its last
   // step took as scheduled_learning_rate.<group>) into `dir`.
   void SaveCheckpoint(const std::string& dir);
+  // Bytes SaveCheckpoint writes, at most: 4 per weight and buffer element (float32), 12 per
+  // trained element (exp_avg, exp_avg_sq) and step scalar, 512 per tensor for the safetensors
+  // headers, 64 KiB for config.json (a checkpoint quota's estimate, server/checkpoint_quota.h).
+  int64_t checkpoint_bytes() const;
   // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
   // LoadWeights): the AdamW state, the step count, each trained group's rate and the schedule's
   // factor (as torch.optim.Optimizer.load_state_dict restores each param group's lr; Note

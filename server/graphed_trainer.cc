@@ -107,6 +107,7 @@ class GraphedTrainer final : public TrainBackend {
     RequireFiniteWeights("save");
     trainer_.SaveCheckpoint(directory);
   }
+  int64_t checkpoint_bytes() const override { return trainer_.checkpoint_bytes(); }
 
   const std::vector<std::pair<std::string, at::Tensor>>& weights() const override {
     return trainer_.master_weights();

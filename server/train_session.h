@@ -73,6 +73,8 @@ class TrainBackend {
     return StepResult();
   }
   virtual void Save(const std::string& directory) = 0;
+  // Bytes Save writes, at most (Trainer::checkpoint_bytes).
+  virtual int64_t checkpoint_bytes() const = 0;
   // (name, float32 master) of every trained parameter, named as the serving model's
   // named_parameters(), on the engine's device; updated in place by Step().
   virtual const std::vector<std::pair<std::string, at::Tensor>>& weights() const = 0;

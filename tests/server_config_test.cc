@@ -91,7 +91,8 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
   const auto& [max_image_bytes, max_image_pixels, max_images_per_request, max_new_tokens,
                default_max_new_tokens, max_logits_positions, max_train_batch_examples,
                max_train_batch_tokens, max_request_bytes] = limits;
-  const auto& [checkpoint_dir, idle_timeout_seconds, data_parallel_timeout_seconds, publish_gate,
+  const auto& [checkpoint_dir, checkpoint_quota_bytes, idle_timeout_seconds,
+               data_parallel_timeout_seconds, publish_gate,
                publish_gate_prompts_file, publish_gate_max_loss_increase,
                publish_gate_max_abs_weight] = train;
   return {Text(model),
@@ -146,6 +147,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(max_train_batch_tokens),
           Text(max_request_bytes),
           Text(checkpoint_dir),
+          Text(checkpoint_quota_bytes),
           Text(idle_timeout_seconds),
           Text(data_parallel_timeout_seconds),
           Text(publish_gate),
@@ -211,6 +213,7 @@ ServerConfig NonDefaultConfig() {
   c.limits.max_train_batch_tokens = 7;
   c.limits.max_request_bytes = 5000;
   c.train.checkpoint_dir = "ckpt";
+  c.train.checkpoint_quota_bytes = 1 << 20;
   c.train.idle_timeout_seconds = 1.5;
   c.train.data_parallel_timeout_seconds = 45;
   c.train.publish_gate = false;

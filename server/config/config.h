@@ -133,6 +133,9 @@ struct ServerConfig {
 
   struct Train {
     std::string checkpoint_dir;  // root of SaveCheckpoint directories
+    // Bytes every file below checkpoint_dir may take together after a save (server/
+    // checkpoint_quota.h); a save that would pass it is refused with RESOURCE_EXHAUSTED. 0 = none.
+    int64_t checkpoint_quota_bytes = 0;
     // A Train stream that sends nothing for this long is cancelled (counted as DEADLINE_EXCEEDED);
     // 0 = never.
     double idle_timeout_seconds = 0;

@@ -691,6 +691,13 @@ std::vector<ConfigKey> BuildKeys() {
                "working directory.")
           .Default("checkpoints")
           .NonEmpty(),
+      Key("train.checkpoint_quota_bytes", &SC::train, &SC::Train::checkpoint_quota_bytes)
+          .Doc("Bytes that every file below checkpoint_dir may take together after a save "
+               "(the save's own files counted at their size, a checkpoint it replaces "
+               "subtracted); a save that would pass it is refused with RESOURCE_EXHAUSTED and "
+               "writes no file. 0 = no quota.")
+          .Default(int64_t{64} << 30)
+          .Range(0, kTwoTo40 * 1024),
       Key("train.idle_timeout_seconds", &SC::train, &SC::Train::idle_timeout_seconds)
           .Doc("A Train stream that sends nothing for this long is cancelled by the server "
                "(counted as DEADLINE_EXCEEDED), which frees the one-job slot; 0 = never.")

@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/safetensors.h"
 #include "model/checkpoint.h"
+#include "server/checkpoint_quota.h"
 #include "server/graphed_trainer.h"
 #include "server/grpc/service.h"
 #include "server/status.h"
@@ -299,20 +300,33 @@ void VlmGraphService::RunTrain(
 
   // The job lives on the GPU threads: one rank per serving engine, each created, stepped and
   // destroyed on its engine's GPU thread (server/train_ranks.h, Note [In-process ranks]).
-  std::unique_ptr<TrainRanks> job = std::make_unique<TrainRanks>(
-      *router_, options, metrics_, config_.train.data_parallel_timeout_seconds);
-  LogInfo("Train job started by " + context->peer() +
-          (resume.path.empty()
-               ? ""
-               : " from " + resume.path + " at step " + std::to_string(job->steps())));
+  // Note [A job allocates late]: the ranks (a float32 copy of the weights, the AdamW state, the
+  // graphs: 3.4 GB for nanovlm-460m per engine) are made by the first request that needs them: a
+  // batch once ToTrainBatch accepted it, a save or a publish. A stream whose first batch is
+  // refused, or that sends only its config, allocates nothing.
+  std::unique_ptr<TrainRanks> job;
+  int64_t saved_at_step = 0;
+  auto ensure_job = [&]() -> TrainRanks& {
+    if (job) return *job;
+    job = std::make_unique<TrainRanks>(*router_, options, metrics_,
+                                       config_.train.data_parallel_timeout_seconds);
+    saved_at_step = job->steps();  // a resumed job starts saved
+    LogInfo("Train job started by " + context->peer() +
+            (resume.path.empty()
+                 ? ""
+                 : " from " + resume.path + " at step " + std::to_string(job->steps())));
+    return *job;
+  };
 
   // Saves run on the GPU thread; file-system refusals are the server's state, not a bug.
   auto save = [&](const CheckpointDir& dir, Clock::time_point received,
                   Scheduler::Admission admission) {
     int64_t steps = 0;
-    job->OnFirstRank(
+    ensure_job().OnFirstRank(
         "Train",
         [&](TrainBackend& rank) {
+          CheckCheckpointQuota(config_.train.checkpoint_dir, dir, rank.checkpoint_bytes(),
+                               config_.train.checkpoint_quota_bytes);
           try {
             rank.Save(dir.io_path());  // Note [Checkpoint directories]: the opened directory
           } catch (const std::system_error& e) {  // std::filesystem_error included
@@ -334,7 +348,7 @@ void VlmGraphService::RunTrain(
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
                         "this server cannot publish weights (no publisher is set up)");
     }
-    const PublishReport report = publisher_->Publish(job->Weights(), "Train", received);
+    const PublishReport report = publisher_->Publish(ensure_job().Weights(), "Train", received);
     const int64_t steps = job->steps();
     out->set_step(steps);
     out->set_seconds(SecondsSince(received));
@@ -348,7 +362,6 @@ void VlmGraphService::RunTrain(
     out->set_max_abs_weight(report.max_abs_weight);
     return steps;
   };
-  int64_t saved_at_step = job->steps();  // a resumed job starts saved
   // Note [Durable training]: with autosave on, a job that ends for any reason (client gone, idle
   // timeout, ABORTED, shutdown) after unsaved steps saves once more, so a client loses at most the
   // step in flight; the job resumes with TrainConfig.resume_from.
@@ -399,7 +412,8 @@ void VlmGraphService::RunTrain(
         // Each rank's shard in pieces, one micro-batch per piece: the GPU threads decode between
         // them (Note [Interleaving bound] in server/scheduler.h).
         double queue_seconds = 0;
-        const TrainStepResult stats = job->Step(std::move(batch), received, &queue_seconds);
+        const TrainStepResult stats =
+            ensure_job().Step(std::move(batch), received, &queue_seconds);
         const double learning_rate = LanguageLearningRate(stats);
         metrics_->ObserveTrainStep(stats.target_tokens, stats.loss, learning_rate, stats.skipped);
         consecutive_skips = stats.skipped ? consecutive_skips + 1 : 0;

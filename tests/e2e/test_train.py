@@ -184,6 +184,22 @@ class TrainTest(unittest.TestCase):
                              beta1=0, beta2=0, eps=1e-12, max_grad_norm=1e6, max_consecutive_skipped_steps=1000)
         self.assertEqual(list(self.client.stub.Train(iter([t.TrainRequest(config=edge)]), timeout=60)), [])
 
+    def test_a_refused_first_batch_allocates_nothing(self):
+        """Note [A job allocates late] (server/grpc/train_rpc.cc): a job's ranks (weights, AdamW
+        state, graphs) are made by its first accepted request, not by its config."""
+        t = self.client.pb.train_pb2
+        cfg = t.TrainRequest(config=self.config(lr=1e-12))
+        bad = dict(self.examples[1], target_ids=self.examples[1]["target_ids"][:-1])
+        started = self.server.log().count("Train job started")
+        self.assertTrainFails(grpc.StatusCode.INVALID_ARGUMENT, "batch.examples[0].target_ids",
+                              [cfg, self.client.train_batch([bad])])
+        self.assertEqual(list(self.client.stub.Train(iter([cfg]), timeout=60)), [])  # a config alone
+        self.assertEqual(self.server.log().count("Train job started"), started)
+        # An accepted batch makes the job.
+        self.assertEqual(len(list(self.client.train(self.config(lr=1e-12),
+                                                    iter([self.client.train_batch(self.examples[:1])])))), 1)
+        self.assertEqual(self.server.log().count("Train job started"), started + 1)
+
     def test_saves_stay_inside_the_checkpoint_dir(self):
         t = self.client.pb.train_pb2
         INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -265,6 +281,61 @@ class SaveFailureTest(unittest.TestCase):
             self.assertEqual(server.stop(), 0)
         finally:
             server.cleanup()
+
+
+class CheckpointQuotaTest(unittest.TestCase):
+    """train.checkpoint_quota_bytes: a save that would take train.checkpoint_dir past the quota is
+    refused with RESOURCE_EXHAUSTED before it writes a file; a checkpoint saved again into its own
+    directory replaces itself and counts once."""
+
+    @staticmethod
+    def tree_bytes(root):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+    def save_job(self, server, names):
+        client = server.client()
+        try:
+            t = client.pb.train_pb2
+            job = [t.TrainRequest(config=client.train_config(language_learning_rate=1e-9))]
+            job += [client.train_save(name) for name in names]
+            return [r.saved.directory for r in client.stub.Train(iter(job), timeout=120) if r.HasField("saved")]
+        finally:
+            client.close()
+
+    def test_saves_past_the_quota_are_refused(self):
+        # The size of one checkpoint of this model, from a server without a quota.
+        probe_root = scratch_dir("quota-probe")
+        server = Server({"train": {"checkpoint_dir": probe_root, "checkpoint_quota_bytes": 0}},
+                        name="train-quota-probe").start()
+        try:
+            self.assertEqual(len(self.save_job(server, ["probe"])), 1)
+            self.assertEqual(server.stop(), 0)
+        finally:
+            server.cleanup()
+        one = self.tree_bytes(probe_root)
+        shutil.rmtree(probe_root, ignore_errors=True)
+        self.assertGreater(one, 100_000)
+        # Room for one checkpoint and a half.
+        root = scratch_dir("quota")
+        server = Server({"train": {"checkpoint_dir": root, "checkpoint_quota_bytes": one * 3 // 2}},
+                        name="train-quota").start()
+        try:
+            self.assertEqual(len(self.save_job(server, ["run1", "run1"])), 2)  # the second replaces the first
+            used = self.tree_bytes(root)
+            self.assertEqual(used, one)
+            with self.assertRaises(grpc.RpcError) as ctx:
+                self.save_job(server, ["run2"])
+            self.assertEqual(ctx.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED, ctx.exception.details())
+            self.assertIn("train.checkpoint_quota_bytes", ctx.exception.details())
+            self.assertIn("Delete older checkpoints", ctx.exception.details())
+            self.assertEqual(self.tree_bytes(root), used)  # nothing written for run2
+            # Making room lets the next save through.
+            shutil.rmtree(os.path.join(root, "run1"))
+            self.assertEqual(len(self.save_job(server, ["run2"])), 1)
+            self.assertEqual(server.stop(), 0)
+        finally:
+            server.cleanup()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 class ChatTrainTest(unittest.TestCase):
