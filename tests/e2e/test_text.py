@@ -2,11 +2,14 @@
 tools/convert_gguf.py): the server tokenizes, renders the chat template, streams text, stops on
 the model's end of turn and on stop strings. References: Hugging Face tokenizers and transformers'
 apply_chat_template on the same checkpoint."""
+import os
+import re
+import subprocess
 import unittest
 
 import grpc
 
-from e2e_util import Server, chelsea, converted_model, require
+from e2e_util import ROOT, Server, chelsea, converted_model, require
 
 FRANCE = "What is the capital of France? Answer in one sentence."
 
@@ -124,6 +127,25 @@ class NoTokenizerTest(unittest.TestCase):
             self.assertIn("tokenizer", e.exception.details())
         finally:
             server.finish(client)
+
+
+class ServeScriptTest(unittest.TestCase):
+    """scripts/serve.sh, the README's quick start: flags other than --model and --config keep the
+    default model (the converted SmolLM2) and its CPU settings, and the banner names the HTTP
+    address the server will listen on."""
+
+    def test_flags_keep_the_default_model(self):
+        model = converted_model(512)
+        build = os.path.dirname(os.path.dirname(os.environ["VLMGRAPH_SERVER"]))
+        env = dict(os.environ, VLMGRAPH_SERVE_SKIP_BUILD="1", BUILD_DIR=build, VLMGRAPH_MODEL_DIR=model)
+        for flags in (["--http-address", "127.0.0.1:9123"], ["--http-address=127.0.0.1:9123"]):
+            out = subprocess.run([os.path.join(ROOT, "scripts", "serve.sh"), *flags, "--print-config"],
+                                 capture_output=True, text=True, timeout=600, env=env)
+            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+            self.assertIn("curl -s 127.0.0.1:9123/v1/models", out.stdout)
+            self.assertRegex(out.stdout, r"(?m)^model: " + re.escape(model) + "$")
+            self.assertRegex(out.stdout, r"(?m)^  http_address: 127\.0\.0\.1:9123$")
+            self.assertIn("default_max_new_tokens: 256", out.stdout)
 
 
 if __name__ == "__main__":

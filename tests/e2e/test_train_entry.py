@@ -98,16 +98,20 @@ class TrainEntryTest(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
+    # Every run with one OpenMP thread per rank (what the launcher and torchrun give each rank):
+    # runs compared bit for bit must not depend on how many threads the CPU's GEMMs took.
+    ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
     def run_train(self, *sets, nproc=None, env=None, timeout=120):
         args = [TRAIN, "--config", self.config] + [f"--set={s}" for s in sets]
         if nproc:
             args += ["--nproc-per-node", str(nproc)]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env or self.ENV)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         return out.stdout
 
     def rank_env(self, rank, world, port):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        env = dict(self.ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         return env
@@ -181,13 +185,21 @@ class TrainEntryTest(unittest.TestCase):
             self.assertEqual(float(meta[f"scheduled_learning_rate.{part}"]), 0.002, part)
         # The resumed job continues with the checkpoint's rates, not the other ones it was given.
         resumed = os.path.join(self.dir, "resumed")
+        no_omp = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         out = self.run_train(f"train.save_dir={resumed}", f"train.resume={half}", constant,
-                             "train.language_learning_rate=0.5", "train.projector_learning_rate=0.3", nproc=2)
+                             "train.language_learning_rate=0.5", "train.projector_learning_rate=0.3", nproc=2,
+                             env=no_omp)
         self.assertEqual(re.findall(r"^step (\d+)/4", out, re.M), ["3", "4"])
+        # The start-up summary; the launcher gives each rank one OpenMP thread, as torchrun does.
+        self.assertRegex(out, r"vlmgraph-train: 2 rank\(s\) on cpu, float32; parameters [0-9.]+M trained, "
+                              r"[0-9.]+M frozen; dataset \d+ examples; 4 examples per step \(2 per rank\), "
+                              r"step 2 of 4; 1 OpenMP thread\(s\) per rank")
         self.assertWeightsClose(self.weights(full), self.weights(resumed))
         # Resuming a finished job does nothing.
         out = self.run_train(f"train.resume={resumed}", constant)
         self.assertIn("nothing to do: step 4 of 4", out)
+        self.assertIn("vlmgraph-train: done: step 4, no step taken", out)
+        self.assertNotIn("final loss", out)
 
     def test_c_a_killed_rank_ends_the_job_with_unavailable(self):
         for how in (signal.SIGKILL, signal.SIGSTOP):

@@ -121,6 +121,14 @@ int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double
     for (const char* prefix : set_here) replaced |= std::strncmp(*e, prefix, std::strlen(prefix)) == 0;
     if (!replaced) inherited.emplace_back(*e);
   }
+  // As torchrun does: with several ranks on one host and OMP_NUM_THREADS unset, each rank gets
+  // one OpenMP thread, so N ranks do not each start a thread per core (2 CPU ranks trained 4x
+  // slower without it: 99.6 s against 25.1 s).
+  if (nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    inherited.emplace_back("OMP_NUM_THREADS=1");
+    std::cerr << "vlmgraph-train: launcher: OMP_NUM_THREADS set to 1 for each of the " << nproc
+              << " ranks (as torchrun does); export it to choose another value" << std::endl;
+  }
   std::vector<std::vector<std::string>> child_env(nproc, inherited);
   std::vector<std::vector<char*>> child_envp(nproc);
   for (int64_t i = 0; i < nproc; ++i) {

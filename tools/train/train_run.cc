@@ -374,6 +374,25 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   const auto started = std::chrono::steady_clock::now();
   const int64_t first_step = trainer->steps();
   double last_loss = 0;
+  if (main_rank) {
+    // The start-up summary: what trains, on what, how much per step.
+    int64_t trained = 0, frozen = 0;
+    for (const auto& named : trainer->master_weights()) trained += named.second.numel();
+    for (const auto& p : trainer->model()->parameters()) frozen += p.numel();
+    frozen -= trained;
+    char line[512];
+    std::snprintf(line, sizeof(line),
+                  "vlmgraph-train: %lld rank(s) on %s, %s; parameters %.1fM trained, %.1fM frozen; "
+                  "dataset %lld examples; %lld examples per step (%lld per rank), step %lld of "
+                  "%lld; %d OpenMP thread(s) per rank",
+                  static_cast<long long>(env.world_size), device.str().c_str(), c.dtype.c_str(),
+                  trained / 1e6, frozen / 1e6, static_cast<long long>(data->size()),
+                  static_cast<long long>(c.global_batch_size),
+                  static_cast<long long>(c.global_batch_size / env.world_size),
+                  static_cast<long long>(first_step), static_cast<long long>(total_steps),
+                  at::get_num_threads());
+    std::cout << line << std::endl;
+  }
   if (main_rank && first_step >= total_steps) {
     std::cout << "vlmgraph-train: nothing to do: step " << first_step << " of " << total_steps
               << std::endl;
@@ -461,9 +480,14 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   }
   if (main_rank) {
     char line[256];
-    std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, final loss %.9g%s%s",
-                  static_cast<long long>(trainer->steps()), last_loss,
-                  c.save_dir.empty() ? "" : ", saved to ", c.save_dir.c_str());
+    if (trainer->steps() == first_step) {  // a resume with no step left: no loss to report
+      std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, no step taken",
+                    static_cast<long long>(trainer->steps()));
+    } else {
+      std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, final loss %.9g%s%s",
+                    static_cast<long long>(trainer->steps()), last_loss,
+                    c.save_dir.empty() ? "" : ", saved to ", c.save_dir.c_str());
+    }
     std::cout << line << std::endl;
   }
   return kExitOk;
