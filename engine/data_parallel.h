@@ -17,9 +17,9 @@
 //   Trainer trainer(model, t);        // starts from rank 0's weights (broadcast)
 //   trainer.Step(ShardForRank(global_batch, group->rank(), group->world_size()));
 //
-// Gradient averaging: the Trainer packs its gradients into flat buckets of at most bucket_bytes
-// (DDP's bucket_cap_mb, 25 MB by default) and all-reduces each with StartAllReduceSum while the
-// backward runs (Note [Overlapped all-reduce] in engine/trainer.cc). Broadcast packs its tensors
+// Gradient averaging: the Trainer packs its gradients into buckets of at most bucket_bytes (DDP's
+// bucket_cap_mb, 25 MB by default) and all-reduces each with StartAllReduceSum while the backward
+// runs (Note [Overlapped all-reduce] in engine/gradient_reducer.cc). Broadcast packs its tensors
 // into buckets of the same size, one flat tensor per bucket (a tensor larger than a bucket goes
 // alone, in place). Every rank must pass tensors of the same shapes in the same order.
 //

@@ -222,8 +222,8 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   // no accumulation pass, and the optimizer reads 2 gradient bytes per parameter instead of 4
   // and writes none.
   // With data parallelism only where the gradients are reduced in bf16: the optimizer then reads
-  // the averaged bf16 gradients from the all-reduce buckets (Note [Overlapped all-reduce] in
-  // engine/gradient_reducer.cc).
+  // the backward's bf16 gradients once they are averaged in place (Note [Overlapped all-reduce]
+  // in engine/gradient_reducer.cc).
   reduce_bf16_ = data_parallel_ && mixed && fused_ &&
                  options_.data_parallel->options().reduce_dtype.value_or(
                      options_.compute_dtype) == at::kBFloat16;
@@ -652,7 +652,8 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, boo
       options_.exact_shapes ? std::nullopt : options_.buckets.PickTrain(n, max_len);
   bool captured = false;
   // The second graph of a bucket: micro-batches that accumulate without the optimizer (direct_)
-  // or without the all-reduce (data parallel, Note [Overlapped all-reduce]).
+  // or without the all-reduce (data parallel, Note [Overlapped all-reduce] in
+  // engine/gradient_reducer.cc).
   const bool accumulating = (direct_ && !direct) || (data_parallel_ && !reduce);
   if (graph && accumulating) graph = AccumulatingGraph(*graph);
   if (graph && runner_->captures() && !runner_->Has(*graph)) {
@@ -767,7 +768,8 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   const int64_t micro_batches = static_cast<int64_t>(step->starts.size()) - 1;
   step->direct = direct_ && micro_batches == 1;
   if (direct_ && micro_batches > 1) PrepareAccumulation();
-  // Data parallel: the SUM over the ranks then averages (Note [Overlapped all-reduce]).
+  // Data parallel: the SUM over the ranks then averages (Note [Overlapped all-reduce],
+  // engine/gradient_reducer.cc).
   micro_batches_.fill_(static_cast<double>(
       micro_batches * (data_parallel_ ? options_.data_parallel->world_size() : 1)));
   if (data_parallel_) {

@@ -33,7 +33,6 @@
 #include "engine/bucket.h"
 #include "engine/step_runner.h"
 #include "engine/trainer.h"
-#include "server/convert.h"
 
 namespace vlmgraph::server {
 

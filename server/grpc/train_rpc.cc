@@ -19,6 +19,7 @@
 #include "base/safetensors.h"
 #include "model/checkpoint.h"
 #include "server/checkpoint_quota.h"
+#include "server/convert.h"
 #include "server/graphed_trainer.h"
 #include "server/grpc/service.h"
 #include "server/status.h"

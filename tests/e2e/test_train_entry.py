@@ -273,6 +273,29 @@ class TrainEntryTest(unittest.TestCase):
                 self.assertEqual(out.returncode, 2, out.stderr)
                 self.assertIn(text, out.stderr)
 
+    def test_f_the_whole_dataset_is_checked_before_the_first_step(self):
+        """A malformed line and a missing image far into the file stop the job before its first
+        step, each named by its line, not when a step reaches them."""
+        bad = os.path.join(self.dir, "bad.jsonl")
+        with open(os.path.join(self.dir, "data.jsonl")) as fh:
+            good = fh.read().splitlines()
+        lines = good * 3  # 24 lines; line 17 malformed, line 21 names a missing image
+        lines[16] = '{"messages": [{"role": "user", "content": "unterminated'
+        lines[20] = json.dumps({"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "images/missing.png"}},
+                                         {"type": "text", "text": "What is this?"}]},
+            {"role": "assistant", "content": "A cat."}]})
+        with open(bad, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        out = subprocess.run([TRAIN, "--config", self.config, f"--set=train.dataset={bad}", "--set=train.steps=1"],
+                             capture_output=True, text=True, timeout=120, env=self.ENV)
+        self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
+        self.assertNotRegex(out.stdout, r"(?m)^step ")
+        self.assertIn("2 of 24 examples cannot be used", out.stderr)
+        self.assertIn("bad.jsonl:17", out.stderr)
+        self.assertIn("bad.jsonl:21", out.stderr)
+        self.assertIn("images/missing.png", out.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -28,9 +28,10 @@ std::string StartOf(const std::string& s, size_t n) {
   return out;
 }
 
-// An image_url's bytes: a data URL, a file:// URL or a path relative to `base_dir`.
+// An image_url's bytes: a data URL, a file:// URL or a path relative to `base_dir`. Without
+// `read`, a file is only opened (ChatDataset::Check) and "" returned.
 std::string ImageBytes(const std::string& url, const std::string& base_dir,
-                       const std::string& where) {
+                       const std::string& where, bool read) {
   const std::string head = StartOf(url, 8);
   if (head.rfind("data:", 0) == 0) {
     try {
@@ -49,13 +50,18 @@ std::string ImageBytes(const std::string& url, const std::string& base_dir,
   std::string path = head.rfind("file://", 0) == 0 ? url.substr(7) : url;
   if (path.empty()) throw DatasetError(where + ": empty image path");
   if (path.front() != '/' && !base_dir.empty()) path = base_dir + "/" + path;
+  if (!read) {
+    if (!std::ifstream(path, std::ios::binary))
+      throw DatasetError(where + ": cannot read the image file " + path);
+    return "";
+  }
   return ReadBinary(path, where);
 }
 
 }  // namespace
 
 ChatExample ParseChatExample(const std::string& line, const std::string& base_dir,
-                             const std::string& where) {
+                             const std::string& where, bool read_images) {
   json j;
   try {
     j = json::parse(line);
@@ -103,7 +109,7 @@ ChatExample ParseChatExample(const std::string& line, const std::string& base_di
                                ".image_url: required, as {\"url\": \"images/cat.png\"} (a path "
                                "relative to the dataset file) or a data URL");
           }
-          out.images.push_back(ImageBytes(url, base_dir, ppath + ".image_url.url"));
+          out.images.push_back(ImageBytes(url, base_dir, ppath + ".image_url.url", read_images));
           message.content.push_back(ChatContentPart::Image());
         } else {
           throw DatasetError(ppath + ".type: '" + type +
@@ -134,6 +140,24 @@ ChatDataset ChatDataset::Open(const std::string& path) {
   if (d.lines_.empty())
     throw DatasetError(path + ": no examples; write one {\"messages\": [...]} per line");
   return d;
+}
+
+void ChatDataset::Check(int64_t max_errors) const {
+  std::string errors;
+  int64_t bad = 0;
+  for (size_t i = 0; i < lines_.size(); ++i) {
+    const std::string where = path_ + ":" + std::to_string(line_numbers_[i]);
+    try {
+      ParseChatExample(lines_[i], base_dir_, where, /*read_images=*/false);
+    } catch (const DatasetError& e) {
+      if (++bad <= max_errors) errors += std::string(errors.empty() ? "" : "\n") + e.what();
+    }
+  }
+  if (bad == 0) return;
+  throw DatasetError(std::to_string(bad) + " of " + std::to_string(lines_.size()) +
+                     " examples cannot be used" +
+                     (bad > max_errors ? " (the first " + std::to_string(max_errors) + ")" : "") +
+                     ":\n" + errors);
 }
 
 TrainExample ChatDataset::Example(int64_t index, const server::TextModel& text,

@@ -39,9 +39,10 @@ struct ChatExample {
 };
 
 // Parses one line ({"messages": [...]}); relative image paths are taken from `base_dir`.
-// `where` prefixes error messages ("train.jsonl:3").
+// `where` prefixes error messages ("train.jsonl:3"). Without `read_images` an image file is only
+// opened (ChatExample::images then holds empty strings).
 ChatExample ParseChatExample(const std::string& line, const std::string& base_dir,
-                             const std::string& where);
+                             const std::string& where, bool read_images = true);
 
 class ChatDataset {
  public:
@@ -49,6 +50,12 @@ class ChatDataset {
   static ChatDataset Open(const std::string& path);
 
   int64_t size() const { return static_cast<int64_t>(lines_.size()); }
+
+  // The whole file checked before training starts: every line parses as a conversation and every
+  // image file it names can be opened (not decoded; tokenizing and the token limit are checked
+  // per example as it is used). Throws DatasetError listing the first `max_errors` bad lines
+  // ("<file>:<line>: <field>: <what to change>") and how many there are.
+  void Check(int64_t max_errors = 10) const;
   const std::string& path() const { return path_; }
 
   // Example `index` (0-based among the non-blank lines) ready for the Trainer: images decoded and

@@ -265,6 +265,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     text = LoadText(c, cfg);
     try {
       data = std::make_unique<ChatDataset>(ChatDataset::Open(c.dataset));
+      data->Check();  // every line before the first step, not when a step reaches it
     } catch (const DatasetError& e) {
       throw SetupError(std::string("train.dataset: ") + e.what());
     }
