@@ -386,33 +386,26 @@ void DataParallelGroup::Barrier() {
 }
 
 void DataParallelGroup::StartAllReduceSum(const at::Tensor& tensor) {
-  if (options_.world_size == 1) return;
-  if (!tensor.defined() || !tensor.is_contiguous())
-    throw Invalid("data parallel: collectives take defined, contiguous tensors");
-  std::vector<at::Tensor> one{tensor};
-  c10d::AllreduceOptions o;
-  o.reduceOp = c10d::ReduceOp::SUM;
-  try {
-    state_->started.push_back(state_->backend->allreduce(one, o));
-  } catch (const c10::Error& e) {
-    throw EngineError(EngineError::Code::kUnavailable,
-                      "data parallel rank " + std::to_string(rank()) +
-                          ": all-reduce failed to start: " + e.what_without_backtrace());
-  }
+  StartAllReduceSum(std::vector<at::Tensor>{tensor});
 }
 
 void DataParallelGroup::StartAllReduceSum(const std::vector<at::Tensor>& tensors) {
   if (options_.world_size == 1 || tensors.empty()) return;
-  if (tensors.size() == 1) return StartAllReduceSum(tensors[0]);
   for (const at::Tensor& t : tensors) {
     if (!t.defined() || !t.is_contiguous())
       throw Invalid("data parallel: collectives take defined, contiguous tensors");
   }
   std::vector<at::Tensor> list = tensors;
-  c10d::AllreduceCoalescedOptions o;
-  o.reduceOp = c10d::ReduceOp::SUM;
   try {
-    state_->started.push_back(state_->backend->allreduce_coalesced(list, o));
+    if (list.size() == 1) {
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      state_->started.push_back(state_->backend->allreduce(list, o));
+    } else {
+      c10d::AllreduceCoalescedOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      state_->started.push_back(state_->backend->allreduce_coalesced(list, o));
+    }
   } catch (const c10::Error& e) {
     throw EngineError(EngineError::Code::kUnavailable,
                       "data parallel rank " + std::to_string(rank()) +

@@ -103,6 +103,9 @@ class GradientReducer {
     size_t ready = 0;  // gradients of the backward in progress that have arrived
   };
   struct Hook;
+  // Allocates b.flat (zeros of `dtype`, b.numel elements) and returns its views, one per
+  // parameter of b, in b.params order and with each parameter's shape.
+  std::vector<at::Tensor> MakeFlat(Bucket& b, at::ScalarType dtype) const;
   // The hook: parameter i's gradient of the backward in progress is in its .grad.
   void OnGradient(size_t i);
   // Handles (and with kReduce starts the all-reduce of) every bucket whose gradients have all

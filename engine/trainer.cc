@@ -224,10 +224,10 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   // With data parallelism only where the gradients are reduced in bf16: the optimizer then reads
   // the backward's bf16 gradients once they are averaged in place (Note [Overlapped all-reduce]
   // in engine/gradient_reducer.cc).
-  reduce_bf16_ = data_parallel_ && mixed && fused_ &&
+  const bool reduce_bf16 = data_parallel_ && mixed && fused_ &&
                  options_.data_parallel->options().reduce_dtype.value_or(
                      options_.compute_dtype) == at::kBFloat16;
-  direct_ = fused_ && mixed && options_.grad_accum_steps == 1 && (!data_parallel_ || reduce_bf16_);
+  direct_ = fused_ && mixed && options_.grad_accum_steps == 1 && (!data_parallel_ || reduce_bf16);
   auto src = source->named_parameters();
   for (const auto& spec : specs) {
     Group g;
@@ -274,9 +274,9 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     for (auto& g : groups_)
       for (auto& grad : g.grads) accumulators.push_back(&grad);
     reducer_ = std::make_unique<GradientReducer>(
-        params_, *options_.data_parallel, reduce_bf16_ ? at::kBFloat16 : at::kFloat, fused_,
+        params_, *options_.data_parallel, reduce_bf16 ? at::kBFloat16 : at::kFloat, fused_,
         accumulators);
-    if (!reduce_bf16_) {
+    if (!reduce_bf16) {
       master_grads_.clear();
       for (auto& g : groups_)
         for (auto& grad : g.grads) master_grads_.push_back(grad);
@@ -493,7 +493,7 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t, bool direc
 // captured graph. Step() reports the step as skipped; the server counts consecutive skips.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   at::NoGradGuard no_grad;
-  if (reduce_bf16_) {  // the averaged bf16 gradients that ReduceAccumulated left in the buckets
+  if (reduce_bf16()) {  // the averaged bf16 gradients that ReduceAccumulated left in the buckets
     AdamWTensors t = adamw_;
     t.grads = reducer_->reduced_gradients();
     return RunFusedAdamW(t, /*direct=*/true);
@@ -551,7 +551,7 @@ void Trainer::Warmup() {
     // accumulation the earlier micro-batches' graph, which only accumulates, is captured too.
     // bf16 reduction with gradient accumulation: every micro-batch accumulates (FinishStep
     // reduces), so the all-reducing graph would never run.
-    if (!(reduce_bf16_ && !direct_)) {
+    if (!(reduce_bf16() && !direct_)) {
       seconds =
           runner_->Capture(key, [this, &buf] { return RunMicro(buf, direct_, data_parallel_); });
       ++captures_;
@@ -644,7 +644,7 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, boo
                               BucketKey* key, RunKind* kind, int64_t* target_tokens,
                               std::vector<at::Tensor>* optimizer_out) {
   // bf16 reduction: a step of several micro-batches reduces after its last one (FinishStep).
-  const bool reduce = data_parallel_ && last && (!reduce_bf16_ || direct);
+  const bool reduce = data_parallel_ && last && (!reduce_bf16() || direct);
   int64_t max_len = 0;
   for (const auto* e : micro) max_len = std::max<int64_t>(max_len, e->input_ids.size());
   const int64_t n = static_cast<int64_t>(micro.size());
@@ -837,7 +837,7 @@ void Trainer::FinishStep() {
     // all-reduce]): the optimizer below sees the global gradient on every rank.
     // bf16 reduction of several micro-batches: the accumulated gradients are rounded into the
     // buckets and averaged here, eagerly (its collectives pair with those the other ranks run).
-    if (reduce_bf16_ && !s.direct) reducer_->ReduceAccumulated(master_grads_, dp_loss_sum_);
+    if (reduce_bf16() && !s.direct) reducer_->ReduceAccumulated(master_grads_, dp_loss_sum_);
     r.all_reduce_bytes = reducer_->bytes_per_step();
     r.all_reduce_seconds = reducer_->wait_seconds();
     s.loss_sum = dp_loss_sum_.squeeze(0);
@@ -913,7 +913,7 @@ void Trainer::PrepareAccumulation() {
   grad_sq_sum_.fill_(std::numeric_limits<double>::quiet_NaN());
   // bf16 reduction: the optimizer takes the norm of the buckets' gradients, which every step
   // overwrites before it reads them.
-  if (reduce_bf16_) {
+  if (reduce_bf16()) {
     for (const at::Tensor& g : reducer_->reduced_gradients())
       g.fill_(std::numeric_limits<double>::quiet_NaN());
   }

@@ -295,6 +295,9 @@ class Trainer {
   // accumulators and captures the optimizer graph (Note [Micro-batches]).
   void PrepareAccumulation();
   bool mixed_precision() const { return options_.compute_dtype != at::kFloat; }
+  // Data parallel, bf16, fused: the gradients are all-reduced in bf16 (DataParallelOptions::
+  // reduce_dtype) and the optimizer reads them as the reducer averaged them.
+  bool reduce_bf16() const { return reducer_ && reducer_->reduce_dtype() == at::kBFloat16; }
   // Forward + backward over `buf`; with `direct` (Note [Optimizer inside the micro-step]) AdamW
   // too, on the backward's own gradients; with `reduce` (data parallel, the step's last
   // micro-batch) the gradient buckets and the loss are all-reduced during the backward.
@@ -352,9 +355,6 @@ class Trainer {
   bool data_parallel_ = false;
   // Data parallel only: the gradient buckets and their all-reduces (engine/gradient_reducer.h).
   std::unique_ptr<GradientReducer> reducer_;
-  // Data parallel, bf16, fused: the gradients are all-reduced in bf16 (DataParallelOptions::
-  // reduce_dtype) and the optimizer reads them from the reducer's buckets.
-  bool reduce_bf16_ = false;
   // Data parallel: device float32 scalar, the step's loss summed over its micro-batches (the
   // graphs add into it) and, after the last micro-batch's all-reduce, over the ranks.
   at::Tensor dp_loss_sum_;

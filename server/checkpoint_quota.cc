@@ -26,20 +26,25 @@ int64_t CheckpointDirBytes(const std::string& root) {
   return total;
 }
 
-void CheckCheckpointQuota(const std::string& root, const CheckpointDir& dir, int64_t save_bytes,
-                          int64_t quota_bytes) {
-  if (quota_bytes <= 0) return;
+CheckpointUsage MeasureCheckpointUsage(const std::string& root, const CheckpointDir& dir) {
+  CheckpointUsage usage;
   // The files a save writes (engine/trainer.h, SaveCheckpoint) replace those of a checkpoint
   // already in `dir`.
-  int64_t replaced = 0;
   for (const char* name : {"config.json", "model.safetensors", "optimizer.safetensors"}) {
     std::error_code ec;
     const fs::path file = fs::path(dir.io_path()) / name;
     if (!fs::is_regular_file(fs::symlink_status(file, ec))) continue;
     const auto size = fs::file_size(file, ec);
-    if (!ec) replaced += static_cast<int64_t>(size);
+    if (!ec) usage.replaced_bytes += static_cast<int64_t>(size);
   }
-  const int64_t used = CheckpointDirBytes(root);
+  usage.used_bytes = CheckpointDirBytes(root);
+  return usage;
+}
+
+void CheckCheckpointQuota(const std::string& root, const CheckpointUsage& usage,
+                          int64_t save_bytes, int64_t quota_bytes) {
+  if (quota_bytes <= 0) return;
+  const int64_t used = usage.used_bytes, replaced = usage.replaced_bytes;
   const int64_t after = used - replaced + save_bytes;
   if (after <= quota_bytes) return;
   auto mib = [](int64_t bytes) { return LogFormat("%.1f MiB", bytes / 1048576.0); };

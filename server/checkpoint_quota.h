@@ -7,8 +7,12 @@
 // are not followed (OpenCheckpointDir refuses them as checkpoint directories anyway), so a link
 // cannot make the root's size look smaller or larger than what it holds itself.
 //
-// Thread rules: none of its own (reads the file system). Errors: ServerError(RESOURCE_EXHAUSTED)
-// naming the key, the sizes and what to do.
+// The file-system walk (MeasureCheckpointUsage) runs on the Train handler's thread; the check
+// against the save's size (CheckCheckpointQuota, arithmetic only) runs where that size is known,
+// on the job's GPU thread, so no directory walk holds a GPU thread.
+//
+// Thread rules: none of its own. Errors: ServerError(RESOURCE_EXHAUSTED) naming the key, the
+// sizes and what to do.
 #pragma once
 
 #include <cstdint>
@@ -22,9 +26,17 @@ struct CheckpointDir;
 // be read are skipped). 0 for a root that does not exist.
 int64_t CheckpointDirBytes(const std::string& root);
 
-// Throws ServerError(RESOURCE_EXHAUSTED) when a save of `save_bytes` into `dir` (below `root`)
-// would leave more than `quota_bytes` below `root`. quota_bytes 0: no quota.
-void CheckCheckpointQuota(const std::string& root, const CheckpointDir& dir, int64_t save_bytes,
-                          int64_t quota_bytes);
+// What a save into `dir` (below `root`) starts from: the bytes below `root`, and those of the
+// files in `dir` that the save replaces (config.json, model.safetensors, optimizer.safetensors).
+struct CheckpointUsage {
+  int64_t used_bytes = 0;
+  int64_t replaced_bytes = 0;
+};
+CheckpointUsage MeasureCheckpointUsage(const std::string& root, const CheckpointDir& dir);
+
+// Throws ServerError(RESOURCE_EXHAUSTED) when a save of `save_bytes` from `usage` would leave
+// more than `quota_bytes` below `root` (named in the message). quota_bytes 0: no quota.
+void CheckCheckpointQuota(const std::string& root, const CheckpointUsage& usage,
+                          int64_t save_bytes, int64_t quota_bytes);
 
 }  // namespace vlmgraph::server

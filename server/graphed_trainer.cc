@@ -9,6 +9,11 @@
 #include "server/status.h"
 
 namespace vlmgraph::server {
+
+at::ScalarType TrainComputeDtype(const EngineOptions& engine) {
+  return engine.device.is_cuda() ? engine.dtype : at::kFloat;
+}
+
 namespace {
 
 vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJobOptions& job,
@@ -22,8 +27,7 @@ vlmgraph::TrainOptions ToEngineTrainOptions(const Engine& engine, const TrainJob
   }
   const EngineOptions& e = engine.options();
   t.device = e.device;
-  // bf16 working weights + float32 masters on the GPU; float32 on CPU, where bf16 is no faster.
-  t.compute_dtype = e.device.is_cuda() ? e.dtype : at::kFloat;
+  t.compute_dtype = TrainComputeDtype(e);
   if (t.max_tiles_per_example > e.max_tiles_per_request) {
     throw InvalidArgument(
         "config.max_tiles_per_example: " + std::to_string(t.max_tiles_per_example) +

@@ -28,6 +28,10 @@
 
 namespace vlmgraph::server {
 
+// The compute dtype of a Train job on `engine`: bf16 working weights + float32 masters on the GPU
+// (the engine's dtype), float32 on the CPU, where bf16 is no faster.
+at::ScalarType TrainComputeDtype(const EngineOptions& engine);
+
 // `observer` (may be null) receives OnStep, OnTokens (and OnCapture) for region train.
 std::unique_ptr<TrainBackend> MakeTrainBackend(Engine& engine, const TrainJobOptions& options,
                                                EngineObserver* observer);

@@ -1142,7 +1142,7 @@ TEST(CudaGraphCapture, AnEarlierGraphsReplayOverwritesALaterGraphsOutput_CUDA) {
   EXPECT_EQ(first_out[0].item<double>(), 8.0 * (int64_t{1} << 20));
   EXPECT_TRUE(kept.eq(8).all().item<bool>())
       << "the second graph's output was not in the first graph's intermediate: the allocator "
-         "placed it elsewhere, and this test no longer shows the overwrite";
+         "placed it elsewhere, so this test does not show the overwrite";
 #endif
 }
 

@@ -323,11 +323,15 @@ void VlmGraphService::RunTrain(
   auto save = [&](const CheckpointDir& dir, Clock::time_point received,
                   Scheduler::Admission admission) {
     int64_t steps = 0;
+    const int64_t quota = config_.train.checkpoint_quota_bytes;
+    const CheckpointUsage usage = quota > 0
+                                      ? MeasureCheckpointUsage(config_.train.checkpoint_dir, dir)
+                                      : CheckpointUsage{};  // the walk here, not on a GPU thread
     ensure_job().OnFirstRank(
         "Train",
         [&](TrainBackend& rank) {
-          CheckCheckpointQuota(config_.train.checkpoint_dir, dir, rank.checkpoint_bytes(),
-                               config_.train.checkpoint_quota_bytes);
+          CheckCheckpointQuota(config_.train.checkpoint_dir, usage, rank.checkpoint_bytes(),
+                               quota);
           try {
             rank.Save(dir.io_path());  // Note [Checkpoint directories]: the opened directory
           } catch (const std::system_error& e) {  // std::filesystem_error included
@@ -405,10 +409,9 @@ void VlmGraphService::RunTrain(
                          engine_->max_context(), text_);
         {
           // The tiles' conversion here, on the handler's thread, not on a GPU thread's step
-          // (Note [Staged tiles] in engine/trainer.h); the job's dtype as GraphedTrainer sets it.
+          // (Note [Staged tiles] in engine/trainer.h).
           const EngineOptions& eo = engine_->options();
-          for (TrainExample& e : batch)
-            StageTrainExample(e, eo.device, eo.device.is_cuda() ? eo.dtype : at::kFloat);
+          for (TrainExample& e : batch) StageTrainExample(e, eo.device, TrainComputeDtype(eo));
         }
         // Each rank's shard in pieces, one micro-batch per piece: the GPU threads decode between
         // them (Note [Interleaving bound] in server/scheduler.h).

@@ -427,8 +427,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
         fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
       }
       if (trainer->steps() + 1 < total_steps) {
-        prefetched =
-            std::async(std::launch::async, load, position + c.global_batch_size);
+        prefetched = std::async(std::launch::async, load, position + c.global_batch_size);
       }
       if (c.lr_schedule == "cosine")
         trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
