@@ -413,6 +413,66 @@ void DataParallelGroup::StartAllReduceSum(const std::vector<at::Tensor>& tensors
   }
 }
 
+namespace {
+
+void CheckRooted(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& roots,
+                 int64_t world_size) {
+  if (tensors.size() != roots.size())
+    throw Invalid("data parallel: one root per tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined() || !tensors[i].is_contiguous())
+      throw Invalid("data parallel: collectives take defined, contiguous tensors");
+    if (roots[i] < 0 || roots[i] >= world_size)
+      throw Invalid("data parallel: root rank " + std::to_string(roots[i]) + " outside 0 .. " +
+                    std::to_string(world_size - 1));
+  }
+}
+
+}  // namespace
+
+void DataParallelGroup::StartRooted(const std::vector<at::Tensor>& tensors,
+                                    const std::vector<int64_t>& roots, bool reduce) {
+  if (options_.world_size == 1 || tensors.empty()) return;
+  CheckRooted(tensors, roots, options_.world_size);
+  c10d::Backend& backend = *state_->backend;
+  auto one = [&](size_t i) {
+    std::vector<at::Tensor> list{tensors[i]};
+    if (reduce) {
+      c10d::ReduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.rootRank = roots[i];
+      return backend.reduce(list, o);
+    }
+    c10d::BroadcastOptions o;
+    o.rootRank = roots[i];
+    return backend.broadcast(list, o);
+  };
+  try {
+    if (backend.supportsCoalescing() && tensors.size() > 1) {
+      backend.startCoalescing();
+      for (size_t i = 0; i < tensors.size(); ++i) one(i);
+      state_->started.push_back(backend.endCoalescing());
+    } else {
+      for (size_t i = 0; i < tensors.size(); ++i) state_->started.push_back(one(i));
+    }
+  } catch (const c10::Error& e) {
+    throw EngineError(EngineError::Code::kUnavailable,
+                      "data parallel rank " + std::to_string(rank()) + ": " +
+                          (reduce ? "reduce" : "broadcast") +
+                          " failed to start: " + e.what_without_backtrace());
+  }
+}
+
+void DataParallelGroup::StartReduceSum(const std::vector<at::Tensor>& tensors,
+                                       const std::vector<int64_t>& roots) {
+  StartRooted(tensors, roots, /*reduce=*/true);
+}
+
+void DataParallelGroup::StartBroadcast(const std::vector<at::Tensor>& tensors,
+                                       const std::vector<int64_t>& roots) {
+  StartRooted(tensors, roots, /*reduce=*/false);
+}
+
 void DataParallelGroup::FinishAllReduces() {
   std::vector<c10::intrusive_ptr<c10d::Work>> started;
   started.swap(state_->started);

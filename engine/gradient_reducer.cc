@@ -58,8 +58,11 @@ struct GradientReducer::Hook : torch::autograd::PostAccumulateGradHook {
 
 GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, DataParallelGroup& group,
                                  at::ScalarType reduce_dtype, bool fused,
-                                 const std::vector<at::Tensor*>& float32_accumulators)
-    : group_(group), reduce_dtype_(reduce_dtype), fused_(fused), params_(params) {
+                                 const std::vector<at::Tensor*>& float32_accumulators,
+                                 const OptimizerShards* shards)
+    : group_(group), reduce_dtype_(reduce_dtype), fused_(fused), shards_(shards), params_(params) {
+  if (shards != nullptr && shards->owners().size() != params.size())
+    throw std::invalid_argument("GradientReducer: one owner per parameter");
   if (reduce_dtype != at::kFloat && reduce_dtype != at::kBFloat16)
     throw std::invalid_argument("GradientReducer: reduce_dtype must be float32 or bfloat16");
   const bool float32 = reduce_dtype == at::kFloat;
@@ -90,9 +93,10 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, DataPara
       bucket_of_[k] = buckets_.size();
       b.numel += params_[k].numel();
     }
+    if (shards != nullptr) b.owners = shards->Owners(indices);
     if (float32) {
-      const std::vector<at::Tensor> views = MakeFlat(b, at::kFloat);
-      for (size_t i = 0; i < indices.size(); ++i) *float32_accumulators[indices[i]] = views[i];
+      MakeFlat(b, at::kFloat);
+      for (size_t i = 0; i < indices.size(); ++i) *float32_accumulators[indices[i]] = b.views[i];
     }
     bytes_ += b.numel * element_bytes;
     buckets_.push_back(std::move(b));
@@ -106,24 +110,33 @@ GradientReducer::GradientReducer(const std::vector<at::Tensor>& params, DataPara
   }
 }
 
-std::vector<at::Tensor> GradientReducer::MakeFlat(Bucket& b, at::ScalarType dtype) const {
+void GradientReducer::MakeFlat(Bucket& b, at::ScalarType dtype) const {
   at::NoGradGuard no_grad;
   b.flat = at::zeros({b.numel}, params_[b.params[0]].options().dtype(dtype));
-  std::vector<at::Tensor> views;
+  b.views.clear();
   int64_t offset = 0;
   for (size_t k : b.params) {
-    views.push_back(b.flat.narrow(0, offset, params_[k].numel()).view(params_[k].sizes()));
+    b.views.push_back(b.flat.narrow(0, offset, params_[k].numel()).view(params_[k].sizes()));
     offset += params_[k].numel();
   }
-  return views;
+}
+
+void GradientReducer::StartBucket(const Bucket& b, const std::vector<at::Tensor>& tensors) {
+  if (shards_ == nullptr) {
+    group_.StartAllReduceSum(tensors);
+  } else if (tensors.size() == b.params.size()) {
+    group_.StartReduceSum(tensors, b.owners);
+  } else {  // the flat buffer: reduce its views
+    group_.StartReduceSum(b.views, b.owners);
+  }
 }
 
 const std::vector<at::Tensor>& GradientReducer::reduced_gradients() {
   if (reduce_dtype_ != at::kBFloat16 || !reduced_.empty()) return reduced_;
   reduced_.resize(params_.size());
   for (Bucket& b : buckets_) {
-    const std::vector<at::Tensor> views = MakeFlat(b, at::kBFloat16);
-    for (size_t i = 0; i < b.params.size(); ++i) reduced_[b.params[i]] = views[i];
+    MakeFlat(b, at::kBFloat16);
+    for (size_t i = 0; i < b.params.size(); ++i) reduced_[b.params[i]] = b.views[i];
   }
   return reduced_;
 }
@@ -155,7 +168,7 @@ void GradientReducer::LaunchReadyBuckets(bool all) {
         params_[k].mutable_grad() = g;
         grads.push_back(g);
       }
-      group_.StartAllReduceSum(grads);
+      StartBucket(b, grads);
       continue;
     }
     std::vector<at::Tensor> targets, grads;
@@ -176,7 +189,7 @@ void GradientReducer::LaunchReadyBuckets(bool all) {
     }
     // Added: the gradients go back to the allocator (stream-ordered) before the backward ends.
     for (size_t k : b.params) params_[k].mutable_grad() = at::Tensor();
-    if (reduce) group_.StartAllReduceSum(b.flat);
+    if (reduce) StartBucket(b, {b.flat});
   }
 }
 
@@ -240,7 +253,7 @@ void GradientReducer::ReduceAccumulated(const std::vector<at::Tensor>& accumulat
     }
     at::_foreach_copy_(to, from);  // float32 -> bf16, round to nearest even
     at::_foreach_zero_(from);
-    group_.StartAllReduceSum(b.flat);
+    StartBucket(b, {b.flat});
   }
   Finish(loss_sum);
 }

@@ -20,6 +20,9 @@
 // The losses that produced the gradients are divided by world_size beforehand, so the SUM is the
 // mean.
 //
+// With the sharded optimizer (ZeRO stage 1) each gradient is SUM-reduced to its owner rank only,
+// in the same buckets: half the bytes of an all-reduce on the wire during the backward.
+//
 // Thread rules: the hooks run on autograd's thread while the thread that drives the trainer
 // waits in backward(); everything else on the trainer's thread. Every rank must build its reducer
 // from the same parameters and call the same operations in the same order (the collectives pair
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "engine/data_parallel.h"
+#include "engine/optimizer_shards.h"
 
 namespace vlmgraph {
 
@@ -42,10 +46,14 @@ class GradientReducer {
   // reduce_dtype: kFloat or kBFloat16 (the latter only for bf16 params). float32 mode: each
   // *float32_accumulators[k] (float32, params[k]'s shape) is replaced by a view of its bucket.
   // fused: the bf16 additions run as engine/fused_optimizer.h's AccumulateGradients (CUDA),
-  // else as ATen's _foreach_add_.
+  // else as ATen's _foreach_add_. shards: null, or (the sharded optimizer,
+  // DataParallelOptions::shard_optimizer) each parameter's owner: its gradient is SUM-reduced to
+  // the owner only (DataParallelGroup::StartReduceSum), the other ranks' copy keeps the local
+  // gradient; must outlive the reducer.
   GradientReducer(const std::vector<at::Tensor>& params, DataParallelGroup& group,
                   at::ScalarType reduce_dtype, bool fused,
-                  const std::vector<at::Tensor*>& float32_accumulators);
+                  const std::vector<at::Tensor*>& float32_accumulators,
+                  const OptimizerShards* shards = nullptr);
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
 
@@ -86,7 +94,7 @@ class GradientReducer {
   // (a captured optimizer reads them). Allocated on the first call (2 bytes per parameter).
   const std::vector<at::Tensor>& reduced_gradients();
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
-  // Bytes all-reduced per step: every bucket + the float32 loss.
+  // Bytes all-reduced (sharded: reduced) per step: every bucket + the float32 loss.
   int64_t bytes_per_step() const { return bytes_; }
   // Host seconds spent waiting for the collectives since reset (gloo blocks; NCCL only queues a
   // stream wait).
@@ -100,12 +108,17 @@ class GradientReducer {
     // The bucket's gradients back to back: float32 mode, the accumulators; bfloat16 mode,
     // ReduceAccumulated's buffer (undefined until reduced_gradients()).
     at::Tensor flat;
+    std::vector<at::Tensor> views;  // flat's views, one per parameter of the bucket
+    std::vector<int64_t> owners;    // sharded: each parameter's owner rank
     size_t ready = 0;  // gradients of the backward in progress that have arrived
   };
   struct Hook;
-  // Allocates b.flat (zeros of `dtype`, b.numel elements) and returns its views, one per
+  // Allocates b.flat (zeros of `dtype`, b.numel elements) and b.views: its views, one per
   // parameter of b, in b.params order and with each parameter's shape.
-  std::vector<at::Tensor> MakeFlat(Bucket& b, at::ScalarType dtype) const;
+  void MakeFlat(Bucket& b, at::ScalarType dtype) const;
+  // Starts the bucket's collective over `tensors` (one per parameter of b, or b.flat alone):
+  // SUM all-reduce, or with shards a SUM reduce of each tensor to its owner.
+  void StartBucket(const Bucket& b, const std::vector<at::Tensor>& tensors);
   // The hook: parameter i's gradient of the backward in progress is in its .grad.
   void OnGradient(size_t i);
   // Handles (and with kReduce starts the all-reduce of) every bucket whose gradients have all
@@ -116,6 +129,7 @@ class GradientReducer {
   DataParallelGroup& group_;
   at::ScalarType reduce_dtype_;
   bool fused_;
+  const OptimizerShards* shards_;
   std::vector<at::Tensor> params_;
   std::vector<Bucket> buckets_;    // launch order
   std::vector<size_t> bucket_of_;  // params_ index -> bucket

@@ -270,16 +270,56 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
         "nothing to train: every learning rate is 0 (a part whose rate is 0 is frozen); set "
         "language_learning_rate, vision_learning_rate or projector_learning_rate above 0");
   if (data_parallel_) {
+    const DataParallelGroup& group = *options_.data_parallel;
+    if (group.options().shard_optimizer && group.world_size() > 1) {
+      std::vector<int64_t> numels;
+      for (const at::Tensor& p : params_) numels.push_back(p.numel());
+      shards_ = std::make_unique<OptimizerShards>(numels, group.world_size(), group.rank());
+    }
     std::vector<at::Tensor*> accumulators;  // float32 reduction: replaced by bucket views
     for (auto& g : groups_)
       for (auto& grad : g.grads) accumulators.push_back(&grad);
     reducer_ = std::make_unique<GradientReducer>(
         params_, *options_.data_parallel, reduce_bf16 ? at::kBFloat16 : at::kFloat, fused_,
-        accumulators);
+        accumulators, shards_.get());
     if (!reduce_bf16) {
       master_grads_.clear();
       for (auto& g : groups_)
         for (auto& grad : g.grads) master_grads_.push_back(grad);
+    }
+  }
+  if (shards_) {
+    // The broadcast's chunks (Note [Sharded optimizer]): parameters in order, kBroadcastChunks
+    // runs of about equal size.
+    constexpr int64_t kBroadcastChunks = 8;
+    int64_t total = 0, done = 0;
+    for (const at::Tensor& p : params_) total += p.numel();
+    broadcast_chunks_.emplace_back();
+    for (size_t k = 0; k < params_.size(); ++k) {
+      if (!broadcast_chunks_.back().empty() &&
+          done >= total * static_cast<int64_t>(broadcast_chunks_.size()) / kBroadcastChunks) {
+        broadcast_chunks_.emplace_back();
+      }
+      broadcast_chunks_.back().push_back(k);
+      done += params_[k].numel();
+    }
+  }
+  if (shards_) {  // the ATen optimizer's per-group lists of what this rank owns
+    size_t k = 0;
+    for (const Group& g : groups_) {
+      Group mine;
+      mine.name = g.name;
+      mine.lr = g.lr;
+      for (size_t i = 0; i < g.params.size(); ++i, ++k) {
+        if (!shards_->owns(k)) continue;
+        mine.names.push_back(g.names[i]);
+        mine.params.push_back(g.params[i]);
+        mine.grads.push_back(g.grads[i]);
+        mine.exp_avg.push_back(g.exp_avg[i]);
+        mine.exp_avg_sq.push_back(g.exp_avg_sq[i]);
+        mine.steps.push_back(g.steps[i]);
+      }
+      owned_groups_.push_back(std::move(mine));
     }
   }
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
@@ -466,10 +506,16 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool r
   return {loss.detach()};
 }
 
-std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t, bool direct) {
+std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool direct) {
+  // Note [Sharded optimizer]: this rank's parameters only.
+  const AdamWTensors t = shards_ ? shards_->Owned(all) : all;
   // The squared norm is always computed: it decides whether the step is skipped (Note [Skipped
   // steps]) and, with clipping on, the clipping coefficient.
-  if (direct) {  // the backward's bf16 gradients: their norm
+  if (shards_) {
+    // In the micro-step's graph: the owned gradients' norm, summed over the ranks. Otherwise
+    // FinishStep summed it before the optimizer's graph (which holds no collective).
+    if (direct) ShardedSquaredNorm(t.grads);
+  } else if (direct) {  // the backward's bf16 gradients: their norm
     grad_sq_sum_.zero_();
     AddSquaredNorm(t.grads, grad_sq_sum_);
   } else if (!mixed_precision() || data_parallel_) {
@@ -479,9 +525,34 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& t, bool direc
   }  // else bf16 accumulation: AccumulateGradients left the norm in grad_sq_sum_
   at::Tensor finite = at::isfinite(grad_sq_sum_).to(at::kFloat);
   for (auto& g : groups_) at::_foreach_add_(g.steps, finite);  // a skipped step keeps the count
-  FusedAdamW(t, grad_sq_sum_,
-             {options_.beta1, options_.beta2, options_.eps, options_.weight_decay,
-              options_.max_grad_norm, /*skip_non_finite=*/true});
+  const AdamWHyperparameters h{options_.beta1,        options_.beta2, options_.eps,
+                               options_.weight_decay, options_.max_grad_norm,
+                               /*skip_non_finite=*/true};
+  if (shards_ && direct) {
+    // Note [Sharded optimizer]: chunk by chunk, each chunk's broadcast overlapping the next
+    // chunk's AdamW.
+    for (size_t c = 0; c < broadcast_chunks_.size(); ++c) {
+      AdamWTensors part;
+      for (size_t k : broadcast_chunks_[c]) {
+        if (!shards_->owns(k)) continue;
+        part.params.push_back(all.params[k]);
+        part.grads.push_back(all.grads[k]);
+        part.exp_avg.push_back(all.exp_avg[k]);
+        part.exp_avg_sq.push_back(all.exp_avg_sq[k]);
+        if (!all.working.empty()) part.working.push_back(all.working[k]);
+        part.steps.push_back(all.steps[k]);
+        part.lrs.push_back(all.lrs[k]);
+      }
+      if (!part.params.empty()) FusedAdamW(part, grad_sq_sum_, h);
+      StartBroadcastChunk(c);
+    }
+    options_.data_parallel->FinishAllReduces();
+  } else if (!t.params.empty()) {
+    FusedAdamW(t, grad_sq_sum_, h);
+  }
+  // The float32 accumulators of parameters other ranks own were not zeroed by FusedAdamW.
+  if (shards_ && !direct && !all.grads.empty() && all.grads[0].scalar_type() == at::kFloat)
+    at::_foreach_zero_(all.grads);
   return {grad_sq_sum_.sqrt(), 1.0 - finite};
 }
 
@@ -496,18 +567,24 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
   if (reduce_bf16()) {  // the averaged bf16 gradients that ReduceAccumulated left in the buckets
     AdamWTensors t = adamw_;
     t.grads = reducer_->reduced_gradients();
-    return RunFusedAdamW(t, /*direct=*/true);
+    // Sharded: FinishStep took their norm (over the ranks) before this graph.
+    return RunFusedAdamW(t, /*direct=*/shards_ == nullptr);
   }
   if (fused_) return RunFusedAdamW(adamw_, /*direct=*/false);
-  at::Tensor total = at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
+  // Sharded (Note [Sharded optimizer]): this rank's parameters, the norm FinishStep summed.
+  std::vector<Group>& groups = shards_ ? owned_groups_ : groups_;
+  at::Tensor total =
+      shards_ ? grad_sq_sum_.sqrt().to(at::kFloat)
+              : at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
   at::Tensor found_inf = at::isfinite(total).logical_not().to(at::kFloat);
   if (options_.max_grad_norm > 0) {
     at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);
     at::_foreach_mul_(master_grads_, coef);
   }
-  for (auto& g : groups_) {
-    // _fused_adamw_ reads but does not advance the step counters; a skipped step leaves them.
-    at::_foreach_add_(g.steps, 1.0 - found_inf);
+  // _fused_adamw_ reads but does not advance the step counters; a skipped step leaves them.
+  for (auto& g : groups_) at::_foreach_add_(g.steps, 1.0 - found_inf);
+  for (auto& g : groups) {
+    if (g.params.empty()) continue;
     at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1,
                       options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
                       /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
@@ -516,7 +593,12 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
     std::vector<at::Tensor> masters;
     masters.reserve(master_weights_.size());
     for (const auto& named : master_weights_) masters.push_back(named.second);
-    at::_foreach_copy_(params_, masters);
+    if (shards_) {
+      const std::vector<at::Tensor> mine = shards_->Owned(masters);
+      if (!mine.empty()) at::_foreach_copy_(shards_->Owned(params_), mine);
+    } else {
+      at::_foreach_copy_(params_, masters);
+    }
   }
   at::_foreach_zero_(master_grads_);
   return {total, found_inf};
@@ -843,10 +925,18 @@ void Trainer::FinishStep() {
     s.loss_sum = dp_loss_sum_.squeeze(0);
   }
   if (!s.direct) {
+    // Note [Sharded optimizer]: the collectives stay outside the optimizer's graph, which a rank
+    // may capture alone (PrepareAccumulation).
+    if (shards_) {
+      ShardedSquaredNorm(
+          shards_->Owned(reduce_bf16() ? reducer_->reduced_gradients() : master_grads_));
+    }
     const RunKind opt_kind = runner_->Run(
         kOptimizerKey, [this] { return RunOptimizer(); }, runner_->captures(), &s.optimizer_out);
     if (opt_kind != RunKind::kEager) ++replays_;
+    if (shards_) BroadcastUpdatedWeights();
   }
+  if (shards_) optimizer_state_gathered_ = false;
   // Note [A rank that dies]: with NCCL a collective whose peer died never completes, and a
   // replayed graph cannot time out by itself (c10d's watchdog does not see captured collectives).
   // So a data-parallel rank waits for its step with the group's deadline; past it the step fails
@@ -958,6 +1048,12 @@ void Trainer::SetLearningRateScale(double scale) {
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir) {
+  if (!optimizer_state_gathered_) {
+    throw std::logic_error(
+        "Trainer::SaveCheckpoint: the optimizer is sharded over the ranks "
+        "(DataParallelOptions::shard_optimizer) and its state was not gathered since the last "
+        "step: call GatherOptimizerState on every rank first");
+  }
   // The float32 weights: masters of the trained parameters, the frozen ones' float32 copies (or
   // their working values, exact when the source was in the compute dtype), float32 buffers.
   std::map<std::string, at::Tensor> weights = frozen_float32_;
@@ -1008,6 +1104,61 @@ int64_t Trainer::checkpoint_bytes() const {
   return bytes + 512 * tensors;
 }
 
+// Note [Sharded optimizer]: ZeRO stage 1 (Rajbhandari et al. 2020, section 5.1), with whole
+// parameters as the unit (engine/optimizer_shards.h, PyTorch's ZeroRedundancyOptimizer's
+// partition). Each trained parameter has one owner rank. In the step's last backward each
+// bucket's gradients are SUM-reduced to their owners (one coalesced NCCL group per bucket, in
+// place: half the bytes of an all-reduce); the owners' squared gradient norms are summed over
+// the ranks (one float64 all-reduce) for clipping and the skip of a non-finite step; each rank
+// runs AdamW on the parameters it owns only (1 / world_size of the optimizer's 12 bytes read and
+// written per parameter: the largest kernel of a nanovlm-460m step); then every working weight
+// is broadcast from its owner, in 8 chunks of parameters in order (one coalesced group each):
+// in the micro-step's graph each chunk's AdamW runs, then its broadcast starts on NCCL's stream
+// while the next chunk's AdamW runs. In a step of one bf16 micro-batch all of
+// it is inside the micro-step's graph; otherwise the norm's all-reduce and the broadcast run
+// eagerly around the optimizer's graph, which a rank may capture alone (PrepareAccumulation).
+// A rank's master weights and moments of parameters it does not own go stale: they are kept
+// allocated (a checkpoint holds every rank's state in the one-rank format, so it resumes at any
+// world size) and GatherOptimizerState brings them back, by broadcasts from the owners, before
+// a save or a read of the masters. The float32 parity of 2 ranks against one holds unchanged:
+// a reduce sums what an all-reduce sums.
+void Trainer::ShardedSquaredNorm(const std::vector<at::Tensor>& owned_grads) {
+  at::NoGradGuard no_grad;
+  grad_sq_sum_.zero_();
+  if (!owned_grads.empty()) {
+    if (fused_) {
+      AddSquaredNorm(owned_grads, grad_sq_sum_);
+    } else {
+      grad_sq_sum_.add_(at::stack(at::_foreach_norm(owned_grads, 2)).to(at::kDouble).pow(2).sum());
+    }
+  }
+  options_.data_parallel->StartAllReduceSum(grad_sq_sum_);
+  options_.data_parallel->FinishAllReduces();
+}
+
+void Trainer::StartBroadcastChunk(size_t c) {
+  std::vector<at::Tensor> weights;
+  for (size_t k : broadcast_chunks_[c]) weights.push_back(params_[k]);
+  options_.data_parallel->StartBroadcast(weights, shards_->Owners(broadcast_chunks_[c]));
+}
+
+void Trainer::BroadcastUpdatedWeights() {
+  for (size_t c = 0; c < broadcast_chunks_.size(); ++c) StartBroadcastChunk(c);
+  options_.data_parallel->FinishAllReduces();
+}
+
+void Trainer::GatherOptimizerState() {
+  if (!shards_ || optimizer_state_gathered_) return;
+  if (pending_)
+    throw std::logic_error("Trainer::GatherOptimizerState: a step is in progress (BeginStep)");
+  at::NoGradGuard no_grad;
+  DataParallelGroup& group = *options_.data_parallel;
+  for (const std::vector<at::Tensor>* list : {&adamw_.params, &adamw_.exp_avg, &adamw_.exp_avg_sq})
+    group.StartBroadcast(*list, shards_->owners());
+  group.FinishAllReduces();
+  optimizer_state_gathered_ = true;
+}
+
 void Trainer::LoadOptimizerState(const std::string& path) {
   Warmup();  // its captures reset the optimizer state: before loading it, not after
   SafetensorsFile f = ReadSafetensors(path);
@@ -1039,6 +1190,8 @@ void Trainer::LoadOptimizerState(const std::string& path) {
     }
   }
   if (auto it = f.metadata.find("steps"); it != f.metadata.end()) steps_ = std::stoll(it->second);
+  // Every rank loads the whole state: nothing is stale (Note [Sharded optimizer]).
+  optimizer_state_gathered_ = true;
   if (!saved) return;
   // Note [Learning rates]: the trained groups take the checkpoint's rates back, and every group
   // the schedule's factor of its last step (one factor, as SetLearningRateScale keeps it).

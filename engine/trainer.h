@@ -253,12 +253,23 @@ class Trainer {
   // Throws std::runtime_error naming a missing or mis-shaped state tensor, and saying which
   // group's rate to set to 0 when the checkpoint froze a group this trainer trains.
   void LoadOptimizerState(const std::string& path);
+  // The sharded optimizer (DataParallelOptions::shard_optimizer, Note [Sharded optimizer] in
+  // trainer.cc) leaves each rank's master weights and AdamW moments of the parameters it does not
+  // own stale after a step. Every rank must call this (a collective: each tensor broadcast from
+  // its owner, blocking) before SaveCheckpoint or a read of master_weights(); afterwards every
+  // rank holds what one rank would, until the next step. A no-op when the optimizer is not
+  // sharded or nothing changed since the last call. std::logic_error between BeginStep and the
+  // step's end; EngineError(kUnavailable) when a rank died.
+  void GatherOptimizerState();
+  // Whether each rank runs the optimizer on its own shard of the parameters (ZeRO stage 1).
+  bool optimizer_sharded() const { return shards_ != nullptr; }
 
   // The working model the steps run: float32, or bf16 parameters equal to the masters rounded to
   // bf16 after every step. Read the trained weights through master_weights().
   VisionLanguageModel& model() { return model_; }
   // (name, float32 master) of every trained parameter, named as model()->named_parameters(), on
-  // options().device. Updated in place by Step(): the tensors keep their addresses.
+  // options().device. Updated in place by Step(): the tensors keep their addresses. With the
+  // sharded optimizer only after GatherOptimizerState (SaveCheckpoint refuses to write before).
   const std::vector<std::pair<std::string, at::Tensor>>& master_weights() const {
     return master_weights_;
   }
@@ -309,6 +320,14 @@ class Trainer {
   // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}. `direct`: t.grads
   // are the backward's bf16 gradients (the norm is taken of them).
   std::vector<at::Tensor> RunFusedAdamW(const AdamWTensors& t, bool direct);
+  // Sharded optimizer (Note [Sharded optimizer]): grad_sq_sum_ = the squared norm of this rank's
+  // owned gradients `owned_grads`, summed over the ranks (an all-reduce, waited for).
+  void ShardedSquaredNorm(const std::vector<at::Tensor>& owned_grads);
+  // Sharded optimizer: every working weight (params_) takes its owner's updated values, chunk by
+  // chunk (broadcast_chunks_), then the stream waits for them.
+  void BroadcastUpdatedWeights();
+  // Starts chunk c's broadcast (its weights from their owners) on the group's stream.
+  void StartBroadcastChunk(size_t c);
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
@@ -353,6 +372,14 @@ class Trainer {
   double lr_scale_ = 1;           // SetLearningRateScale
   // More than one rank (TrainOptions::data_parallel).
   bool data_parallel_ = false;
+  // Data parallel with DataParallelOptions::shard_optimizer: each trained parameter's owner rank
+  // (ZeRO stage 1); built before reducer_, which reduces each gradient to its owner.
+  std::unique_ptr<OptimizerShards> shards_;
+  // Per group (groups_ order): the entries this rank owns (the ATen optimizer's lists).
+  std::vector<Group> owned_groups_;
+  // The weights' broadcast after AdamW in chunks: parameter indices, in order.
+  std::vector<std::vector<size_t>> broadcast_chunks_;
+  bool optimizer_state_gathered_ = true;  // GatherOptimizerState ran since the last step
   // Data parallel only: the gradient buckets and their all-reduces (engine/gradient_reducer.h).
   std::unique_ptr<GradientReducer> reducer_;
   // Data parallel: device float32 scalar, the step's loss summed over its micro-batches (the

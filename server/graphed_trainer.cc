@@ -112,6 +112,7 @@ class GraphedTrainer final : public TrainBackend {
     trainer_.SaveCheckpoint(directory);
   }
   int64_t checkpoint_bytes() const override { return trainer_.checkpoint_bytes(); }
+  void GatherOptimizerState() override { trainer_.GatherOptimizerState(); }
 
   const std::vector<std::pair<std::string, at::Tensor>>& weights() const override {
     return trainer_.master_weights();

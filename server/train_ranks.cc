@@ -339,6 +339,22 @@ void TrainRanks::OnFirstRank(const std::string& rpc, const std::function<void(Tr
       received, admission);
 }
 
+void TrainRanks::GatherOptimizerState(const std::string& rpc, Clock::time_point received,
+                                      Scheduler::Admission admission) {
+  if (ranks_.size() < 2) return;
+  OnEveryRank(
+      rpc,
+      [&](size_t r, Engine&) {
+        if (!ranks_[r].job) {
+          throw ServerError(grpc::StatusCode::UNAVAILABLE,
+                            "the job's ranks ended after a failure; start a new job");
+        }
+        ranks_[r].job->GatherOptimizerState();
+        return true;
+      },
+      received, admission, /*pieces=*/false);
+}
+
 std::vector<const NamedWeights*> TrainRanks::Weights() const {
   std::vector<const NamedWeights*> out(router_.size(), nullptr);
   for (const Rank& r : ranks_) {

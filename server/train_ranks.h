@@ -100,6 +100,11 @@ class TrainRanks {
   void OnFirstRank(const std::string& rpc, const std::function<void(TrainBackend&)>& work,
                    Clock::time_point received, Scheduler::Admission admission);
 
+  // Every rank's TrainBackend::GatherOptimizerState on its GPU thread, at once (the sharded
+  // optimizer's state before a save or a publish); nothing with one rank.
+  void GatherOptimizerState(const std::string& rpc, Clock::time_point received,
+                            Scheduler::Admission admission);
+
   // Each rank's weights(), indexed by engine (router order), null for an engine without a rank:
   // WeightsPublisher::Publish's candidates. UNAVAILABLE when the ranks have ended.
   std::vector<const NamedWeights*> Weights() const;

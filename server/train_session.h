@@ -72,6 +72,9 @@ class TrainBackend {
     return StepResult();
   }
   virtual void Save(const std::string& directory) = 0;
+  // A rank of several with the sharded optimizer (Trainer::GatherOptimizerState): every rank must
+  // call it, at once, before Save or a read of weights(). A no-op otherwise.
+  virtual void GatherOptimizerState() {}
   // Bytes Save writes, at most (Trainer::checkpoint_bytes).
   virtual int64_t checkpoint_bytes() const = 0;
   // (name, float32 master) of every trained parameter, named as the serving model's

@@ -9,6 +9,7 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -197,6 +198,7 @@ struct JobRun {
   std::vector<v1::TrainStepResult> steps;
   int published = 0;
   double seconds = 0;
+  std::vector<double> step_seconds;  // each batch's write-to-result wall time at the client
 };
 
 // A Train job of `steps` batches (Batch(s), or `batch(s)` when given), then a publish request
@@ -215,10 +217,13 @@ JobRun RunJob(v1::VlmGraph::Stub& stub, int steps, bool publish,
   JobRun run;
   bool ok = stream->Write(config);
   for (int s = 0; ok && s < steps; ++s) {
+    const auto sent = std::chrono::steady_clock::now();
     ok = stream->Write(batch ? batch(s) : Batch(s));
     v1::TrainResponse r;
     ok = ok && stream->Read(&r);
     if (ok && r.has_step()) run.steps.push_back(r.step());
+    run.step_seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count());
   }
   if (ok && publish) {
     v1::TrainRequest p;
@@ -275,9 +280,19 @@ void ExpectTwoEnginesTrainTheJobOfOneEngine(const std::string& device) {
   const std::map<std::string, at::Tensor> before = server.Served(1);
   two = RunJob(server.stub(), kSteps, /*publish=*/true);
   ASSERT_TRUE(two.status.ok()) << two.status.error_message();
-  // Informational: each job's steps per second, its start (captures) included.
-  std::printf("[train rpc %s] %d steps: 1 engine %.1f steps/s, 2 engines %.1f steps/s\n",
-              device.c_str(), kSteps, kSteps / one.seconds, kSteps / two.seconds);
+  // Informational: each job's steps per second over the whole job (its start, the ranks' group
+  // and the captures included), and in the steady state (the median of steps 3 .. kSteps, each
+  // from the batch's write to its result at the client).
+  auto steady = [](std::vector<double> v) {
+    v.erase(v.begin(), v.begin() + std::min<size_t>(2, v.size()));
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : 1.0 / v[v.size() / 2];
+  };
+  std::printf(
+      "[train rpc %s] %d steps: whole job 1 engine %.1f steps/s, 2 engines %.1f steps/s; steady "
+      "state 1 engine %.1f steps/s, 2 engines %.1f steps/s\n",
+      device.c_str(), kSteps, kSteps / one.seconds, kSteps / two.seconds, steady(one.step_seconds),
+      steady(two.step_seconds));
   ASSERT_EQ(two.steps.size(), one.steps.size());
   for (int s = 0; s < kSteps; ++s) {
     EXPECT_NEAR(two.steps[s].loss(), one.steps[s].loss(), 1e-5) << "step " << s;

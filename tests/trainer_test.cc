@@ -918,6 +918,7 @@ std::vector<RankRun> RunTwoGlooRanks(
     Trainer t(source, o);
     const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
     for (int s = 0; s < steps; ++s) runs[rank].steps.push_back(t.Step(shard));
+    t.GatherOptimizerState();  // every rank (a no-op unless the optimizer is sharded)
     runs[rank].masters = Masters(t);
   });
   return runs;
@@ -952,12 +953,13 @@ TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
 
   const std::vector<RankRun> got = RunTwoGlooRanks(
       batch, kSteps,
-      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions&) {
+      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions& dp) {
         if (rank == 1) {
           at::NoGradGuard ng;
           for (auto& p : source->parameters()) p.add_(0.25);
         }
         o.max_grad_norm = 0.5;
+        dp.shard_optimizer = false;  // every rank runs the whole optimizer (DDP's way)
       });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
@@ -988,6 +990,7 @@ TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
       batch, kSteps, [](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
         o.grad_accum_steps = 2;
         dp.bucket_bytes = 4096;
+        dp.shard_optimizer = false;
       });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
@@ -998,27 +1001,117 @@ TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
   ExpectMastersMatchOneRank(got, single, 1e-6);
 }
 
-// A checkpoint rank 0 saves after 3 two-rank steps resumes on one rank (accumulating the same
-// global batch) with the loss the two ranks took next.
-TEST(DataParallel, CheckpointSavedAtTwoRanksResumesAtOne) {
+// ZeRO stage 1 (DataParallelOptions::shard_optimizer, Note [Sharded optimizer]): each rank runs
+// AdamW on the parameters it owns and broadcasts them; the same ten steps as one rank
+// accumulating the global batch (losses, clipped global gradient norms, and after
+// GatherOptimizerState every master weight), with clipping on and rank 1 starting elsewhere.
+TEST(DataParallel, ShardedOptimizerRanksMatchOneRank) {
   SKIP_WITHOUT_GLOO();
+  constexpr int kSteps = 10;
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
+  TrainOptions single_options = FixtureOptions(at::kCPU, false);
+  single_options.grad_accum_steps = 2;
+  single_options.max_grad_norm = 0.5;
+  Trainer single(m, single_options);
+  std::vector<TrainStepResult> want;
+  for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
+
+  const std::vector<RankRun> got = RunTwoGlooRanks(
+      batch, kSteps,
+      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions& dp) {
+        if (rank == 1) {
+          at::NoGradGuard ng;
+          for (auto& p : source->parameters()) p.add_(0.25);
+        }
+        o.max_grad_norm = 0.5;
+        dp.shard_optimizer = true;
+        dp.bucket_bytes = 4096;  // many buckets, each with parameters of both owners
+      });
+  for (int s = 0; s < kSteps; ++s) {
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
+      EXPECT_NEAR(got[rank].steps[s].grad_norm, want[s].grad_norm, 1e-6 * want[s].grad_norm)
+          << "rank " << rank << " step " << s;
+    }
+  }
+  ExpectMastersMatchOneRank(got, single, 1e-6);
+}
+
+// The same with two micro-batches per rank: the accumulating micro-step, then the reduce to the
+// owners, the norm's all-reduce and the broadcast around the optimizer part.
+TEST(DataParallel, ShardedOptimizerWithAccumulationMatchesOneRank) {
+  SKIP_WITHOUT_GLOO();
+  constexpr int kSteps = 4;
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
+  TrainOptions single_options = FixtureOptions(at::kCPU, false);
+  single_options.grad_accum_steps = 4;
+  Trainer single(m, single_options);
+  std::vector<TrainStepResult> want;
+  for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
+  const std::vector<RankRun> got = RunTwoGlooRanks(
+      batch, kSteps, [](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
+        o.grad_accum_steps = 2;
+        dp.shard_optimizer = true;
+      });
+  for (int s = 0; s < kSteps; ++s) {
+    for (int64_t rank = 0; rank < 2; ++rank)
+      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
+  }
+  ExpectMastersMatchOneRank(got, single, 1e-6);
+}
+
+// Owners: largest parameters first, each to the rank owning the fewest elements; every rank
+// computes the same owners; Owned picks a rank's entries.
+TEST(DataParallel, OptimizerShardsBalanceWholeParameters) {
+  const std::vector<int64_t> numels = {100, 10, 60, 50, 10, 5};
+  OptimizerShards r0(numels, 2, 0), r1(numels, 2, 1);
+  EXPECT_EQ(r0.owners(), r1.owners());
+  // 100 -> 0; 60 -> 1; 50 -> 1 (60 < 100); the first 10 -> 0 (100 < 110); the second 10 -> 0
+  // (110 = 110: ties go to the lowest rank); 5 -> 1 (110 < 120).
+  EXPECT_EQ(r0.owners(), (std::vector<int64_t>{0, 0, 1, 1, 0, 1}));
+  EXPECT_EQ(r0.numel_of(0), 120);
+  EXPECT_EQ(r0.numel_of(1), 115);
+  EXPECT_EQ(r0.owned(), (std::vector<size_t>{0, 1, 4}));
+  EXPECT_EQ(r1.owned(), (std::vector<size_t>{2, 3, 5}));
+  std::vector<at::Tensor> all;
+  for (int64_t n : numels) all.push_back(at::zeros({n}));
+  const std::vector<at::Tensor> mine = r1.Owned(all);
+  ASSERT_EQ(mine.size(), 3u);
+  EXPECT_TRUE(mine[0].is_same(all[2]));
+  OptimizerShards alone(numels, 1, 0);
+  EXPECT_EQ(alone.owned().size(), numels.size());
+  EXPECT_THROW(OptimizerShards(numels, 2, 2), std::invalid_argument);
+}
+
+// A checkpoint rank 0 saves after 3 two-rank steps resumes on one rank (accumulating the same
+// global batch) with the losses the two ranks took next (the second depends on the AdamW moments
+// the checkpoint kept). Sharded: the ranks gather the optimizer's state first, and a save
+// before that is refused.
+void ExpectCheckpointAtTwoRanksResumesAtOne(bool shard) {
   namespace fs = std::filesystem;
-  const fs::path dir =
-      fs::temp_directory_path() / ("vlmgraph_dp_ckpt_" + std::to_string(::getpid()));
+  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_dp_ckpt_" + std::to_string(shard) +
+                                                    "_" + std::to_string(::getpid()));
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
   const int64_t port = FreePort();
-  double next_loss[2] = {0, 0};
+  double next_loss[2][2] = {{0, 0}, {0, 0}};
   RunRanks(2, [&](int64_t rank) {
     VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
     TrainOptions o = FixtureOptions(at::kCPU, false);
-    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, 60));
+    DataParallelOptions dp = GlooOptions(rank, 2, port, 60);
+    dp.shard_optimizer = shard;
+    o.data_parallel = DataParallelGroup::Join(dp);
     Trainer t(source, o);
-    const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
-    for (int s = 0; s < 3; ++s) t.Step(shard);
+    EXPECT_EQ(t.optimizer_sharded(), shard);
+    const std::vector<TrainExample> shard_of_batch = ShardForRank(batch, rank, 2);
+    for (int s = 0; s < 3; ++s) t.Step(shard_of_batch);
+    if (shard && rank == 0) EXPECT_THROW(t.SaveCheckpoint(dir.string()), std::logic_error);
+    t.GatherOptimizerState();
     if (rank == 0) t.SaveCheckpoint(dir.string());
     o.data_parallel->Barrier();
-    next_loss[rank] = t.Step(shard).loss;
+    for (int s = 0; s < 2; ++s) next_loss[rank][s] = t.Step(shard_of_batch).loss;
   });
   VisionLanguageModel saved = LoadModel(dir.string());
   TrainOptions o = FixtureOptions(at::kCPU, false);
@@ -1026,8 +1119,20 @@ TEST(DataParallel, CheckpointSavedAtTwoRanksResumesAtOne) {
   Trainer resumed(saved, o);
   resumed.LoadOptimizerState((dir / "optimizer.safetensors").string());
   EXPECT_EQ(resumed.steps(), 3);
-  EXPECT_NEAR(resumed.Step(batch).loss, next_loss[0], 1e-6);
-  EXPECT_EQ(next_loss[0], next_loss[1]);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_NEAR(resumed.Step(batch).loss, next_loss[0][s], 1e-6) << "step " << 4 + s;
+    EXPECT_EQ(next_loss[0][s], next_loss[1][s]);
+  }
+}
+
+TEST(DataParallel, CheckpointSavedAtTwoRanksResumesAtOne) {
+  SKIP_WITHOUT_GLOO();
+  ExpectCheckpointAtTwoRanksResumesAtOne(/*shard=*/false);
+}
+
+TEST(DataParallel, CheckpointSavedAtTwoShardedRanksResumesAtOne) {
+  SKIP_WITHOUT_GLOO();
+  ExpectCheckpointAtTwoRanksResumesAtOne(/*shard=*/true);
 }
 
 // A rank that leaves mid-job: the other rank's next step ends with kUnavailable (not a hang), and
@@ -1149,6 +1254,7 @@ TEST(DataParallel, ProcessRank) {
     dp.device_index = rank;
     dp.timeout_seconds = 120;
     dp.bucket_bytes = 64 * 1024;  // several buckets even for the tiny model
+    dp.shard_optimizer = std::string(std::getenv("VLMGRAPH_TEST_DP_SHARD")) == "1";
     o.data_parallel = DataParallelGroup::Join(dp);
   } else {
     o.grad_accum_steps = 2 * accum;
@@ -1172,6 +1278,7 @@ TEST(DataParallel, ProcessRank) {
                                      : buckets;
     EXPECT_EQ(t.captures(), want);
   }
+  t.GatherOptimizerState();  // every rank (sharded optimizer)
   std::map<std::string, at::Tensor> out = Masters(t);
   out["__losses__"] = at::tensor(losses, at::kDouble);
   WriteSafetensors(std::getenv("VLMGRAPH_TEST_DP_OUT"), out);
@@ -1187,6 +1294,7 @@ TEST(DataParallel, ProcessRank) {
 struct RankSetup {
   std::string dtype = "float32";  // or "bfloat16" (bf16 training and gradient reduction)
   int64_t accum = 1;              // gradient accumulation steps per rank
+  bool shard = false;             // DataParallelOptions::shard_optimizer
   double max_loss_diff = 1e-5, max_weight_diff = 1e-5;  // against the one-rank reference
 };
 
@@ -1201,6 +1309,7 @@ bool RunNcclRanks(int64_t world, const std::filesystem::path& dir, const std::st
         "VLMGRAPH_TEST_DP_PORT=" + std::to_string(port), "VLMGRAPH_TEST_DP_BACKEND=" + backend,
         "VLMGRAPH_TEST_DP_DTYPE=" + setup.dtype,
         "VLMGRAPH_TEST_DP_ACCUM=" + std::to_string(setup.accum),
+        std::string("VLMGRAPH_TEST_DP_SHARD=") + (setup.shard ? "1" : "0"),
         "VLMGRAPH_TEST_DP_OUT=" + (dir / (name + std::to_string(rank) + ".safetensors")).string()};
     for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
     std::vector<char*> envp;
@@ -1251,9 +1360,10 @@ void ExpectProcessRanksMatchOneRank(const std::string& backend, const RankSetup&
     EXPECT_LE(worst_loss, setup.max_loss_diff) << "rank " << rank;
     EXPECT_LE(worst, setup.max_weight_diff) << "rank " << rank;
     std::printf(
-        "%s %s accum %lld rank %lld: %zu steps, final loss %.8f (one rank %.8f), max |loss - "
+        "%s %s accum %lld%s rank %lld: %zu steps, final loss %.8f (one rank %.8f), max |loss - "
         "one rank| %.3g, max |w - w_one_rank| %.3g\n",
         backend.c_str(), setup.dtype.c_str(), static_cast<long long>(setup.accum),
+        setup.shard ? " sharded" : "",
         static_cast<long long>(rank), losses.size(), losses.back(), want_losses.back(),
         worst_loss, worst);
   }
@@ -1298,6 +1408,26 @@ TEST(DataParallel, TwoAccumulatingNcclRanksReducingInBFloat16TrackOneRank_CUDA) 
   bf16.max_loss_diff = 1e-2;
   bf16.max_weight_diff = 5e-3;
   ExpectProcessRanksMatchOneRank("nccl", bf16);
+}
+
+// The sharded optimizer (ZeRO stage 1) on NCCL ranks: float32 within 1e-5 as above; bf16 (the
+// reduce, the norm's all-reduce and the broadcast inside the micro-step's graph) and bf16 with two
+// micro-batches (eager around the optimizer's graph) within the bounds of the unsharded runs.
+TEST(DataParallel, TwoShardedNcclRanksMatchOneRank_CUDA) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "built without NCCL";
+  RankSetup f32;
+  f32.shard = true;
+  ExpectProcessRanksMatchOneRank("nccl", f32);
+  for (int64_t accum : {1, 2}) {
+    RankSetup bf16;
+    bf16.dtype = "bfloat16";
+    bf16.accum = accum;
+    bf16.shard = true;
+    bf16.max_loss_diff = 1e-2;
+    bf16.max_weight_diff = 5e-3;
+    ExpectProcessRanksMatchOneRank("nccl", bf16);
+  }
 }
 
 // The same with gloo ranks as separate CPU processes (eager steps).

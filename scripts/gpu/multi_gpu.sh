@@ -4,7 +4,8 @@
 # dptrain: the data-parallel *_CUDA tests (NCCL ranks as processes against one rank); the graphed
 #   training step of nanovlm-460m bf16 at 8 x 1024 per GPU on 1, 2, 4, 8 GPUs (as many as the host
 #   has) under torchrun, tokens/s per GPU with the GPU's clock and power, with
-#   bench/allreduce_overlap.py on each trace, float32 gradient reduction beside bf16's and, on 1
+#   bench/allreduce_overlap.py on each trace, the unsharded optimizer and float32 gradient
+#   reduction beside the default (bf16 reduction, ZeRO stage 1) and, on 1
 #   GPU, tiles converted on the step's path beside staged ones; 200-step loss curves of 2 GPUs
 #   against 1 on the same global batch ($VLMGRAPH_DPTRAIN_CURVES=0 skips them); then
 #   vlmgraph-train on 2 GPUs under torchrun (a chat JSONL), and the same job with rank 1's process
@@ -48,15 +49,17 @@ case $WHAT in
       fi || failed=$((failed + 1))
       python3 -c "import json; d = json.load(open('$OUT/$name.json'))['graph']; g = d.get('gpu', {}); print('$name: %d GPU(s) %.2f ms (spread %.1f%%%s), %.0f tokens/s per GPU, SM clock median %s MHz, power median %s W, throttle %s' % ($w, d['median_step_ms'], 100 * d['step_ms_spread'], ' UNSTABLE' if d['unstable'] else '', d['tokens_per_second_per_gpu'], (g.get('sm_clock_mhz') or {}).get('median'), (g.get('power_w') or {}).get('median'), g.get('throttle_reasons', g.get('nvml'))))"
     }
-    # Each world: the default step (bf16 gradient reduction, tiles staged ahead) with its overlap
-    # trace; with 2+ GPUs float32 reduction beside it; on 1 GPU the tiles converted on the step's
-    # path beside it (Note [Staged tiles], engine/trainer.h).
+    # Each world: the default step (bf16 gradient reduction, the optimizer sharded over the ranks,
+    # tiles staged ahead) with its overlap trace; with 2+ GPUs every rank running the whole
+    # optimizer (--shard-optimizer off) and float32 reduction beside it; on 1 GPU the tiles
+    # converted on the step's path beside it (Note [Staged tiles], engine/trainer.h).
     for w in $WORLDS; do
       if [ "$w" = 1 ]; then
         train dp_train_w1 1 "${B[@]}" --profile-trace "$OUT/dp_trace_w1"
         train dp_train_w1_unstaged 1 "${B[@]}" --stage-tiles off
       else
         train dp_train_w$w "$w" "${B[@]}" --profile-trace "$OUT/dp_trace_w$w"
+        train dp_train_w${w}_unsharded "$w" "${B[@]}" --shard-optimizer off
         train dp_train_w${w}_f32reduce "$w" "${B[@]}" --reduce-dtype float32
       fi
       if [ -f "$OUT/dp_trace_w$w.graph.json" ]; then

@@ -327,6 +327,7 @@ void VlmGraphService::RunTrain(
     const CheckpointUsage usage = quota > 0
                                       ? MeasureCheckpointUsage(config_.train.checkpoint_dir, dir)
                                       : CheckpointUsage{};  // the walk here, not on a GPU thread
+    ensure_job().GatherOptimizerState("Train", received, admission);
     ensure_job().OnFirstRank(
         "Train",
         [&](TrainBackend& rank) {
@@ -353,6 +354,7 @@ void VlmGraphService::RunTrain(
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,
                         "this server cannot publish weights (no publisher is set up)");
     }
+    ensure_job().GatherOptimizerState("Train", received, Scheduler::Admission::kInFlight);
     const PublishReport report = publisher_->Publish(ensure_job().Weights(), "Train", received);
     const int64_t steps = job->steps();
     out->set_step(steps);

@@ -238,6 +238,11 @@ const std::vector<Key>& Keys() {
               "on the averaged bf16 gradients inside the step's graph; float32 averages the "
               "float32 accumulators.",
               std::nullopt, std::nullopt, {"", "float32", "bfloat16"}),
+      MakeKey("distributed.shard_optimizer", &C::shard_optimizer,
+              "ZeRO stage 1 (DeepSpeed's zero_optimization.stage 1, PyTorch's "
+              "ZeroRedundancyOptimizer): each rank runs AdamW on its own share of the "
+              "parameters and broadcasts them; the gradients are reduced to their owners. "
+              "Checkpoints are unchanged (they resume at any world size)."),
   };
   return keys;
 }

@@ -62,6 +62,7 @@ struct TrainRunConfig {
   double timeout_seconds = 300;
   int64_t bucket_bytes = 25 * 1024 * 1024;
   std::string reduce_dtype;  // "", "float32" or "bfloat16" ("" = dtype)
+  bool shard_optimizer = true;  // ZeRO stage 1 (DataParallelOptions::shard_optimizer)
 };
 
 // Defaults, then the file (unless `path` is empty), then each override (key path, YAML value) in

@@ -299,6 +299,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       o.bucket_bytes = c.bucket_bytes;
       if (c.reduce_dtype == "float32") o.reduce_dtype = at::kFloat;
       if (c.reduce_dtype == "bfloat16") o.reduce_dtype = at::kBFloat16;
+      o.shard_optimizer = c.shard_optimizer;
       o.group_name = env.group_name;
       group = DataParallelGroup::Join(o);
     }
@@ -347,7 +348,11 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   }
 
   const bool tty = main_rank && ::isatty(STDOUT_FILENO);
+  // Every rank calls it (the sharded optimizer's state is gathered from every rank first); rank 0
+  // writes.
   auto save = [&](const std::string& dir, int64_t position) {
+    trainer->GatherOptimizerState();
+    if (!main_rank) return;
     trainer->SaveCheckpoint(dir);
     // The tokenizer beside the weights: the directory serves text with vlmgraph-server --model.
     const std::string tok = TokenizerPath(c);
@@ -462,12 +467,12 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
           std::cout << line << std::endl;
         }
       }
-      if (main_rank && !c.save_dir.empty() && c.save_every_steps > 0 &&
-          r.step % c.save_every_steps == 0 && r.step != total_steps) {
+      if (!c.save_dir.empty() && c.save_every_steps > 0 && r.step % c.save_every_steps == 0 &&
+          r.step != total_steps) {
         save(c.save_dir, position);
       }
     }
-    if (main_rank && !c.save_dir.empty()) save(c.save_dir, position);
+    if (!c.save_dir.empty()) save(c.save_dir, position);
     // Every rank ends together: no rank leaves while another still needs it.
     if (group) {
       group->Barrier();
