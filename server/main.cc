@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "base/descriptors.h"
+#include "base/heap_trim.h"
 #include "base/log.h"
 #include "server/auth.h"
 #include "server/config/flags.h"
@@ -133,6 +134,9 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   VlmGraphService service(&router, &metrics, config, text.get(), &keys, &publisher);
   GrpcServer grpc_server(config, &service, &metrics);
   grpc_server.SetServing(true);
+  // Note [Heap trimming] (base/heap_trim.h): memory a burst of large requests left free in
+  // malloc's arenas goes back to the system within a second.
+  vlmgraph::HeapTrimmer heap_trimmer;
   std::unique_ptr<OpenAiHttpServer> http;  // OpenAI-compatible API; "" = off
   if (!config.server.http_address.empty()) {
     // Note [Descriptor reserve] (base/descriptors.h): the HTTP front leaves room for gRPC.

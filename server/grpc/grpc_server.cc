@@ -4,6 +4,7 @@
 #include <grpc/support/log.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/support/server_interceptor.h>
 #include <netdb.h>
@@ -202,6 +203,10 @@ GrpcServer::GrpcServer(const ServerConfig& config, grpc::Service* service, Metri
   builder.AddListeningPort(address.ToString(), Credentials(config), &port_);
   builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.limits.max_request_bytes));
+  // Note [gRPC buffers].
+  grpc::ResourceQuota quota("vlmgraph-grpc");
+  quota.Resize(static_cast<size_t>(kGrpcBufferRequests * config.limits.max_request_bytes));
+  builder.SetResourceQuota(quota);
   // gRPC sets SO_REUSEPORT by default: a second server on the same address would then start and
   // take part of the traffic. Without it the second bind fails, as it should.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

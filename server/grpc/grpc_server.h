@@ -33,6 +33,14 @@
 // with INVALID_ARGUMENT naming the method and its request type; the call is logged (debug, as
 // other refusals) and counted in vlmgraph_requests_total{rpc, code="INVALID_ARGUMENT"}.
 //
+// Note [gRPC buffers]: gRPC reads a unary or server-streaming request whole before any handler
+// runs, so a client without a key makes the server hold its bodies (up to
+// limits.max_request_bytes each) until the handler refuses them. The transport's buffers are
+// accounted in a grpc::ResourceQuota of kGrpcBufferRequests x limits.max_request_bytes (168 MiB
+// by default): past it gRPC's chttp2 transport cancels streams ("Buffers full", the client sees
+// RESOURCE_EXHAUSTED or UNAVAILABLE) instead of reading more, whoever sent them. What was read
+// goes back to the system afterwards (Note [Heap trimming], base/heap_trim.h).
+//
 // Thread rules: construct, Shutdown and destroy from the main thread; SetServing from any.
 // Errors: the constructor throws std::runtime_error naming server.grpc_address and the reason when
 // it cannot bind, also when another process holds the address (SO_REUSEPORT is off, so a second
@@ -80,5 +88,8 @@ class GrpcServer {
   std::unique_ptr<grpc::Server> server_;
   bool shut_down_ = false;
 };
+
+// Note [gRPC buffers]: the gRPC transport's memory budget, in largest requests.
+constexpr int64_t kGrpcBufferRequests = 2;
 
 }  // namespace vlmgraph::server
