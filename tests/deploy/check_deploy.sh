@@ -16,6 +16,9 @@
 #                Dockerfile runs scripts/install-deps.sh, the script .ci/run runs
 #   configs      `vlmgraph-server --config deploy/config*.yaml --print-config` accepts each config
 #                (the server's own parser and validator; skipped without --server or a binary)
+#   secrets      the API-keys file in compose's and Kubernetes' layouts is readable by the
+#                container's uid/gid 10001 and the old 0600 layout is not; the server serves with
+#                it (test_secret_layout.py; needs root and setpriv, else skipped)
 #   health probe the container's HEALTHCHECK binary builds and tells SERVING from NOT_SERVING
 #                against a real grpc.health.v1 server (test_health_probe.py)
 # The live half, every dashboard metric present in a scrape of the running server, is run by the
@@ -113,6 +116,14 @@ if [ -n "$server" ] && [ -x "$server" ]; then
     run "configs: vlmgraph-server --config $cfg --print-config${extra:+ (model: preset in place of $model)}" \
       "$server" --config "$cfg" "${extra[@]}" --print-config
   done
+  # The API-keys secret as compose and Kubernetes mount it, read as the container's uid 10001.
+  "$PY" tests/deploy/test_secret_layout.py "$server" >"$scratch/secret_layout.log" 2>&1
+  case $? in
+    0) ok "secrets: compose and k8s layouts readable by uid 10001, the server takes the keys" ;;
+    # Not a missing tool: a build without root privileges. Said, not counted as a skip.
+    77) echo "skip secrets: $(tail -1 "$scratch/secret_layout.log")" ;;
+    *) fail "secrets: compose and k8s layouts (tests/deploy/test_secret_layout.py)"; sed 's/^/     /' "$scratch/secret_layout.log" ;;
+  esac
 else
   echo "skip configs: no server binary (${server:-not given}); deploy/config*.yaml not validated by the server"
   skipped=$((skipped + 1))
