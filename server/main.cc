@@ -260,7 +260,9 @@ int main(int argc, char** argv) {
       std::cout << DocumentedConfigYaml(source.raw, source.header);
       return 0;
     }
-    config = LoadServerConfig(cl);
+    // --print-config: a config may be made for another machine (deploy/config.yaml names the
+    // image's model), so the model's directory is not checked there.
+    config = LoadServerConfig(cl, /*check_files=*/!cl.print_config);
     if (cl.print_config) {
       std::cout << ConfigToYaml(config) << std::endl;
       return 0;

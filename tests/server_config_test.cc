@@ -259,6 +259,19 @@ TEST(ServerConfig, CudaDefaultsAreTheEngines) {
 
 // --print-config prints ConfigToYaml of the loaded config: on CUDA the derived default of
 // batch_sizes ([] = from device memory) with the keys that bound it; on CPU the small list.
+// --print-config on a config made for another machine (deploy/config.yaml names the image's model
+// directory): every key is still checked, the model's directory only when the server starts.
+TEST(ServerConfig, PrintConfigDoesNotNeedTheServingMachinesModel) {
+  const char* argv[] = {"vlmgraph-server", "--model", "/nonexistent/model", "--print-config"};
+  const CommandLine cl = ParseCommandLine(4, argv);
+  EXPECT_EQ(LoadServerConfig(cl, /*check_files=*/false).model, "/nonexistent/model");
+  EXPECT_THROW(LoadServerConfig(cl), ServerConfigError);  // a start checks it
+  const char* bad[] = {"vlmgraph-server", "--model", "/nonexistent/model", "--device", "gpu",
+                       "--print-config"};
+  EXPECT_THROW(LoadServerConfig(ParseCommandLine(6, bad), /*check_files=*/false),
+               ServerConfigError);  // other keys are still checked
+}
+
 TEST(ServerConfig, DerivedBatchSizesAppearInPrintConfig) {
   const std::string cuda = ConfigToYaml(FromArgs({"--device", "cuda"}));
   EXPECT_NE(cuda.find("  batch_sizes: []\n  gpu_memory_utilization: 0.9\n  max_decode_batch: "

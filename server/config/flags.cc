@@ -185,10 +185,10 @@ ConfigSource ReadServerConfig(const CommandLine& cl) {
   return source;
 }
 
-ServerConfig LoadServerConfig(const CommandLine& cl) {
+ServerConfig LoadServerConfig(const CommandLine& cl, bool check_files) {
   ServerConfig config = FillDefaults(ReadServerConfig(cl).raw);
   if (const char* key = std::getenv("VLMGRAPH_API_KEY"); key && *key) config.server.api_key = key;
-  ValidateConfig(config);
+  ValidateConfig(config, check_files);
   return config;
 }
 
@@ -204,7 +204,8 @@ std::string FlagsHelp() {
        "buckets.batch_sizes=[1,2];\n"
     << "                               an empty VALUE is \"\" (--set server.http_address= turns "
        "HTTP off), ~ the default\n"
-    << "  --print-config               print the effective config as YAML and exit\n"
+    << "  --print-config               print the effective config as YAML and exit (the model\n"
+    << "                               directory is checked when the server starts, not here)\n"
     << "  --print-config-documented    print the config file with every key documented and exit\n"
     << "                               (values of --config and flags, else the defaults)\n"
     << "  --help                       this text\n";

@@ -45,8 +45,10 @@ struct ConfigSource {
 ConfigSource ReadServerConfig(const CommandLine& command_line);
 
 // ReadServerConfig, FillDefaults, the VLMGRAPH_API_KEY environment variable (server.api_key when
-// set and not empty), then ValidateConfig.
-ServerConfig LoadServerConfig(const CommandLine& command_line);
+// set and not empty), then ValidateConfig. check_files false: the files of the machine that will
+// serve (the model's directory) are not checked, as --print-config prints a config made for
+// another machine (deploy/config.yaml names the image's model).
+ServerConfig LoadServerConfig(const CommandLine& command_line, bool check_files = true);
 
 // The --help text of the shared flags.
 std::string FlagsHelp();
