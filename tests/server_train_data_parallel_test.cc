@@ -312,6 +312,36 @@ void ExpectTwoEnginesTrainTheJobOfOneEngine(const std::string& device) {
   EXPECT_LE(MaxAbsDiff(served1, want), 1e-5);
 }
 
+// TrainConfig.publish_on_end: after the client's half-close the job publishes and says so, one
+// TrainResponse{published} with the job's step count, before the stream closes OK; both engines
+// then serve the job's weights.
+TEST(ServerTrainDataParallel, PublishOnEndIsAnsweredBeforeTheStreamCloses) {
+  SKIP_WITHOUT_GLOO();
+  TestServer server(2, 60, "cpu");
+  const std::map<std::string, at::Tensor> before = server.Served(0);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto stream = server.stub().Train(&ctx);
+  v1::TrainRequest config;
+  config.mutable_config()->set_language_learning_rate(1e-2);
+  config.mutable_config()->add_trainable_parts(v1::MODEL_PART_LANGUAGE);
+  config.mutable_config()->set_publish_on_end(true);
+  ASSERT_TRUE(stream->Write(config));
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE(stream->Write(Batch(s)));
+  stream->WritesDone();
+  std::vector<v1::TrainResponse> responses;
+  for (v1::TrainResponse r; stream->Read(&r);) responses.push_back(r);
+  const grpc::Status status = stream->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(responses.size(), 3u);
+  EXPECT_TRUE(responses[0].has_step());
+  EXPECT_TRUE(responses[1].has_step());
+  ASSERT_TRUE(responses[2].has_published());
+  EXPECT_EQ(responses[2].published().step(), 2);
+  EXPECT_GT(MaxAbsDiff(server.Served(0), before), 1e-4);
+  EXPECT_LE(MaxAbsDiff(server.Served(0), server.Served(1)), 1e-5);
+}
+
 TEST(ServerTrainDataParallel, TwoEnginesTrainTheJobOfOneEngineAndBothServeItsWeights) {
   SKIP_WITHOUT_GLOO();
   ExpectTwoEnginesTrainTheJobOfOneEngine("cpu");

@@ -489,9 +489,13 @@ void VlmGraphService::RunTrain(
   if (context->IsCancelled())
     throw ServerError(grpc::StatusCode::CANCELLED, "cancelled by the client");
   if (policy.publish_on_end) {
-    v1::WeightsPublished published;
-    publish(Clock::now(), &published);
+    // Answered like a publish request, so the client sees what was published (and the gate's
+    // losses) before the stream closes OK.
+    v1::TrainResponse response;
+    publish(Clock::now(), response.mutable_published());
     LogInfo("Train job published its weights as it ended");
+    if (!stream->Write(response))
+      throw ServerError(grpc::StatusCode::CANCELLED, "client went away mid-stream");
   }
   LogInfo("Train job ended after " + std::to_string(job ? job->steps() : 0) + " steps");
 }
