@@ -938,9 +938,9 @@ void ExpectMastersMatchOneRank(const std::vector<RankRun>& runs, Trainer& single
 
 // Ten float32 steps of two ranks, each on half of a global batch of 4, against one rank
 // accumulating the same 4 examples in two micro-batches: the same losses, gradient norms and
-// weights. Rank 1 starts from other weights: the trainer must broadcast rank 0's.
-TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
-  SKIP_WITHOUT_GLOO();
+// weights. Rank 1 starts from other weights: the trainer must broadcast rank 0's. `shard`:
+// DataParallelOptions::shard_optimizer; bucket_bytes 0: the default buckets.
+void ExpectTwoRanksMatchOneRankAccumulatingTheGlobalBatch(bool shard, int64_t bucket_bytes) {
   constexpr int kSteps = 10;
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
@@ -953,13 +953,14 @@ TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
 
   const std::vector<RankRun> got = RunTwoGlooRanks(
       batch, kSteps,
-      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions& dp) {
+      [&](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions& dp) {
         if (rank == 1) {
           at::NoGradGuard ng;
           for (auto& p : source->parameters()) p.add_(0.25);
         }
         o.max_grad_norm = 0.5;
-        dp.shard_optimizer = false;  // every rank runs the whole optimizer (DDP's way)
+        dp.shard_optimizer = shard;
+        if (bucket_bytes > 0) dp.bucket_bytes = bucket_bytes;
       });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
@@ -972,11 +973,10 @@ TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
   ExpectMastersMatchOneRank(got, single, 1e-6);
 }
 
-// Gradient accumulation and many buckets: two ranks with two micro-batches each (the first only
-// accumulates, the second all-reduces bucket by bucket during its backward), in 4 KiB buckets,
-// against one rank accumulating the same 4 examples in four micro-batches.
-TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
-  SKIP_WITHOUT_GLOO();
+// Gradient accumulation: two ranks with two micro-batches each (the first only accumulates, the
+// second reduces bucket by bucket during its backward) against one rank accumulating the same 4
+// examples in four micro-batches.
+void ExpectAccumulatingRanksMatchOneRank(bool shard, int64_t bucket_bytes) {
   constexpr int kSteps = 4;
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
@@ -987,10 +987,10 @@ TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
   for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
 
   const std::vector<RankRun> got = RunTwoGlooRanks(
-      batch, kSteps, [](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
+      batch, kSteps, [&](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
         o.grad_accum_steps = 2;
-        dp.bucket_bytes = 4096;
-        dp.shard_optimizer = false;
+        dp.shard_optimizer = shard;
+        if (bucket_bytes > 0) dp.bucket_bytes = bucket_bytes;
       });
   for (int s = 0; s < kSteps; ++s) {
     for (int64_t rank = 0; rank < 2; ++rank) {
@@ -1001,65 +1001,32 @@ TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
   ExpectMastersMatchOneRank(got, single, 1e-6);
 }
 
+// Every rank runs the whole optimizer (DDP's way).
+TEST(DataParallel, TwoGlooRanksMatchOneRankAccumulatingTheGlobalBatch) {
+  SKIP_WITHOUT_GLOO();
+  ExpectTwoRanksMatchOneRankAccumulatingTheGlobalBatch(/*shard=*/false, /*bucket_bytes=*/0);
+}
+
+// Many buckets: 4 KiB each.
+TEST(DataParallel, AccumulatingRanksWithSmallBucketsMatchOneRank) {
+  SKIP_WITHOUT_GLOO();
+  ExpectAccumulatingRanksMatchOneRank(/*shard=*/false, /*bucket_bytes=*/4096);
+}
+
 // ZeRO stage 1 (DataParallelOptions::shard_optimizer, Note [Sharded optimizer]): each rank runs
-// AdamW on the parameters it owns and broadcasts them; the same ten steps as one rank
-// accumulating the global batch (losses, clipped global gradient norms, and after
-// GatherOptimizerState every master weight), with clipping on and rank 1 starting elsewhere.
+// AdamW on the parameters it owns and broadcasts them; the same steps as one rank (after
+// GatherOptimizerState every master weight too), in 4 KiB buckets, each with parameters of both
+// owners.
 TEST(DataParallel, ShardedOptimizerRanksMatchOneRank) {
   SKIP_WITHOUT_GLOO();
-  constexpr int kSteps = 10;
-  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
-  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
-  TrainOptions single_options = FixtureOptions(at::kCPU, false);
-  single_options.grad_accum_steps = 2;
-  single_options.max_grad_norm = 0.5;
-  Trainer single(m, single_options);
-  std::vector<TrainStepResult> want;
-  for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
-
-  const std::vector<RankRun> got = RunTwoGlooRanks(
-      batch, kSteps,
-      [](int64_t rank, VisionLanguageModel& source, TrainOptions& o, DataParallelOptions& dp) {
-        if (rank == 1) {
-          at::NoGradGuard ng;
-          for (auto& p : source->parameters()) p.add_(0.25);
-        }
-        o.max_grad_norm = 0.5;
-        dp.shard_optimizer = true;
-        dp.bucket_bytes = 4096;  // many buckets, each with parameters of both owners
-      });
-  for (int s = 0; s < kSteps; ++s) {
-    for (int64_t rank = 0; rank < 2; ++rank) {
-      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
-      EXPECT_NEAR(got[rank].steps[s].grad_norm, want[s].grad_norm, 1e-6 * want[s].grad_norm)
-          << "rank " << rank << " step " << s;
-    }
-  }
-  ExpectMastersMatchOneRank(got, single, 1e-6);
+  ExpectTwoRanksMatchOneRankAccumulatingTheGlobalBatch(/*shard=*/true, /*bucket_bytes=*/4096);
 }
 
 // The same with two micro-batches per rank: the accumulating micro-step, then the reduce to the
 // owners, the norm's all-reduce and the broadcast around the optimizer part.
 TEST(DataParallel, ShardedOptimizerWithAccumulationMatchesOneRank) {
   SKIP_WITHOUT_GLOO();
-  constexpr int kSteps = 4;
-  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
-  const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
-  TrainOptions single_options = FixtureOptions(at::kCPU, false);
-  single_options.grad_accum_steps = 4;
-  Trainer single(m, single_options);
-  std::vector<TrainStepResult> want;
-  for (int s = 0; s < kSteps; ++s) want.push_back(single.Step(batch));
-  const std::vector<RankRun> got = RunTwoGlooRanks(
-      batch, kSteps, [](int64_t, VisionLanguageModel&, TrainOptions& o, DataParallelOptions& dp) {
-        o.grad_accum_steps = 2;
-        dp.shard_optimizer = true;
-      });
-  for (int s = 0; s < kSteps; ++s) {
-    for (int64_t rank = 0; rank < 2; ++rank)
-      EXPECT_NEAR(got[rank].steps[s].loss, want[s].loss, 1e-6) << "rank " << rank << " step " << s;
-  }
-  ExpectMastersMatchOneRank(got, single, 1e-6);
+  ExpectAccumulatingRanksMatchOneRank(/*shard=*/true, /*bucket_bytes=*/0);
 }
 
 // Owners: largest parameters first, each to the rank owning the fewest elements; every rank

@@ -6,8 +6,8 @@ Compose bind-mounts a file secret with the host file's owner and mode; the docum
 (docs/deployment.md) is the operator's own file with group 10001 and mode 0440. Kubernetes writes a
 secret's files as root with the volume's defaultMode and, with the pod's fsGroup, that group: the
 manifest's fsGroup 10001 and defaultMode 0440 give the same. Each layout is read by a process of
-uid/gid 10001 with no other group (setpriv, as the container runs); the layout the docs used to give
-(chmod 600 as the operator) is refused, as it was in the container. Then the server takes the keys
+uid/gid 10001 with no other group (setpriv, as the container runs); a file only the operator can
+read (chmod 600) is refused, as it is in the container. Then the server takes the keys
 file of that layout (`auth.api_keys_file`, deploy/config.yaml's other settings on the CPU) and
 answers only calls with the key.
 
@@ -62,7 +62,7 @@ def main():
         os.chmod(keys, 0o440)
         if not readable_by_container_user(keys):
             failures.append("compose layout (group 10001, 0440) is not readable by uid 10001")
-        # What the docs gave before: the operator's file, 0600.
+        # A file only the operator can read: 0600.
         os.chown(keys, 0, 0)
         os.chmod(keys, 0o600)
         if readable_by_container_user(keys):
