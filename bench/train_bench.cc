@@ -11,6 +11,8 @@
 //   [--timeout-seconds 300]         (data parallel: a step longer than this ends the job)
 //   [--shard-optimizer on|off]      (data parallel: ZeRO stage 1, DataParallelOptions::
 //                                    shard_optimizer; default: that option's default)
+//   [--broadcast-in-forward on|off] (sharded: the later blocks' weights broadcast in the next
+//                                    step's forward, DataParallelOptions::broadcast_in_forward)
 //   [--stage-tiles on|off]          (on: tiles staged in bf16 pinned memory ahead, as
 //                                    vlmgraph-train's prefetch does; off: float32 tiles converted
 //                                    on the step's path; Note [Staged tiles], engine/trainer.h)
@@ -56,7 +58,8 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
                    const std::string& profile_trace, const std::string& recompute,
                    bool fused_optimizer, const vlmgraph::train::RankEnv& env,
                    int64_t bucket_bytes, double timeout_seconds, const std::string& reduce_dtype,
-                   bool stage_tiles, bool global_batch, const std::string& shard_optimizer) {
+                   bool stage_tiles, bool global_batch, const std::string& shard_optimizer,
+                   const std::string& broadcast_in_forward) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
@@ -87,6 +90,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
     if (reduce_dtype == "float32") dp.reduce_dtype = at::kFloat;
     if (reduce_dtype == "bfloat16") dp.reduce_dtype = at::kBFloat16;
     if (shard_optimizer != "default") dp.shard_optimizer = shard_optimizer == "on";
+    if (broadcast_in_forward != "default") dp.broadcast_in_forward = broadcast_in_forward == "on";
     dp.group_name = std::string("train-bench-") + (graphs ? "graph" : "eager");
     o.data_parallel = vlmgraph::DataParallelGroup::Join(dp);
   }
@@ -168,6 +172,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
           {"losses", losses},
           {"reduce_dtype", reduce_dtype},
           {"optimizer_sharded", trainer.optimizer_sharded()},
+          {"broadcast_in_forward_wait_block", trainer.forward_broadcast_wait_block()},
           {"staged_tiles", stage_tiles},
           {"first_loss", first.loss},
           {"last_loss", loss},
@@ -185,7 +190,7 @@ int Main(int argc, char** argv) {
   int steps = 20;
   double bucket_mb = 25, timeout_seconds = 300;
   std::string reduce_dtype = "default", stage_tiles = "on", global_batch = "off",
-              shard_optimizer = "default";
+              shard_optimizer = "default", broadcast_in_forward = "default";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset")
@@ -220,10 +225,16 @@ int Main(int argc, char** argv) {
       global_batch = v;  // on | off
     else if (k == "--shard-optimizer")
       shard_optimizer = v;  // default | on | off
+    else if (k == "--broadcast-in-forward")
+      broadcast_in_forward = v;  // default | on | off
   }
-  if (shard_optimizer != "default" && shard_optimizer != "on" && shard_optimizer != "off") {
-    std::fprintf(stderr, "--shard-optimizer: on or off, not %s\n", shard_optimizer.c_str());
-    return 2;
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{
+                                        "--shard-optimizer", shard_optimizer},
+                                    {"--broadcast-in-forward", broadcast_in_forward}}) {
+    if (value != "default" && value != "on" && value != "off") {
+      std::fprintf(stderr, "%s: on or off, not %s\n", flag, value.c_str());
+      return 2;
+    }
   }
   if (reduce_dtype != "default" && reduce_dtype != "float32" && reduce_dtype != "bfloat16") {
     std::fprintf(stderr, "--reduce-dtype: default, float32 or bfloat16, not %s\n",
@@ -245,7 +256,7 @@ int Main(int argc, char** argv) {
                     profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute,
                     optimizer != "aten", env, static_cast<int64_t>(bucket_mb * 1048576),
                     timeout_seconds, reduce_dtype, stage_tiles == "on", global_batch == "on",
-                    shard_optimizer);
+                    shard_optimizer, broadcast_in_forward);
     if (env.rank != 0) continue;
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);

@@ -484,4 +484,15 @@ void DataParallelGroup::FinishAllReduces() {
   }
 }
 
+void DataParallelGroup::FinishOldest(size_t count) {
+  std::vector<c10::intrusive_ptr<c10d::Work>>& started = state_->started;
+  count = std::min(count, started.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> oldest(started.begin(), started.begin() + count);
+  started.erase(started.begin(), started.begin() + count);
+  for (auto& work : oldest) {
+    Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */,
+         [&] { return work; });
+  }
+}
+
 }  // namespace vlmgraph

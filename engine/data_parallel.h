@@ -85,6 +85,14 @@ struct DataParallelOptions {
   // 8 x 1024 per GPU) 2 GPUs 84.64 -> 83.56 ms, 4 GPUs 86.23 -> 84.77 ms per step, the same
   // losses and weights (docs/design/training.md, "Data parallelism").
   bool shard_optimizer = true;
+  // With shard_optimizer, in steps of one bf16 micro-batch (AdamW inside the micro-step's graph):
+  // the updated weights of the decoder's blocks (and what follows them) are broadcast at the
+  // start of the next step, behind the vision encoder's forward, and each rank's forward waits
+  // for each chunk of them before the first block it holds: FSDP's forward prefetch of its
+  // all-gathers (Note [Weights broadcast in the forward] in
+  // engine/trainer.cc). Between steps those weights are current on their owners only until
+  // Trainer::GatherOptimizerState (every rank) or the next step.
+  bool broadcast_in_forward = true;
   // Prefix of every store key, so several groups (jobs) can share one store.
   std::string group_name = "vlmgraph";
   // Peer liveness heartbeat period, seconds (> 0); see DataParallelGroup::LostPeer.
@@ -145,6 +153,9 @@ class DataParallelGroup {
   void StartBroadcast(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& roots);
   // Waits for every collective the Start* calls above started (see StartAllReduceSum).
   void FinishAllReduces();
+  // Waits for the `count` oldest of them only (all when fewer are pending); the later ones stay
+  // pending for a later Finish call.
+  void FinishOldest(size_t count);
 
   // The step watchdog (NCCL groups; no-op for gloo, whose collectives time out and throw by
   // themselves). A collective whose peer died never completes, and a host thread that then waits

@@ -255,17 +255,27 @@ class Trainer {
   void LoadOptimizerState(const std::string& path);
   // The sharded optimizer (DataParallelOptions::shard_optimizer, Note [Sharded optimizer] in
   // trainer.cc) leaves each rank's master weights and AdamW moments of the parameters it does not
-  // own stale after a step. Every rank must call this (a collective: each tensor broadcast from
-  // its owner, blocking) before SaveCheckpoint or a read of master_weights(); afterwards every
-  // rank holds what one rank would, until the next step. A no-op when the optimizer is not
+  // own stale after a step, and the working weights of the decoder's later blocks current on
+  // their owners only (DataParallelOptions::broadcast_in_forward). Every rank must call this (a
+  // collective: each tensor broadcast from its owner, blocking) before SaveCheckpoint or a read of
+  // master_weights() or of model()'s weights; afterwards every rank holds what one rank would,
+  // until the next step. A no-op when the optimizer is not
   // sharded or nothing changed since the last call. std::logic_error between BeginStep and the
   // step's end; EngineError(kUnavailable) when a rank died.
   void GatherOptimizerState();
   // Whether each rank runs the optimizer on its own shard of the parameters (ZeRO stage 1).
   bool optimizer_sharded() const { return shards_ != nullptr; }
+  // DataParallelOptions::broadcast_in_forward in effect: the decoder block before which each
+  // step's forward waits for the weights the previous step's AdamW left on their owners (Note
+  // [Weights broadcast in the forward] in trainer.cc); -1 when every weight is broadcast in its
+  // own step.
+  int64_t forward_broadcast_wait_block() const {
+    return forward_wait_blocks_.empty() ? -1 : forward_wait_blocks_.front();
+  }
 
   // The working model the steps run: float32, or bf16 parameters equal to the masters rounded to
-  // bf16 after every step. Read the trained weights through master_weights().
+  // bf16 after every step. Read the trained weights through master_weights(); with the sharded
+  // optimizer, model()'s weights only after GatherOptimizerState too.
   VisionLanguageModel& model() { return model_; }
   // (name, float32 master) of every trained parameter, named as model()->named_parameters(), on
   // options().device. Updated in place by Step(): the tensors keep their addresses. With the
@@ -328,6 +338,8 @@ class Trainer {
   void BroadcastUpdatedWeights();
   // Starts chunk c's broadcast (its weights from their owners) on the group's stream.
   void StartBroadcastChunk(size_t c);
+  // Note [Weights broadcast in the forward]: the deferred chunks' broadcast, eagerly, waited for.
+  void FinishForwardBroadcast();
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
                    int64_t* target_tokens);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
@@ -379,6 +391,14 @@ class Trainer {
   std::vector<Group> owned_groups_;
   // The weights' broadcast after AdamW in chunks: parameter indices, in order.
   std::vector<std::vector<size_t>> broadcast_chunks_;
+  // Note [Weights broadcast in the forward]: chunks [forward_chunk_, size) (none when
+  // forward_chunk_ == broadcast_chunks_.size()) are broadcast at the start of the next direct
+  // step, whose forward waits for chunk forward_chunk_ + i before decoder block
+  // forward_wait_blocks_[i] (non-decreasing). forward_broadcast_pending_: a direct step left them
+  // current on their owners only.
+  size_t forward_chunk_ = 0;
+  std::vector<int64_t> forward_wait_blocks_;
+  bool forward_broadcast_pending_ = false;
   bool optimizer_state_gathered_ = true;  // GatherOptimizerState ran since the last step
   // Data parallel only: the gradient buckets and their all-reduces (engine/gradient_reducer.h).
   std::unique_ptr<GradientReducer> reducer_;

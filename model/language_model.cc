@@ -205,13 +205,18 @@ LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
 }
 
 at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positions,
-                                  const AttentionContext& ctx) {
+                                  const AttentionContext& ctx, const BlockHook& before_block) {
+  auto hook = [&](size_t i) {
+    if (before_block) before_block(static_cast<int64_t>(i));
+  };
   if (UsesFusedPath(x)) {
     at::Tensor h = x.contiguous();
     for (size_t i = 0; i < blocks->size(); ++i) {
+      hook(i);
       h = blocks[i]->as<DecoderBlock>()->ForwardFused(
           h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx, static_cast<int64_t>(i));
     }
+    hook(blocks->size());
     return ops::RmsNorm(h, norm->weight, norm->eps);
   }
   auto [cos, sin] = rotary_embd->forward(positions);
@@ -219,6 +224,7 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
   for (size_t i = 0; i < blocks->size(); ++i) {
     auto block = std::dynamic_pointer_cast<DecoderBlockImpl>(blocks[i]);
     const int64_t layer = static_cast<int64_t>(i);
+    hook(i);
     if (recompute_blocks && ctx.mode == AttentionContext::Mode::kNoCache) {
       h = Recompute([block, cos = cos, sin = sin, ctx, layer](
                         const at::Tensor& in) { return block->forward(in, cos, sin, ctx, layer); },
@@ -227,13 +233,14 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
       h = block->forward(h, cos, sin, ctx, layer);
     }
   }
+  hook(blocks->size());
   return norm->forward(h);
 }
 
-at::Tensor LanguageModelImpl::Forward(const at::Tensor& x) {
+at::Tensor LanguageModelImpl::Forward(const at::Tensor& x, const BlockHook& before_block) {
   const int64_t b = x.size(0), t = x.size(1);
   at::Tensor positions = at::arange(t, x.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
-  return Run(x, positions, AttentionContext{});
+  return Run(x, positions, AttentionContext{}, before_block);
 }
 
 at::Tensor LanguageModelImpl::Prefill(const at::Tensor& x, KVCache* cache,

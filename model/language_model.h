@@ -4,7 +4,7 @@
 // `lm_tie_weights`.
 //
 // Three ways to run it, all returning final-normed hidden states (apply `Logits` for the head):
-//   Forward(x)                          full causal pass, no cache (training, scoring, reference)
+//   Forward(x[, before_block])          full causal pass, no cache (training, scoring, reference)
 //   Prefill(x, &cache, slots)           same, and writes each row's keys/values into cache rows
 //   Decode(x, &cache, positions, L)     one new token per row over cache rows [0, B), attending to
 //                                       cache positions [0, L) that are <= the row's position
@@ -20,6 +20,8 @@
 // Thread rules: not thread-safe; one thread calls it at a time. Every op is a device op with no
 // host synchronisation, so Prefill and Decode can be captured into CUDA graphs.
 #pragma once
+
+#include <functional>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -131,7 +133,11 @@ class LanguageModelImpl : public torch::nn::Module {
  public:
   explicit LanguageModelImpl(const VlmConfig& cfg);
 
-  at::Tensor Forward(const at::Tensor& x);
+  // Called with i before block i runs, and with blocks->size() before the final norm: a caller's
+  // point to order its own work against the pass (the trainer makes the device wait there for
+  // weights still in flight; Note [Weights broadcast in the forward] in engine/trainer.cc).
+  using BlockHook = std::function<void(int64_t block)>;
+  at::Tensor Forward(const at::Tensor& x, const BlockHook& before_block = nullptr);
   // Writes rows' keys/values for positions [0, T) into cache rows `slots` (B) int64.
   at::Tensor Prefill(const at::Tensor& x, KVCache* cache, const at::Tensor& slots);
   // x: (B, 1, H) with B <= cache->rows(); positions (B) int64; kv_len > max(positions).
@@ -170,7 +176,8 @@ class LanguageModelImpl : public torch::nn::Module {
   bool recompute_blocks = false;
 
  private:
-  at::Tensor Run(const at::Tensor& x, const at::Tensor& positions, const AttentionContext& ctx);
+  at::Tensor Run(const at::Tensor& x, const at::Tensor& positions, const AttentionContext& ctx,
+                 const BlockHook& before_block = nullptr);
 };
 TORCH_MODULE(LanguageModel);
 

@@ -1222,6 +1222,7 @@ TEST(DataParallel, ProcessRank) {
     dp.timeout_seconds = 120;
     dp.bucket_bytes = 64 * 1024;  // several buckets even for the tiny model
     dp.shard_optimizer = std::string(std::getenv("VLMGRAPH_TEST_DP_SHARD")) == "1";
+    dp.broadcast_in_forward = std::string(std::getenv("VLMGRAPH_TEST_DP_FORWARD")) == "1";
     o.data_parallel = DataParallelGroup::Join(dp);
   } else {
     o.grad_accum_steps = 2 * accum;
@@ -1248,6 +1249,9 @@ TEST(DataParallel, ProcessRank) {
   t.GatherOptimizerState();  // every rank (sharded optimizer)
   std::map<std::string, at::Tensor> out = Masters(t);
   out["__losses__"] = at::tensor(losses, at::kDouble);
+  out["__forward_broadcast_wait_block__"] = at::tensor({t.forward_broadcast_wait_block()});
+  for (const auto& p : t.model()->named_parameters())  // the working weights each rank computes with
+    out["__working__." + p.key()] = p.value().detach().to(at::kCPU).clone();
   WriteSafetensors(std::getenv("VLMGRAPH_TEST_DP_OUT"), out);
   if (o.data_parallel) {  // every rank done before any leaves (Note [Heartbeats])
     o.data_parallel->Barrier();
@@ -1262,6 +1266,7 @@ struct RankSetup {
   std::string dtype = "float32";  // or "bfloat16" (bf16 training and gradient reduction)
   int64_t accum = 1;              // gradient accumulation steps per rank
   bool shard = false;             // DataParallelOptions::shard_optimizer
+  bool broadcast_in_forward = true;  // DataParallelOptions::broadcast_in_forward
   double max_loss_diff = 1e-5, max_weight_diff = 1e-5;  // against the one-rank reference
 };
 
@@ -1277,6 +1282,7 @@ bool RunNcclRanks(int64_t world, const std::filesystem::path& dir, const std::st
         "VLMGRAPH_TEST_DP_DTYPE=" + setup.dtype,
         "VLMGRAPH_TEST_DP_ACCUM=" + std::to_string(setup.accum),
         std::string("VLMGRAPH_TEST_DP_SHARD=") + (setup.shard ? "1" : "0"),
+        std::string("VLMGRAPH_TEST_DP_FORWARD=") + (setup.broadcast_in_forward ? "1" : "0"),
         "VLMGRAPH_TEST_DP_OUT=" + (dir / (name + std::to_string(rank) + ".safetensors")).string()};
     for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
     std::vector<char*> envp;
@@ -1319,7 +1325,7 @@ void ExpectProcessRanksMatchOneRank(const std::string& backend, const RankSetup&
     for (size_t s = 0; s < losses.size(); ++s)
       worst_loss = std::max(worst_loss, std::abs(losses[s] - want_losses[s]));
     for (const auto& [name, w] : want.tensors) {
-      if (name == "__losses__") continue;
+      if (name.rfind("__", 0) == 0) continue;  // losses, working weights, the wait block
       auto it = got.tensors.find(name);
       ASSERT_NE(it, got.tensors.end()) << name;
       worst = std::max(worst, testing::MaxAbsDiff(it->second, w));
@@ -1395,6 +1401,59 @@ TEST(DataParallel, TwoShardedNcclRanksMatchOneRank_CUDA) {
     bf16.max_weight_diff = 5e-3;
     ExpectProcessRanksMatchOneRank("nccl", bf16);
   }
+}
+
+// Note [Weights broadcast in the forward]: two sharded bf16 NCCL ranks whose later blocks'
+// weights go out in the next step's forward compute what the same ranks compute with every weight
+// broadcast in its own step: the same losses, masters and working weights, and each rank's
+// working weights equal the other's after GatherOptimizerState. A forward that read a weight
+// before its broadcast landed, or a gather that left one out, shows as a difference.
+TEST(DataParallel, WeightsBroadcastInTheForwardChangeNoResult_CUDA) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "built without NCCL";
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_forward_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  RankSetup setup;
+  setup.dtype = "bfloat16";
+  setup.shard = true;
+  setup.broadcast_in_forward = true;
+  ASSERT_TRUE(RunNcclRanks(2, dir, "forward", "nccl", setup)) << "a rank failed (output above)";
+  setup.broadcast_in_forward = false;
+  ASSERT_TRUE(RunNcclRanks(2, dir, "own_step", "nccl", setup)) << "a rank failed (output above)";
+  std::map<std::string, at::Tensor> working0;
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    const std::string r = std::to_string(rank);
+    const SafetensorsFile got = ReadSafetensors((dir / ("forward" + r + ".safetensors")).string());
+    const SafetensorsFile want =
+        ReadSafetensors((dir / ("own_step" + r + ".safetensors")).string());
+    EXPECT_GE(got.tensors.at("__forward_broadcast_wait_block__").item<int64_t>(), 0)
+        << "nothing was broadcast in the forward: the test compares nothing";
+    EXPECT_EQ(want.tensors.at("__forward_broadcast_wait_block__").item<int64_t>(), -1);
+    double worst = 0;
+    for (const auto& [name, w] : want.tensors) {
+      if (name == "__forward_broadcast_wait_block__") continue;
+      auto it = got.tensors.find(name);
+      ASSERT_NE(it, got.tensors.end()) << name;
+      const double diff = testing::MaxAbsDiff(it->second, w);
+      EXPECT_EQ(diff, 0) << name << " rank " << rank;
+      worst = std::max(worst, diff);
+      if (name.rfind("__working__.", 0) != 0) continue;
+      if (rank == 0) {
+        working0[name] = it->second;
+      } else {
+        EXPECT_EQ(testing::MaxAbsDiff(it->second, working0.at(name)), 0)
+            << name << ": rank 1's working weight is not rank 0's";
+      }
+    }
+    std::printf("broadcast in the forward (wait before block %lld) rank %lld: max |diff| %.3g\n",
+                static_cast<long long>(got.tensors.at("__forward_broadcast_wait_block__")
+                                           .item<int64_t>()),
+                static_cast<long long>(rank), worst);
+  }
+  for (const char* f : {"forward0", "forward1", "own_step0", "own_step1"})
+    ::unlink((dir / (std::string(f) + ".safetensors")).c_str());
+  ::rmdir(dir.c_str());
 }
 
 // The same with gloo ranks as separate CPU processes (eager steps).
