@@ -11,6 +11,8 @@
 //   [--timeout-seconds 300]         (data parallel: a step longer than this ends the job)
 //   [--shard-optimizer on|off]      (data parallel: ZeRO stage 1, DataParallelOptions::
 //                                    shard_optimizer; default: that option's default)
+//   [--peak-tflops X]               (the device's dense bf16 peak for MFU; default: from its name,
+//                                    PeakBf16Tflops below; none known: no MFU)
 //   [--broadcast-in-forward on|off] (sharded: the later blocks' weights broadcast in the next
 //                                    step's forward, DataParallelOptions::broadcast_in_forward)
 //   [--stage-tiles on|off]          (on: tiles staged in bf16 pinned memory ahead, as
@@ -31,6 +33,12 @@
 // "unstable" above 5%), every step's loss, peak device memory allocated and reserved over the
 // run, and the GPU's SM clock, power, temperature and throttle reasons over the timed steps
 // (NVML, bench/gpu_telemetry.h). Capture times go to stderr.
+//
+// MFU (model FLOPs utilisation): model FLOPs per step by PaLM's formula (model/flops.h: 6 x matmul
+// parameters x tokens for both towers, the projector and the LM head, plus 12 x layers x d x T
+// per token for attention), per rank, over the median step, against the device's dense bf16 peak.
+// --mode eager --profile-trace PATH writes the trace bench/train_regions.py splits by region
+// (vision encoder, projector, decoder blocks, LM head + loss, optimizer; forward and backward).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -49,17 +57,30 @@
 #include "bench/synthetic.h"
 #include "engine/device.h"
 #include "engine/trainer.h"
+#include "model/flops.h"
 #include "tools/train/launch.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the device's name; 0 when unknown.
+// NVIDIA's datasheets (half the "with sparsity" figure): H100 SXM5 989.4, H100 NVL 835, H100 PCIe
+// 756, H200 989.4 (H200 datasheet), A100 312 (A100 datasheet).
+double PeakBf16Tflops(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("H100") && has("PCIe")) return 756;
+  if (has("H100") && has("NVL")) return 835;
+  if (has("H100") || has("H200")) return 989.4;
+  if (has("A100")) return 312;
+  return 0;
+}
 
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
                    const std::string& profile_trace, const std::string& recompute,
                    bool fused_optimizer, const vlmgraph::train::RankEnv& env,
                    int64_t bucket_bytes, double timeout_seconds, const std::string& reduce_dtype,
                    bool stage_tiles, bool global_batch, const std::string& shard_optimizer,
-                   const std::string& broadcast_in_forward) {
+                   const std::string& broadcast_in_forward, double peak_tflops) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
@@ -160,7 +181,24 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   }
   const auto mem = vlmgraph::DeviceMemory(device);
   const double median_ms = ms[ms.size() / 2];
+  int64_t tiles = 0;
+  for (const auto& e : examples) tiles += e.tiles.defined() ? e.tiles.size(0) : 0;
+  const vlmgraph::TrainStepFlops flops = vlmgraph::TrainFlopsPerStep(cfg, batch, seq, tiles);
+  const std::string device_name = at::cuda::getDeviceProperties(device.index())->name;
+  const double peak = peak_tflops > 0 ? peak_tflops : PeakBf16Tflops(device_name);
+  const double achieved_tflops = flops.total() / (median_ms / 1e3) / 1e12;
   return {{"world_size", env.world_size},
+          {"device_name", device_name},
+          {"model_tflop_per_step", flops.total() / 1e12},
+          {"model_tflop_per_step_by_part",
+           {{"vision_encoder", flops.vision_encoder / 1e12},
+            {"projector", flops.projector / 1e12},
+            {"decoder", flops.decoder / 1e12},
+            {"lm_head", flops.lm_head / 1e12},
+            {"attention", flops.attention / 1e12}}},
+          {"model_tflops_per_second", achieved_tflops},
+          {"peak_bf16_tflops", peak > 0 ? nlohmann::json(peak) : nlohmann::json()},
+          {"mfu", peak > 0 ? nlohmann::json(achieved_tflops / peak) : nlohmann::json()},
           {"tokens_per_second_per_gpu", static_cast<double>(batch * seq) / (median_ms / 1e3)},
           {"all_reduce_bytes_per_step", first.all_reduce_bytes},
           {"first_step_seconds", first_s},
@@ -188,7 +226,7 @@ int Main(int argc, char** argv) {
               recompute = "none", optimizer = "fused";
   int64_t batch = 8, seq = 256;
   int steps = 20;
-  double bucket_mb = 25, timeout_seconds = 300;
+  double bucket_mb = 25, timeout_seconds = 300, peak_tflops = 0;
   std::string reduce_dtype = "default", stage_tiles = "on", global_batch = "off",
               shard_optimizer = "default", broadcast_in_forward = "default";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -227,6 +265,8 @@ int Main(int argc, char** argv) {
       shard_optimizer = v;  // default | on | off
     else if (k == "--broadcast-in-forward")
       broadcast_in_forward = v;  // default | on | off
+    else if (k == "--peak-tflops")
+      peak_tflops = std::stod(v);
   }
   for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{
                                         "--shard-optimizer", shard_optimizer},
@@ -256,7 +296,7 @@ int Main(int argc, char** argv) {
                     profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute,
                     optimizer != "aten", env, static_cast<int64_t>(bucket_mb * 1048576),
                     timeout_seconds, reduce_dtype, stage_tiles == "on", global_batch == "on",
-                    shard_optimizer, broadcast_in_forward);
+                    shard_optimizer, broadcast_in_forward, peak_tflops);
     if (env.rank != 0) continue;
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);

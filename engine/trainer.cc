@@ -1,6 +1,7 @@
 #include "engine/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
@@ -554,6 +555,7 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool r
 }
 
 std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool direct) {
+  RECORD_USER_SCOPE("vlmgraph::optimizer");
   // Note [Sharded optimizer]: this rank's parameters only.
   const AdamWTensors t = shards_ ? shards_->Owned(all) : all;
   // The squared norm is always computed: it decides whether the step is skipped (Note [Skipped
@@ -611,6 +613,7 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool dir
 // are zeroed as after any step. All of it stays on the device, so the decision is part of the
 // captured graph. Step() reports the step as skipped; the server counts consecutive skips.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
+  RECORD_USER_SCOPE("vlmgraph::optimizer");
   at::NoGradGuard no_grad;
   if (reduce_bf16()) {  // the averaged bf16 gradients that ReduceAccumulated left in the buckets
     AdamWTensors t = adamw_;

@@ -1,6 +1,7 @@
 #include "model/language_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 
@@ -238,6 +239,7 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
 }
 
 at::Tensor LanguageModelImpl::Forward(const at::Tensor& x, const BlockHook& before_block) {
+  RECORD_USER_SCOPE("vlmgraph::decoder");
   const int64_t b = x.size(0), t = x.size(1);
   at::Tensor positions = at::arange(t, x.options().dtype(at::kLong)).unsqueeze(0).expand({b, t});
   return Run(x, positions, AttentionContext{}, before_block);
@@ -315,6 +317,7 @@ bool LanguageModelImpl::UsesFusedPath(const at::Tensor& x) const {
 
 at::Tensor LanguageModelImpl::CrossEntropySum(const at::Tensor& hidden, const at::Tensor& targets,
                                               int64_t ignore_index) {
+  RECORD_USER_SCOPE("vlmgraph::lm_head_loss");
   at::Tensor rows = hidden.reshape({-1, hidden.size(-1)});
   at::Tensor head = HeadWeight();
   if (ops::LinearCrossEntropySupported(rows, head))

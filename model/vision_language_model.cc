@@ -1,6 +1,7 @@
 #include "model/vision_language_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <stdexcept>
 
@@ -16,12 +17,19 @@ VisionLanguageModelImpl::VisionLanguageModelImpl(const VlmConfig& config) : cfg(
 }
 
 at::Tensor VisionLanguageModelImpl::EncodeImages(const at::Tensor& tiles) {
-  at::Tensor e = MP->forward(vision_encoder->forward(tiles));  // (N, tokens, H)
+  at::Tensor patches;
+  {
+    RECORD_USER_SCOPE("vlmgraph::vision_encoder");
+    patches = vision_encoder->forward(tiles);
+  }
+  RECORD_USER_SCOPE("vlmgraph::projector");
+  at::Tensor e = MP->forward(patches);  // (N, tokens, H)
   return e.reshape({-1, e.size(-1)});
 }
 
 at::Tensor VisionLanguageModelImpl::Embed(const at::Tensor& input_ids,
                                           const at::Tensor& image_rows) {
+  RECORD_USER_SCOPE("vlmgraph::embed");
   at::Tensor tok = decoder->token_embedding->forward(input_ids);  // (B, T, H)
   if (!image_rows.defined() || image_rows.size(0) == 0) return tok;
   at::Tensor is_image = input_ids.eq(cfg.image_token_id);

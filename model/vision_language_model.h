@@ -11,6 +11,13 @@
 // fills `mp_image_token_length` image-token positions. Errors: user mistakes (token ids out of
 // range, image-token count not matching the tiles) throw std::invalid_argument with what to change.
 // Thread rules: not thread-safe; one thread drives a model at a time.
+//
+// Profiler ranges: EncodeImages, Embed, LanguageModelImpl::Forward and ::CrossEntropySum run
+// inside user ranges named vlmgraph::vision_encoder, ::projector, ::embed, ::decoder and
+// ::lm_head_loss (the trainer adds vlmgraph::optimizer), which a Kineto / torch.profiler trace
+// records; bench/train_regions.py attributes each kernel of an eager training step to one of them,
+// backward kernels through their autograd node's sequence number. Free while no profiler runs;
+// graph replays run none of them.
 #pragma once
 
 #include <torch/nn/module.h>
