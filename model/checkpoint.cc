@@ -4,16 +4,20 @@
 #include <torch/utils.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "base/atomic_file.h"
 #include "base/safetensors.h"
+#include "model/hf_checkpoint.h"
 #include "model/weight_init.h"
 
 namespace vlmgraph {
 namespace {
+
+namespace fs = std::filesystem;
 
 constexpr const char* kEmbedding = "decoder.token_embedding.weight";
 constexpr const char* kHead = "decoder.head.weight";
@@ -43,6 +47,31 @@ std::map<std::string, at::Tensor> UpstreamNames(const VlmConfig& cfg,
     tensors.erase(kEmbedding);
   }
   return tensors;
+}
+
+// `dir/config.json`, parsed. Throws CheckpointError (with the accepted formats) when there is
+// none, ConfigError when it is not JSON.
+nlohmann::json ReadCheckpointConfig(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "config.json";
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) {
+    throw CheckpointError("no config.json in checkpoint directory '" + dir + "'; " +
+                          kAcceptedCheckpointFormats);
+  }
+  std::ifstream in(path);
+  if (!in) throw ConfigError("cannot open model config '" + path.string() + "'");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError("model config '" + path.string() + "' is not valid JSON: " + e.what());
+  }
+}
+
+// The directory's own name ("smollm2-135m" for "models/smollm2-135m/").
+std::string CheckpointName(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();
+  return p.filename().string();
 }
 
 }  // namespace
@@ -89,8 +118,24 @@ void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path
     if (!used.count(name)) unexpected.push_back(name);
   }
   if (missing.empty() && mismatched.empty() && unexpected.empty()) return;
+  throw CheckpointError(TensorMismatchMessage(
+      "checkpoint '" + safetensors_path + "' does not match its config:", missing, mismatched,
+      unexpected));
+}
+
+const char* const kAcceptedCheckpointFormats =
+    "vlmgraph loads a nanoVLM checkpoint (config.json with nanoVLM's VLMConfig + "
+    "model.safetensors, as nanoVLM's save_pretrained and vlmgraph write them) or a Hugging Face "
+    "transformers Llama / SmolLM2 checkpoint (config.json with model_type \"llama\" + "
+    "model.safetensors, or model.safetensors.index.json and its shards, as transformers' "
+    "save_pretrained writes them)";
+
+std::string TensorMismatchMessage(const std::string& header,
+                                  const std::vector<std::string>& missing,
+                                  const std::vector<std::string>& mismatched,
+                                  const std::vector<std::string>& unexpected) {
   std::ostringstream msg;
-  msg << "checkpoint '" << safetensors_path << "' does not match its config:";
+  msg << header;
   auto list = [&](const char* what, const std::vector<std::string>& names) {
     if (names.empty()) return;
     msg << "\n  " << what << " (" << names.size() << "):";
@@ -100,25 +145,32 @@ void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path
   list("missing tensors", missing);
   list("mis-shaped tensors", mismatched);
   list("unexpected tensors", unexpected);
-  throw CheckpointError(msg.str());
+  return msg.str();
 }
 
 VisionLanguageModel LoadModel(const std::string& dir) {
-  const auto config_path = std::filesystem::path(dir) / "config.json";
+  const nlohmann::json config = ReadCheckpointConfig(dir);
+  if (IsTransformersConfig(config)) return LoadTransformersLlama(dir, config);
   const auto weights_path = std::filesystem::path(dir) / "model.safetensors";
-  if (!std::filesystem::exists(config_path)) {
-    throw CheckpointError("no config.json in checkpoint directory '" + dir + "'");
-  }
   if (!std::filesystem::exists(weights_path)) {
-    throw CheckpointError("no model.safetensors in checkpoint directory '" + dir + "'");
+    throw CheckpointError("no model.safetensors in checkpoint directory '" + dir + "'; " +
+                          kAcceptedCheckpointFormats);
   }
-  const VlmConfig cfg = VlmConfig::FromJsonFile(config_path.string());
+  const VlmConfig cfg = VlmConfig::FromJson(config);
   VisionLanguageModel model = [&] {
     SkipWeightInit skip;  // LoadWeights overwrites every parameter or throws
     return VisionLanguageModel(cfg);
   }();
   LoadWeights(model, weights_path.string());
   return model;
+}
+
+VlmConfig LoadModelConfig(const std::string& dir) {
+  const nlohmann::json config = ReadCheckpointConfig(dir);
+  if (IsTransformersConfig(config)) {
+    return TransformersLlamaConfig(config, CheckpointName(dir));
+  }
+  return VlmConfig::FromJson(config);
 }
 
 void SaveModel(VisionLanguageModel& model, const std::string& dir) {

@@ -1,5 +1,7 @@
 // model/checkpoint.h: loading and saving nanoVLM checkpoints (a directory with upstream's
-// `config.json` and `model.safetensors`, as `save_pretrained` writes them).
+// `config.json` and `model.safetensors`, as `save_pretrained` writes them). LoadModel and
+// LoadModelConfig also take a Hugging Face transformers checkpoint of the Llama family (SmolLM2 and
+// any LlamaForCausalLM: model/hf_checkpoint.h), told apart by its config.json.
 //
 //   vlmgraph::VisionLanguageModel m = vlmgraph::LoadModel("path/to/ckpt");
 //   vlmgraph::SaveModel(m, "out/ckpt");     // loadable by upstream's from_pretrained too
@@ -14,14 +16,15 @@
 // symbolic link planted in the directory under a file's name (or its temporary's) is replaced,
 // never written through, and a failed write leaves no temporary behind.
 //
-// Errors: `CheckpointError` naming each missing, unexpected or mis-shaped tensor;
-// std::system_error (file and errno) when a save cannot write. Thread rules: call while no other
-// thread uses the model.
+// Errors: `CheckpointError` naming each missing, unexpected or mis-shaped tensor, and for a
+// directory in neither format (the message lists the accepted formats); std::system_error (file
+// and errno) when a save cannot write. Thread rules: call while no other thread uses the model.
 #pragma once
 
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "model/vision_language_model.h"
 
@@ -38,8 +41,22 @@ std::map<std::string, at::Tensor> StateDict(VisionLanguageModel& model);
 // Copies the tensors of a safetensors file into `model` (converting dtype, keeping device).
 void LoadWeights(VisionLanguageModel& model, const std::string& safetensors_path);
 
-// Reads `dir/config.json` and `dir/model.safetensors` into a new float32 CPU model.
+// The checkpoint formats LoadModel accepts, as one sentence for error messages.
+extern const char* const kAcceptedCheckpointFormats;
+
+// The message of a checkpoint whose tensors do not match its config: `header`, then each
+// non-empty list with its count (at most 20 names each).
+std::string TensorMismatchMessage(const std::string& header,
+                                  const std::vector<std::string>& missing,
+                                  const std::vector<std::string>& mismatched,
+                                  const std::vector<std::string>& unexpected);
+
+// Reads `dir/config.json` and `dir/model.safetensors` into a new float32 CPU model; a
+// transformers Llama checkpoint through LoadTransformersLlama (model/hf_checkpoint.h).
 VisionLanguageModel LoadModel(const std::string& dir);
+
+// The config of the model LoadModel(dir) builds, without reading the weights (cheap).
+VlmConfig LoadModelConfig(const std::string& dir);
 
 // Writes `dir/config.json` and `dir/model.safetensors` (creating `dir`), in the model's dtype.
 void SaveModel(VisionLanguageModel& model, const std::string& dir);

@@ -60,7 +60,7 @@ std::vector<std::string> ServingDevices(const ServerConfig& config) {
 VlmConfig BuildModelConfig(const ServerConfig& config) {
   if (IsPresetModel(config.model)) return VlmConfig::Preset(config.model);
   try {
-    return VlmConfig::FromJsonFile(config.model + "/config.json");
+    return LoadModelConfig(config.model);
   } catch (const std::exception& e) {
     throw ServerConfigError("model", std::string("cannot load checkpoint: ") + e.what());
   }

@@ -28,7 +28,7 @@ EngineOptions ToEngineOptions(const ServerConfig& config);
 // do not exist (the message gives the machine's count).
 std::vector<std::string> ServingDevices(const ServerConfig& config);
 
-// The configured model's config (a preset's, or the checkpoint's config.json), without its
+// The configured model's config (a preset's, or the checkpoint's: LoadModelConfig), without its
 // weights: cheap, for checks before the engine is built.
 VlmConfig BuildModelConfig(const ServerConfig& config);
 

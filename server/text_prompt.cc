@@ -30,6 +30,15 @@ json ReadJsonIfExists(const fs::path& path) {
   }
 }
 
+// The text of the file at `path`, or "" when there is none.
+std::string ReadTextIfExists(const fs::path& path) {
+  if (!fs::is_regular_file(path)) return {};
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 // A token given as "text" or as an AddedToken object {"content": "text", ...} (transformers
 // writes both forms).
 std::string TokenText(const json& j) {
@@ -77,6 +86,46 @@ std::vector<std::string> ImageStrings(const VlmConfig& model,
   return out;
 }
 
+// The tokenizer at `path`. One that holds none of the model's extra VLM tokens and no id at or
+// above lm_base_vocab_size (the base tokenizer of a language model, such as a transformers
+// SmolLM2 checkpoint's) gets them appended as special added tokens at ids lm_base_vocab_size..,
+// in the config's order, as upstream nanoVLM's get_tokenizer and tools/convert_gguf.py add them.
+Tokenizer LoadTokenizer(const std::string& path, const VlmConfig& model) {
+  Tokenizer tokenizer = [&] {
+    try {
+      return Tokenizer::FromFile(path);
+    } catch (const std::exception& e) {
+      throw ServerConfigError("tokenizer", e.what());
+    }
+  }();
+  if (model.vlm_extra_tokens.empty() || tokenizer.vocab_size() > model.lm_base_vocab_size ||
+      model.image_token_id != model.lm_base_vocab_size) {
+    return tokenizer;
+  }
+  for (const auto& [name, text] : model.vlm_extra_tokens) {
+    if (tokenizer.TokenToId(text)) return tokenizer;
+  }
+  json j = ReadJsonIfExists(path);
+  if (!j.contains("added_tokens") || !j["added_tokens"].is_array()) {
+    j["added_tokens"] = json::array();
+  }
+  int64_t id = model.lm_base_vocab_size;
+  for (const auto& [name, text] : model.vlm_extra_tokens) {
+    j["added_tokens"].push_back({{"id", id++},
+                                 {"content", text},
+                                 {"single_word", false},
+                                 {"lstrip", false},
+                                 {"rstrip", false},
+                                 {"normalized", false},
+                                 {"special", true}});
+  }
+  try {
+    return Tokenizer::FromJson(j.dump());
+  } catch (const std::exception& e) {
+    throw ServerConfigError("tokenizer", path + " with nanoVLM's extra tokens: " + e.what());
+  }
+}
+
 }  // namespace
 
 PromptTooLong::PromptTooLong(const std::string& field, size_t text_bytes, int64_t min_tokens,
@@ -97,20 +146,21 @@ PromptTooLong::PromptTooLong(const std::string& field, size_t text_bytes, int64_
 std::unique_ptr<TextModel> TextModel::Load(const ServerConfig& config, const VlmConfig& model) {
   const std::string path = TokenizerPath(config);
   if (path.empty()) return nullptr;
-  Tokenizer tokenizer = [&] {
-    try {
-      return Tokenizer::FromFile(path);
-    } catch (const std::exception& e) {
-      throw ServerConfigError("tokenizer", e.what());
-    }
-  }();
+  Tokenizer tokenizer = LoadTokenizer(path, model);
   const fs::path dir = fs::path(path).parent_path();
   const json tokenizer_config = ReadJsonIfExists(dir / "tokenizer_config.json");
-  std::string chat_template = ChatTemplate(tokenizer_config);
-  const std::string template_source =
-      chat_template.empty() ? "the model config's lm_chat_template"
-                            : (dir / "tokenizer_config.json").string() + "'s chat_template";
-  if (chat_template.empty()) chat_template = model.lm_chat_template;
+  // transformers 5 saves the template as chat_template.jinja, which wins over tokenizer_config's
+  // when both exist, as transformers loads them.
+  std::string template_source = (dir / "chat_template.jinja").string();
+  std::string chat_template = ReadTextIfExists(dir / "chat_template.jinja");
+  if (chat_template.empty()) {
+    chat_template = ChatTemplate(tokenizer_config);
+    template_source = (dir / "tokenizer_config.json").string() + "'s chat_template";
+  }
+  if (chat_template.empty()) {
+    chat_template = model.lm_chat_template;
+    template_source = "the model config's lm_chat_template";
+  }
   ChatFormat chat = [&] {
     try {
       return ChatFormat::FromTemplate(chat_template);
@@ -133,8 +183,9 @@ std::unique_ptr<TextModel> TextModel::Load(const ServerConfig& config, const Vlm
           "tokenizer", path + ": the image token '" + text + "' must have id " +
                            std::to_string(model.image_token_id) + " (the model's image_token_id)" +
                            (id ? ", it has " + std::to_string(*id) : ", it is missing") +
-                           "; convert the tokenizer with tools/convert_gguf.py or add nanoVLM's "
-                           "extra tokens as upstream's get_tokenizer does");
+                           "; give the language model's own tokenizer.json (nanoVLM's extra "
+                           "tokens are then added at ids lm_base_vocab_size..) or one with them "
+                           "at those ids, as upstream's get_tokenizer makes it");
     }
   }
 

@@ -8,9 +8,12 @@
 //   request.input_ids = p.input_ids; request.tiles = p.tiles;
 //
 // Files: the tokenizer is `config.tokenizer`, or `<checkpoint>/tokenizer.json` when that is unset
-// (Hugging Face's format, text/tokenizer.h). The chat template comes from
-// `<dir of tokenizer.json>/tokenizer_config.json` ("chat_template", as transformers saves it),
-// else from the model config's `lm_chat_template` (nanoVLM's); it must be ChatML
+// (Hugging Face's format, text/tokenizer.h); a language model's tokenizer that holds none of
+// nanoVLM's extra VLM tokens (a transformers SmolLM2 checkpoint's) gets them added at ids
+// lm_base_vocab_size.., as upstream's get_tokenizer adds them. The chat template comes from
+// `<dir of tokenizer.json>/chat_template.jinja` (transformers 5 saves it so), else from
+// `tokenizer_config.json` beside it ("chat_template", as earlier transformers save it), else from
+// the model config's `lm_chat_template` (nanoVLM's); it must be ChatML
 // (text/chat_format.h), or Load refuses to start. Default stop tokens: the chat format's end of
 // turn ("<|im_end|>"), tokenizer_config.json's "eos_token" and generation_config.json's
 // "eos_token_id" (an id or a list), those that exist in the vocabulary.

@@ -40,7 +40,8 @@ class TextTest : public ::testing::Test {
   }
   // Not std::filesystem::remove_all: the pip LibTorch exports an incompatible copy of it.
   void TearDown() override {
-    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                          "generation_config.json"})
       ::unlink((dir_ / f).c_str());
     ::rmdir(dir_.c_str());
   }
@@ -143,6 +144,64 @@ TEST_F(TextTest, LoadRefusesATokenizerOfAnotherModel) {
   ServerConfig none = Config();
   none.tokenizer = "none";
   EXPECT_EQ(TextModel::Load(none, cfg_), nullptr);
+}
+
+// A language model's own tokenizer (a transformers SmolLM2 checkpoint's) has none of nanoVLM's
+// extra tokens: they are added at ids lm_base_vocab_size.., as upstream's get_tokenizer adds them.
+TEST_F(TextTest, LoadAddsNanoVlmTokensToALanguageModelsTokenizer) {
+  json base = TinyTokenizerJson(cfg_);
+  json kept = json::array();
+  for (const json& t : base["added_tokens"]) {
+    if (t["id"].get<int64_t>() < cfg_.lm_base_vocab_size) kept.push_back(t);
+  }
+  base["added_tokens"] = kept;
+  Write("tokenizer.json", base);
+  ASSERT_FALSE(Tokenizer::FromJson(base.dump()).TokenToId("<|image|>"));
+  const std::unique_ptr<TextModel> text = TextModel::Load(Config(), cfg_);
+  ASSERT_NE(text, nullptr);
+  const Tokenizer& tok = text->tokenizer();
+  EXPECT_EQ(tok.vocab_size(), cfg_.lm_vocab_size);
+  int64_t id = cfg_.lm_base_vocab_size;
+  for (const auto& [name, token] : cfg_.vlm_extra_tokens) {
+    EXPECT_EQ(tok.TokenToId(token), id) << name;
+    EXPECT_TRUE(tok.IsSpecial(id)) << name;
+    ++id;
+  }
+  EXPECT_EQ(tok.Encode("<|image|>ab"), (std::vector<int64_t>{cfg_.image_token_id, 300}));
+  // One that holds some of them at other ids is not changed, and is refused.
+  base["added_tokens"].push_back({{"id", 900},
+                                  {"content", "<|image|>"},
+                                  {"single_word", false},
+                                  {"lstrip", false},
+                                  {"rstrip", false},
+                                  {"normalized", false},
+                                  {"special", true}});
+  Write("tokenizer.json", base);
+  try {
+    TextModel::Load(Config(), cfg_);
+    FAIL() << "a tokenizer with <|image|> at 900 was accepted";
+  } catch (const ServerConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("it has 900"), std::string::npos) << e.what();
+  }
+}
+
+// transformers 5 saves the chat template as chat_template.jinja; it wins over tokenizer_config's.
+TEST_F(TextTest, LoadReadsChatTemplateJinjaFirst) {
+  const std::string mistral =
+      "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}";
+  Write("tokenizer_config.json", {{"chat_template", mistral}});
+  std::ofstream(dir_ / "chat_template.jinja") << cfg_.lm_chat_template;
+  const std::unique_ptr<TextModel> text = TextModel::Load(Config(), cfg_);
+  ASSERT_NE(text, nullptr);
+  EXPECT_EQ(text->chat_format().name(), "chatml");
+  std::ofstream(dir_ / "chat_template.jinja") << mistral;
+  Write("tokenizer_config.json", {{"chat_template", cfg_.lm_chat_template}});
+  try {
+    TextModel::Load(Config(), cfg_);
+    FAIL() << "chat_template.jinja's Mistral-style template was not read";
+  } catch (const ServerConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("chat_template.jinja"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(TextTest, ChatPromptPutsEachImageStringWhereItsPartIs) {

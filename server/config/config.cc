@@ -179,8 +179,11 @@ void ValidateConfig(const ServerConfig& c, bool check_files) {
       !std::filesystem::is_regular_file(std::filesystem::path(c.model) / "config.json", ec)) {
     std::string names;
     for (const auto& n : VlmConfig::PresetNames()) names += (names.empty() ? "" : ", ") + n;
-    throw ServerConfigError("model", "'" + c.model + "' is neither a built-in preset (" + names +
-                                         ") nor a checkpoint directory with a config.json");
+    throw ServerConfigError("model",
+                            "'" + c.model + "' is neither a built-in preset (" + names +
+                                ") nor a checkpoint directory with a config.json (a nanoVLM "
+                                "checkpoint, or a transformers Llama / SmolLM2 "
+                                "checkpoint)");
   }
   const bool cuda_index = c.device.rfind("cuda:", 0) == 0 && c.device.size() > 5 &&
                           std::all_of(c.device.begin() + 5, c.device.end(), ::isdigit);

@@ -379,8 +379,12 @@ std::vector<ConfigKey> BuildKeys() {
       Key("model", &SC::model)
           .Doc("Preset name (nanovlm-tiny: 2+2 blocks, 64 px tiles, CPU demos; nanovlm-460m: "
                "upstream nanoVLM's SigLIP2-B/16-512 + SmolLM2-360M) with random weights, or a "
-               "checkpoint directory holding nanoVLM's config.json + model.safetensors (what "
-               "upstream's save_pretrained and the Train RPC's SaveCheckpoint write).")
+               "checkpoint directory: nanoVLM's config.json + model.safetensors (what "
+               "upstream's save_pretrained and the Train RPC's SaveCheckpoint write), or a "
+               "Hugging Face transformers Llama / SmolLM2 checkpoint (config.json with "
+               "model_type llama + model.safetensors, or its shards with "
+               "model.safetensors.index.json), served as nanoVLM's language model with a random "
+               "vision encoder.")
           .Default("nanovlm-tiny")
           .NonEmpty(),
       Key("seed", &SC::seed)

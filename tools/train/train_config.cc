@@ -141,12 +141,14 @@ const std::vector<Key>& Keys() {
   static const std::vector<Key> keys = {
       MakeKey("model", &C::model,
               "The model to train: a nanoVLM checkpoint directory (config.json + "
-              "model.safetensors, as upstream's save_pretrained and vlmgraph-train write) or a "
-              "preset (nanovlm-tiny, nanovlm-460m; random weights from seed). Required."),
+              "model.safetensors, as upstream's save_pretrained and vlmgraph-train write), a "
+              "Hugging Face transformers Llama / SmolLM2 checkpoint directory (its language "
+              "model, with a random vision encoder) or a preset (nanovlm-tiny, nanovlm-460m; "
+              "random weights from seed). Required."),
       MakeKey("tokenizer", &C::tokenizer,
               "Hugging Face tokenizer.json; \"\" = <model>/tokenizer.json. The chat template "
-              "comes from tokenizer_config.json beside it, else the model's lm_chat_template "
-              "(ChatML), as vlmgraph-server reads them."),
+              "comes from chat_template.jinja or tokenizer_config.json beside it, else the "
+              "model's lm_chat_template (ChatML), as vlmgraph-server reads them."),
       MakeKey("parse_special_in_content", &C::parse_special_in_content,
               "Special-token text in message content becomes special tokens (Hugging Face's "
               "apply_chat_template) instead of plain text."),

@@ -358,7 +358,8 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     const std::string tok = TokenizerPath(c);
     const std::string tok_dir =
         tok.substr(0, tok.rfind('/') == std::string::npos ? 0 : tok.rfind('/'));
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                             "generation_config.json"}) {
       const std::string from = (std::string(name) == "tokenizer.json") ? tok : tok_dir + "/" + name;
       const std::string to = dir + "/" + name;
       if (!from.empty() && IsFile(from) && from != to) WriteText(to, ReadText(from));
