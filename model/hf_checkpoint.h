@@ -28,10 +28,11 @@
 //     model.layers.N.self_attn.{q,k,v}_proj.weight -> decoder.blocks.N.attn.{q,k,v}_proj.weight
 //     model.layers.N.self_attn.o_proj.weight -> decoder.blocks.N.attn.out_proj.weight
 //     model.layers.N.mlp.{gate,up,down}_proj.weight ->
-//     decoder.blocks.N.mlp.{gate,up,down}_proj.weight model.layers.N.input_layernorm.weight ->
-//     decoder.blocks.N.norm1.weight model.layers.N.post_attention_layernorm.weight ->
-//     decoder.blocks.N.norm2.weight model.norm.weight -> decoder.norm.weight lm_head.weight ->
-//     decoder.head.weight (rows [0, vocab_size)), untied models only
+//       decoder.blocks.N.mlp.{gate,up,down}_proj.weight
+//     model.layers.N.input_layernorm.weight -> decoder.blocks.N.norm1.weight
+//     model.layers.N.post_attention_layernorm.weight -> decoder.blocks.N.norm2.weight
+//     model.norm.weight -> decoder.norm.weight
+//     lm_head.weight -> decoder.head.weight (rows [0, vocab_size)), untied models only
 //   q and k rows as stored: transformers' Llama and nanoVLM both rotate the two halves of each
 //   head (rotate_half), so no permutation (tests/parity/test_hf_checkpoint.py checks the logits
 //   against transformers). Tensors are converted to float32. Ignored: *.rotary_emb.inv_freq
