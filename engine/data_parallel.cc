@@ -21,6 +21,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -473,16 +474,7 @@ void DataParallelGroup::StartBroadcast(const std::vector<at::Tensor>& tensors,
   StartRooted(tensors, roots, /*reduce=*/false);
 }
 
-void DataParallelGroup::FinishAllReduces() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> started;
-  started.swap(state_->started);
-  for (auto& work : started) {
-    // NCCL: the current stream waits for the collective (no host block, so this is legal inside
-    // a capture); gloo: the host waits, up to the group's timeout.
-    Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */,
-         [&] { return work; });
-  }
-}
+void DataParallelGroup::FinishAllReduces() { FinishOldest(state_->started.size()); }
 
 void DataParallelGroup::FinishOldest(size_t count) {
   std::vector<c10::intrusive_ptr<c10d::Work>>& started = state_->started;
@@ -490,6 +482,8 @@ void DataParallelGroup::FinishOldest(size_t count) {
   std::vector<c10::intrusive_ptr<c10d::Work>> oldest(started.begin(), started.begin() + count);
   started.erase(started.begin(), started.begin() + count);
   for (auto& work : oldest) {
+    // NCCL: the current stream waits for the collective (no host block, so this is legal inside
+    // a capture); gloo: the host waits, up to the group's timeout.
     Wait("all-reduce", rank(), std::chrono::milliseconds(0) /* no host deadline */,
          [&] { return work; });
   }

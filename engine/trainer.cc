@@ -1187,12 +1187,12 @@ int64_t Trainer::checkpoint_bytes() const {
 // runs; the decoder's forward makes the compute stream wait for each chunk before the first block
 // it holds (LanguageModelImpl::BlockHook, DataParallelGroup::FinishOldest): FSDP's forward
 // prefetch of its all-gathers. What stays at the step's end (the vision encoder, the projector,
-// the embedding) is broadcast beside the later chunks' AdamW. Until then those working weights are current on their owners
-// only: a step without the direct graph (several micro-batches) and GatherOptimizerState
-// broadcast them first (FinishForwardBroadcast), so every read of the weights between steps goes
-// through GatherOptimizerState. The first direct step re-broadcasts weights every rank already
-// holds: harmless. DataParallelOptions::broadcast_in_forward = false keeps every chunk in its own
-// step.
+// the embedding) is broadcast beside the later chunks' AdamW. Between two steps the deferred
+// working weights are current on their owners only: a step without the direct graph (several
+// micro-batches) and GatherOptimizerState broadcast them first (FinishForwardBroadcast), so every
+// read of the weights between steps goes through GatherOptimizerState. The first direct step
+// re-broadcasts weights every rank already holds: harmless. DataParallelOptions::
+// broadcast_in_forward = false keeps every chunk in its own step.
 void Trainer::ShardedSquaredNorm(const std::vector<at::Tensor>& owned_grads) {
   at::NoGradGuard no_grad;
   grad_sq_sum_.zero_();
