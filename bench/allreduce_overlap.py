@@ -6,7 +6,13 @@ kernels of replayed CUDA graphs one by one).
 NCCL kernels (name containing "nccl") are the all-reduce; every other kernel is computation. Per
 step it prints the all-reduce's busy time, the part of it during which a computation kernel ran
 too (overlapped), the rest (exposed: nothing else ran), and the step's
-span. Usage: allreduce_overlap.py trace.json [--steps 3] [--json]"""
+span. Usage: allreduce_overlap.py trace.json [--steps 3] [--steady] [--json]
+
+--steady: the steady state of submitted steps (`--submit on`, Trainer::Submit): the span runs from
+the end of the first step's report copy (its one device-to-host memcpy) to the end of the last
+one's, so the steps counted are those whose whole gap to the step before lies in the trace, and
+the first step's input upload, which no step before it hides, is left out; --steps is then the
+number of report copies less one."""
 import argparse
 import json
 
@@ -44,17 +50,31 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steady", action="store_true")
     a = ap.parse_args()
     with open(a.trace) as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    nccl = union([[e["ts"], e["ts"] + e["dur"]] for e in kernels if "nccl" in e["name"].lower()])
-    compute = union([[e["ts"], e["ts"] + e["dur"]] for e in kernels
-                     if "nccl" not in e["name"].lower()])
     if not kernels:
         raise SystemExit("no kernels in the trace")
-    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    begin = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    if a.steady:
+        reports = sorted(e["ts"] + e["dur"] for e in events
+                         if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy"
+                         and "DtoH" in e.get("name", ""))
+        if len(reports) < 2:
+            raise SystemExit("--steady needs the report copies of 2 steps or more")
+        begin, end, a.steps = reports[0], reports[-1], len(reports) - 1
+
+    def clipped(keep):
+        return union([[max(e["ts"], begin), min(e["ts"] + e["dur"], end)] for e in kernels
+                      if keep(e["name"].lower()) and e["ts"] < end and e["ts"] + e["dur"] > begin])
+
+    nccl = clipped(lambda n: "nccl" in n)
+    compute = clipped(lambda n: "nccl" not in n)
+    span = end - begin
     allreduce = length(nccl)
     hidden = length(intersect(nccl, compute))
     streams = sorted({(e.get("pid"), e.get("tid")) for e in kernels if "nccl" in e["name"].lower()})
@@ -62,11 +82,13 @@ def main():
         "steps": a.steps,
         "step_span_ms": span / 1e3 / a.steps,
         "compute_busy_ms": length(compute) / 1e3 / a.steps,
+        "compute_busy_fraction": length(compute) / span,
         "all_reduce_busy_ms": allreduce / 1e3 / a.steps,
         "all_reduce_overlapped_ms": hidden / 1e3 / a.steps,
         "all_reduce_exposed_ms": (allreduce - hidden) / 1e3 / a.steps,
         "overlapped_fraction": hidden / allreduce if allreduce else 0.0,
-        "nccl_kernels": sum(1 for e in kernels if "nccl" in e["name"].lower()) // max(a.steps, 1),
+        "nccl_kernels": sum(1 for e in kernels if "nccl" in e["name"].lower()
+                            and e["ts"] < end and e["ts"] + e["dur"] > begin) // max(a.steps, 1),
         "nccl_streams": len(streams),
     }
     if a.json:

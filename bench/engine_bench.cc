@@ -9,6 +9,12 @@
 //                  [--overlap 0|1]          (overlapped decode steps off / on; default: engine's)
 //                  [--sampling 1]           (decode requests sample: temperature 0.8, top-k 50,
 //                                            top-p 0.9, a seed each; default greedy)
+//                  [--decode-batches 1,8,32] (decode rows; "derived" buckets below allow up to
+//                                            the largest derived bucket)
+//                  [--batch-buckets default|derived] (derived: decode batch buckets from the
+//                                            device's memory up to --max-decode-batch, as the
+//                                            server derives them, engine/bucket_sizing.h)
+//                  [--max-decode-batch 256]
 //
 // Method: each figure is the median over `--iters` timed runs after `--warmup` untimed runs.
 // TTFT = Validate() + Admit() of N requests, each one 512x512 image tile + 64 text tokens (vision,
@@ -52,7 +58,22 @@ struct Args {
   bool decode_only = false;  // skip TTFT and the eager engine (for profilers)
   int overlap = -1;          // overlapped decode steps: 0 off, 1 on, -1 the engine's default
   bool sampling = false;     // decode requests sample instead of taking the argmax
+  std::vector<int64_t> decode_batches = {1, 8, 32};
+  bool derived_buckets = false;  // batch buckets from the device's memory
+  int64_t max_decode_batch = 256;
 };
+
+std::vector<int64_t> ParseList(const std::string& v) {
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (start <= v.size()) {
+    const size_t comma = v.find(',', start);
+    out.push_back(std::stoll(v.substr(start, comma - start)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
 
 GenerateRequest ImagePrompt(const vlmgraph::VlmConfig& cfg, int64_t text_tokens, int64_t max_new) {
   GenerateRequest r;
@@ -70,6 +91,10 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
   o.cuda_graphs = graphs;
   o.log_captures = false;
   if (a.overlap >= 0) o.overlap_decode_steps = a.overlap == 1;
+  if (a.derived_buckets) {
+    o.buckets.batch_sizes.clear();  // derived from the device's memory at construction
+    o.buckets.max_decode_batch = a.max_decode_batch;
+  }
   Engine engine(std::move(model), o);
   const auto& cfg = engine.model_config();
   nlohmann::json out;
@@ -98,7 +123,12 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
     }
     out["ttft_ms"]["batch_" + std::to_string(batch)] = Median(ms);
   }
-  for (int64_t batch : {1, 8, 32}) {
+  out["batch_sizes"] = engine.options().buckets.batch_sizes;
+  for (int64_t batch : a.decode_batches) {
+    if (batch > engine.options().buckets.max_batch()) {
+      out["skipped_decode_batches"].push_back(batch);  // more than the engine's slots
+      continue;
+    }
     std::vector<GenerateRequest> reqs(batch, ImagePrompt(cfg, 64, 1000));
     for (size_t i = 0; i < reqs.size(); ++i) {
       auto& sp = reqs[i].sampling;
@@ -168,6 +198,12 @@ int main(int argc, char** argv) {
       a.overlap = std::stoi(v);
     else if (k == "--sampling")
       a.sampling = v == "1";
+    else if (k == "--decode-batches")
+      a.decode_batches = ParseList(v);
+    else if (k == "--batch-buckets")
+      a.derived_buckets = v == "derived";
+    else if (k == "--max-decode-batch")
+      a.max_decode_batch = std::stoll(v);
     else {
       std::fprintf(stderr, "unknown flag %s\n", k.c_str());
       return 2;
@@ -211,8 +247,13 @@ int main(int argc, char** argv) {
     row((std::string("time to first token, ") + b).c_str(), report["eager"]["ttft_ms"][b],
         report["graph"]["ttft_ms"][b]);
   }
-  for (const char* b : {"batch_1", "batch_8", "batch_32"}) {
-    row((std::string("decode per step, ") + b).c_str(), report["eager"]["decode_ms_per_step"][b],
+  for (int64_t batch : a.decode_batches) {
+    const std::string b = "batch_" + std::to_string(batch);
+    if (!report["eager"]["decode_ms_per_step"].contains(b) ||
+        !report["graph"]["decode_ms_per_step"].contains(b)) {
+      continue;  // more than the engine's slots
+    }
+    row(("decode per step, " + b).c_str(), report["eager"]["decode_ms_per_step"][b],
         report["graph"]["decode_ms_per_step"][b]);
   }
   std::printf("| start-up capture | | %.2f s (%lld graphs, pool %.1f MiB) | |\n",

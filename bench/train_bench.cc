@@ -18,6 +18,9 @@
 //   [--stage-tiles on|off]          (on: tiles staged in bf16 pinned memory ahead, as
 //                                    vlmgraph-train's prefetch does; off: float32 tiles converted
 //                                    on the step's path; Note [Staged tiles], engine/trainer.h)
+//   [--submit on|off]               (on: step i + 1 submitted before step i is waited for,
+//                                    Trainer::Submit / Wait, as vlmgraph-train runs them; off:
+//                                    Step() after Step(); the step time is then the host's too)
 //   [--global-batch on|off]         (data parallel, on: the ranks split one synthetic batch of
 //                                    world_size x batch examples, so a 1-GPU run at that batch
 //                                    takes the same steps; off: each rank its own copy)
@@ -49,6 +52,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -80,7 +84,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
                    bool fused_optimizer, const vlmgraph::train::RankEnv& env,
                    int64_t bucket_bytes, double timeout_seconds, const std::string& reduce_dtype,
                    bool stage_tiles, bool global_batch, const std::string& shard_optimizer,
-                   const std::string& broadcast_in_forward, double peak_tflops) {
+                   const std::string& broadcast_in_forward, double peak_tflops, bool submit) {
   const at::Device device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
   at::manual_seed(0);
   vlmgraph::VisionLanguageModel source(vlmgraph::VlmConfig::Preset(preset));
@@ -135,9 +139,9 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   // A rank that died ends this one's step with kUnavailable while the device may still run the
   // hung collective: report and end the process at once (engine/trainer.h, Note [A rank that
   // dies] in engine/trainer.cc), as vlmgraph-train does.
-  auto step = [&] {
+  auto guarded = [&](auto&& call) {
     try {
-      return trainer.Step(examples);
+      return call();
     } catch (const vlmgraph::EngineError& e) {
       std::fprintf(stderr, "vlmgraph-train-bench: rank %lld: %s: %s\n",
                    static_cast<long long>(env.rank),
@@ -145,6 +149,20 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
                    e.what());
       std::fflush(stderr);
       std::_Exit(e.code() == vlmgraph::EngineError::Code::kUnavailable ? 3 : 1);
+    }
+  };
+  auto step = [&] { return guarded([&] { return trainer.Step(examples); }); };
+  // n steps, each result to on_result: Step() each, or (--submit on) step i + 1 submitted before
+  // step i is waited for (Trainer::Submit / Wait), as vlmgraph-train runs them.
+  auto run_steps = [&](int n, const std::function<void(const vlmgraph::TrainStepResult&)>& on_result) {
+    if (!submit) {
+      for (int i = 0; i < n; ++i) on_result(step());
+      return;
+    }
+    guarded([&] { trainer.Submit(examples); return 0; });
+    for (int i = 0; i < n; ++i) {
+      if (i + 1 < n) guarded([&] { trainer.Submit(examples); return 0; });
+      on_result(guarded([&] { return trainer.Wait(); }));
     }
   };
   auto first = step();
@@ -158,22 +176,19 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
                   p->pciDeviceID);
   }
   vlmgraph::bench::GpuTelemetry telemetry(pci_bus_id);
-  for (int i = 0; i < steps; ++i) {
-    auto r = step();
+  run_steps(steps, [&](const vlmgraph::TrainStepResult& r) {
     ms.push_back(r.seconds * 1e3);
     losses.push_back(r.loss);
     loss = r.loss;
-  }
+  });
   const nlohmann::json gpu = telemetry.Stop();
   const double spread = vlmgraph::bench::RelativeSpread(ms);
   std::sort(ms.begin(), ms.end());
   if (!profile_trace.empty() && env.rank == 0) {  // after the timed steps: no bias
-    vlmgraph::bench::ProfileTrace(profile_trace, [&] {
-      for (int i = 0; i < 3; ++i) step();
-    });
-  }
-  else if (!profile_trace.empty()) {  // the other ranks take the same steps, untraced
-    for (int i = 0; i < 3; ++i) step();
+    vlmgraph::bench::ProfileTrace(profile_trace,
+                                  [&] { run_steps(3, [](const vlmgraph::TrainStepResult&) {}); });
+  } else if (!profile_trace.empty()) {  // the other ranks take the same steps, untraced
+    run_steps(3, [](const vlmgraph::TrainStepResult&) {});
   }
   if (o.data_parallel) {  // every rank done before any leaves (Note [Heartbeats])
     o.data_parallel->Barrier();
@@ -211,6 +226,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
           {"reduce_dtype", reduce_dtype},
           {"optimizer_sharded", trainer.optimizer_sharded()},
           {"broadcast_in_forward_wait_block", trainer.forward_broadcast_wait_block()},
+          {"submitted_steps", submit},
           {"staged_tiles", stage_tiles},
           {"first_loss", first.loss},
           {"last_loss", loss},
@@ -228,7 +244,7 @@ int Main(int argc, char** argv) {
   int steps = 20;
   double bucket_mb = 25, timeout_seconds = 300, peak_tflops = 0;
   std::string reduce_dtype = "default", stage_tiles = "on", global_batch = "off",
-              shard_optimizer = "default", broadcast_in_forward = "default";
+              shard_optimizer = "default", broadcast_in_forward = "default", submit = "on";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--preset")
@@ -267,10 +283,13 @@ int Main(int argc, char** argv) {
       broadcast_in_forward = v;  // default | on | off
     else if (k == "--peak-tflops")
       peak_tflops = std::stod(v);
+    else if (k == "--submit")
+      submit = v;  // on | off
   }
   for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{
                                         "--shard-optimizer", shard_optimizer},
-                                    {"--broadcast-in-forward", broadcast_in_forward}}) {
+                                    {"--broadcast-in-forward", broadcast_in_forward},
+                                    {"--submit", submit}}) {
     if (value != "default" && value != "on" && value != "off") {
       std::fprintf(stderr, "%s: on or off, not %s\n", flag, value.c_str());
       return 2;
@@ -296,7 +315,7 @@ int Main(int argc, char** argv) {
                     profile_trace.empty() ? "" : profile_trace + "." + m + ".json", recompute,
                     optimizer != "aten", env, static_cast<int64_t>(bucket_mb * 1048576),
                     timeout_seconds, reduce_dtype, stage_tiles == "on", global_batch == "on",
-                    shard_optimizer, broadcast_in_forward, peak_tflops);
+                    shard_optimizer, broadcast_in_forward, peak_tflops, submit != "off");
     if (env.rank != 0) continue;
     std::printf("%s %s\n", m, report[m].dump(2).c_str());
     std::fflush(stdout);

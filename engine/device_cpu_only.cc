@@ -1,4 +1,5 @@
 // CPU-only build: no CUDA graph runner, no device memory statistics, no fused optimizer kernels.
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #if defined(__GLIBC__)
@@ -22,6 +23,16 @@ DeviceEvent::~DeviceEvent() = default;
 void DeviceEvent::Record() {}
 void DeviceEvent::Synchronize() {}
 bool DeviceEvent::WaitFor(double) { return true; }
+
+struct DeviceUploader::Impl {};
+DeviceUploader::DeviceUploader(const at::Device&) {}
+DeviceUploader::~DeviceUploader() = default;
+void DeviceUploader::Upload(const std::vector<at::Tensor>& host,
+                            const std::vector<at::Tensor>& device) {
+  TORCH_CHECK(host.size() == device.size(), "DeviceUploader::Upload: ", host.size(),
+              " host tensors for ", device.size(), " destinations");
+  for (size_t i = 0; i < host.size(); ++i) device[i].copy_(host[i]);
+}
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
 DeviceCapacity DeviceMemoryCapacity(const at::Device&) { return {}; }

@@ -140,6 +140,13 @@ struct Trainer::PendingStep {
   at::Tensor loss_sum;         // device float32 scalar: the sum of the scaled micro-batch losses
   std::vector<at::Tensor> optimizer_out;  // device scalars: gradient norm, found_inf
   TrainStepResult result;
+  // Submit's steps (Note [Submitted steps]): completed by Wait, not by the last micro-batch.
+  bool submitted = false;
+  Clock::time_point submitted_at;
+  // FinishStep .. CompleteStep: {loss, gradient norm, found_inf} in pinned host memory, and the
+  // point of the stream after the step's work and that copy.
+  at::Tensor report;
+  std::unique_ptr<DeviceEvent> done;
 };
 
 namespace {
@@ -354,6 +361,7 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   }
   max_grad_norm_ = at::full({}, options_.max_grad_norm, f32);
   micro_batches_ = at::ones({}, f32);
+  uploader_ = std::make_unique<DeviceUploader>(options_.device);
   dp_loss_sum_ = at::zeros({1}, f32);
   grad_sq_sum_ = at::zeros({}, f32.dtype(at::kDouble));
   for (const auto& g : groups_) {
@@ -719,8 +727,15 @@ void Trainer::Warmup() {
   }
 }
 
+// Note [Uploads beside the step]: a bucket's static inputs (ids, targets, tiles: ~12 MiB of bf16
+// tiles at 8 x 1024 with one 512 px tile each) go up through a DeviceUploader
+// (engine/device.h): the transfer runs on a stream of its own into device staging tensors, and
+// the step's stream only copies them device to device into the static buffers. Copied on the
+// step's stream the transfer took ~0.5 ms between two steps with no kernel running (2 x H100
+// trace); beside the step before (a submitted step, Note [Submitted steps]) it takes none of the
+// step's stream. Buffers made for one exact-shape run are copied directly.
 void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
-                          int64_t* target_tokens) {
+                          int64_t* target_tokens, bool persistent) {
   const int64_t b = buf.key.batch, s = buf.key.seq;
   const int64_t pad = model_->cfg.pad_token_id();
   // The batch is staged in pinned host memory for a CUDA device, so the host->device copies are
@@ -746,31 +761,38 @@ void Trainer::FillBuffers(MicroBuffers& buf, const std::vector<const TrainExampl
       tiles_on_host = tiles_on_host && e.tiles.is_cpu();
     }
   }
-  buf.ids.copy_(ids, /*non_blocking=*/true);
-  buf.targets.copy_(targets, /*non_blocking=*/true);
+  // Note [Uploads beside the step]: the host tensors and where they go, copied together.
+  std::vector<at::Tensor> from = {ids, targets}, to = {buf.ids, buf.targets};
   buf.real_tiles = n_tiles;
   // Stale tiles beyond n_tiles are never selected by an image token: no need to clear them.
-  if (!buf.tiles.defined() || n_tiles == 0) return;
-  at::Tensor dst = buf.tiles.narrow(0, 0, n_tiles);
-  if (!tiles_on_host) {
-    dst.copy_(at::cat(tiles, 0));
-    return;
-  }
-  bool in_compute_dtype = true;  // Note [Staged tiles]
-  for (const at::Tensor& t : tiles)
-    in_compute_dtype = in_compute_dtype && t.scalar_type() == dst.scalar_type();
-  if (in_compute_dtype) {
-    int64_t offset = 0;
-    for (const at::Tensor& t : tiles) {
-      dst.narrow(0, offset, t.size(0)).copy_(t, /*non_blocking=*/true);
-      offset += t.size(0);
+  if (buf.tiles.defined() && n_tiles > 0) {
+    at::Tensor dst = buf.tiles.narrow(0, 0, n_tiles);
+    bool in_compute_dtype = true;  // Note [Staged tiles]
+    for (const at::Tensor& t : tiles)
+      in_compute_dtype = in_compute_dtype && t.scalar_type() == dst.scalar_type();
+    if (!tiles_on_host) {
+      dst.copy_(at::cat(tiles, 0));
+    } else if (in_compute_dtype) {
+      int64_t offset = 0;
+      for (const at::Tensor& t : tiles) {
+        from.push_back(t);
+        to.push_back(dst.narrow(0, offset, t.size(0)));
+        offset += t.size(0);
+      }
+    } else {
+      // Concatenated and converted to the compute dtype on the host: bf16 halves the bytes
+      // copied.
+      at::Tensor staged = at::empty(dst.sizes(), host.dtype(dst.scalar_type()));
+      at::cat_out(staged, tiles, 0);
+      from.push_back(staged);
+      to.push_back(dst);
     }
+  }
+  if (persistent) {
+    uploader_->Upload(from, to);
     return;
   }
-  // Concatenated and converted to the compute dtype on the host: bf16 halves the bytes copied.
-  at::Tensor staged = at::empty(dst.sizes(), host.dtype(dst.scalar_type()));
-  at::cat_out(staged, tiles, 0);
-  dst.copy_(staged, /*non_blocking=*/true);
+  for (size_t i = 0; i < from.size(); ++i) to[i].copy_(from[i], /*non_blocking=*/true);
 }
 
 at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, bool direct, bool last,
@@ -810,12 +832,12 @@ at::Tensor Trainer::MicroStep(const std::vector<const TrainExample*>& micro, boo
       graph, BucketKey{Region::kTrain, n, max_len, 0},
       [&](const BucketKey& k) -> RegionFn {
         MicroBuffers& buf = BuffersFor(PlainBucket(k));
-        FillBuffers(buf, micro, target_tokens);
+        FillBuffers(buf, micro, target_tokens, /*persistent=*/true);
         return [this, &buf, direct, reduce] { return RunMicro(buf, direct, reduce); };
       },
       [&] {
         exact_buffers = MakeBuffers(BucketKey{Region::kTrain, n, max_len, 0});
-        FillBuffers(*exact_buffers, micro, target_tokens);
+        FillBuffers(*exact_buffers, micro, target_tokens, /*persistent=*/false);
         return RunMicro(*exact_buffers, direct, reduce);
       },
       /*exact_requested=*/options_.exact_shapes);
@@ -878,6 +900,15 @@ void Trainer::CheckSomethingLearns(const std::vector<TrainExample>& examples) co
 // waits for. The step's state (accumulated gradients, the device loss sum) lives on the device
 // between the calls; nothing else may use the trainer meanwhile.
 void Trainer::BeginStep(std::vector<TrainExample> examples) {
+  if (!in_flight_.empty()) {
+    throw std::logic_error("Trainer::BeginStep: " + std::to_string(in_flight_.size()) +
+                           " submitted step(s) unfinished: call Wait first (Note [Submitted "
+                           "steps])");
+  }
+  BeginStepAt(std::move(examples), Clock::now());
+}
+
+void Trainer::BeginStepAt(std::vector<TrainExample> examples, Clock::time_point t0) {
   AbandonStep();
   finished_.reset();
   if (examples.empty()) throw Invalid("a training step needs at least one example");
@@ -886,7 +917,6 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
   // add zero gradients); only a single rank refuses such a step.
   if (!data_parallel_) CheckSomethingLearns(examples);
   Warmup();
-  const auto t0 = Clock::now();
   if (data_parallel_) {  // Note [A rank that dies]
     CheckPeers();
     options_.data_parallel->ArmStepWatchdog();
@@ -946,7 +976,10 @@ bool Trainer::RunNextMicroBatch() {
     if (kind == RunKind::kEager) r.kind = RunKind::kEager;
     if (kind == RunKind::kCaptureAndReplay && r.kind != RunKind::kEager)
       r.kind = RunKind::kCaptureAndReplay;
-    if (last) FinishStep();
+    if (last) {
+      FinishStep();
+      if (!s.submitted) CompleteStep(s);
+    }
   } catch (...) {
     try {
       AbandonStep();
@@ -956,14 +989,68 @@ bool Trainer::RunNextMicroBatch() {
   }
   r.seconds += SecondsSince(t0);
   if (!last) return false;
+  if (s.submitted) {
+    in_flight_.push_back(std::move(pending_));
+    return true;
+  }
   finished_ = std::make_unique<TrainStepResult>(std::move(r));
   pending_.reset();
-  if (options_.observer) {  // one step of region train: its first micro-batch's bucket
-    options_.observer->OnStep(finished_->buckets.front(), finished_->kind != RunKind::kEager,
-                              finished_->seconds);
-    options_.observer->OnTokens(Region::kTrain, finished_->real_tokens, finished_->padded_tokens);
-  }
+  ReportStep(*finished_);
   return true;
+}
+
+void Trainer::ReportStep(const TrainStepResult& r) {
+  if (!options_.observer) return;
+  // One step of region train: its first micro-batch's bucket.
+  options_.observer->OnStep(r.buckets.front(), r.kind != RunKind::kEager, r.seconds);
+  options_.observer->OnTokens(Region::kTrain, r.real_tokens, r.padded_tokens);
+}
+
+// Note [Submitted steps]: Step() ends with the step's one host synchronisation (its loss, norm
+// and found_inf), so between two Step() calls the device waits for the host: the report's round
+// trip, the next step's checks and packing, its launches (measured on 2 x H100, nanovlm-460m bf16
+// 8 x 1024: ~0.3 ms, then ~0.5 ms of tile uploads, of an 83 ms step). Submit queues a whole step
+// and returns; Wait completes the oldest submitted step. With one step submitted ahead, the host
+// prepares and launches step i + 1 while step i runs, and step i + 1's uploads run beside step
+// i's kernels (Note [Uploads beside the step]): the device goes from one step to the next without
+// waiting, as a PyTorch loop that reads loss.item() only after queuing the next step. Stream order
+// keeps every step's effects as Step() has them (same results, bit for bit): a step's inputs are
+// written into the static buffers after the step before has read them, its learning rates are
+// the device scalars SetLearningRateScale wrote before its Submit. At most two steps are
+// unfinished; the calls that need the trainer at rest (BeginStep, Step, GatherOptimizerState,
+// SaveCheckpoint, LoadOptimizerState) refuse while any is. Data parallel: each Wait waits with the
+// group's deadline, and the step watchdog stays armed while a step is unfinished.
+void Trainer::Submit(std::vector<TrainExample> examples) {
+  const auto t0 = Clock::now();
+  if (pending_) {
+    throw std::logic_error(
+        "Trainer::Submit: a step begun with BeginStep is unfinished (RunNextMicroBatch)");
+  }
+  if (in_flight_.size() >= kMaxSubmittedSteps) {
+    throw std::logic_error("Trainer::Submit: " + std::to_string(in_flight_.size()) +
+                           " submitted steps unfinished: call Wait before submitting another");
+  }
+  BeginStepAt(std::move(examples), t0);
+  pending_->submitted = true;
+  pending_->submitted_at = t0;
+  while (!RunNextMicroBatch()) {
+  }
+}
+
+TrainStepResult Trainer::Wait() {
+  if (in_flight_.empty()) throw std::logic_error("Trainer::Wait: no submitted step (Submit)");
+  std::unique_ptr<PendingStep> s = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  CompleteStep(*s);
+  // Its share of the wall time: from its Submit, or the end of the step before it when that was
+  // later, to now.
+  const Clock::time_point end = Clock::now();
+  s->result.seconds = std::chrono::duration<double>(
+                          end - std::max(s->submitted_at, last_submitted_end_))
+                          .count();
+  last_submitted_end_ = end;
+  ReportStep(s->result);
+  return std::move(s->result);
 }
 
 void Trainer::FinishStep() {
@@ -992,6 +1079,21 @@ void Trainer::FinishStep() {
     if (shards_) BroadcastUpdatedWeights();
   }
   if (shards_) optimizer_state_gathered_ = false;
+  // The step's one host synchronisation: loss, gradient norm and found_inf together, queued
+  // behind the step and copied into pinned host memory, so the wait (CompleteStep) covers the
+  // copy too (one round trip to the device, not two).
+  at::Tensor on_device = at::stack({s.loss_sum.to(at::kDouble),
+                                    s.optimizer_out.at(0).to(at::kDouble),
+                                    s.optimizer_out.at(1).to(at::kDouble)});
+  s.report = at::empty(
+      {3}, at::TensorOptions().dtype(at::kDouble).pinned_memory(options_.device.is_cuda()));
+  s.report.copy_(on_device, /*non_blocking=*/true);
+  s.done = std::make_unique<DeviceEvent>(options_.device);
+  s.done->Record();
+}
+
+void Trainer::CompleteStep(PendingStep& s) {
+  TrainStepResult& r = s.result;
   // Note [A rank that dies]: with NCCL a collective whose peer died never completes, and a
   // replayed graph cannot time out by itself (c10d's watchdog does not see captured collectives).
   // So a data-parallel rank waits for its step with the group's deadline; past it the step fails
@@ -1000,40 +1102,34 @@ void Trainer::FinishStep() {
   // the process hung), and anything that waits for the device (freeing the graphs' memory,
   // cudaDeviceSynchronize) would hang, so the process must end without waiting for the device:
   // vlmgraph-train prints the error and exits (std::_Exit) at once, as torchrun's agent ends the
-  // job's other ranks. A host thread that blocks before it gets here (the CUDA runtime may block
+  // job's other ranks. A host thread that blocks before it gets here (FinishStep, a later Submit) (the CUDA runtime may block
   // behind the hung kernel) is ended by the group's step watchdog
   // (DataParallelGroup::ArmStepWatchdog), which takes the process down 5 s later.
-  // The step's one host synchronisation: loss, gradient norm and found_inf together, queued
-  // behind the step and copied into pinned host memory, so the wait below covers the copy too
-  // (one round trip to the device, not two).
-  at::Tensor on_device = at::stack({s.loss_sum.to(at::kDouble),
-                                    s.optimizer_out.at(0).to(at::kDouble),
-                                    s.optimizer_out.at(1).to(at::kDouble)});
-  at::Tensor report = at::empty(
-      {3}, at::TensorOptions().dtype(at::kDouble).pinned_memory(options_.device.is_cuda()));
-  report.copy_(on_device, /*non_blocking=*/true);
-  DeviceEvent done(options_.device);
-  done.Record();
   if (data_parallel_ && options_.device.is_cuda()) {
     const double timeout = options_.data_parallel->options().timeout_seconds;
-    if (!done.WaitFor(timeout)) {
+    if (!s.done->WaitFor(timeout)) {
       throw EngineError(EngineError::Code::kUnavailable,
                         "data parallel rank " + std::to_string(options_.data_parallel->rank()) +
                             ": the step did not finish within " + LogFormat("%g", timeout) +
                             " s (timeout_seconds): a rank died or hangs; the job ends");
     }
   } else {
-    done.Synchronize();
+    s.done->Synchronize();
   }
   if (data_parallel_) {
-    options_.data_parallel->DisarmStepWatchdog();
+    // A later submitted step is still running: the watchdog guards it from now on.
+    if (in_flight_.empty()) {
+      options_.data_parallel->DisarmStepWatchdog();
+    } else {
+      options_.data_parallel->ArmStepWatchdog();
+    }
     // A collective whose peer was lost may have returned without reducing (Note [Heartbeats] in
     // engine/data_parallel.cc): such a step must not count.
     CheckPeers();
   }
   ++steps_;
   r.step = steps_;
-  const double* v = report.data_ptr<double>();
+  const double* v = s.report.data_ptr<double>();
   r.loss = v[0];
   r.grad_norm = v[1];
   r.skipped = v[2] != 0;
@@ -1103,6 +1199,7 @@ void Trainer::SetLearningRateScale(double scale) {
 }
 
 void Trainer::SaveCheckpoint(const std::string& dir) {
+  RequireAtRest("SaveCheckpoint");
   if (!optimizer_state_gathered_) {
     throw std::logic_error(
         "Trainer::SaveCheckpoint: the optimizer is sharded over the ranks "
@@ -1225,7 +1322,15 @@ void Trainer::FinishForwardBroadcast() {
   forward_broadcast_pending_ = false;
 }
 
+void Trainer::RequireAtRest(const char* call) const {
+  if (in_flight_.empty()) return;
+  throw std::logic_error(std::string("Trainer::") + call + ": " +
+                         std::to_string(in_flight_.size()) +
+                         " submitted step(s) unfinished: call Wait first (Note [Submitted steps])");
+}
+
 void Trainer::GatherOptimizerState() {
+  RequireAtRest("GatherOptimizerState");
   if (!shards_ || (optimizer_state_gathered_ && !forward_broadcast_pending_)) return;
   if (pending_)
     throw std::logic_error("Trainer::GatherOptimizerState: a step is in progress (BeginStep)");
@@ -1240,6 +1345,7 @@ void Trainer::GatherOptimizerState() {
 }
 
 void Trainer::LoadOptimizerState(const std::string& path) {
+  RequireAtRest("LoadOptimizerState");
   Warmup();  // its captures reset the optimizer state: before loading it, not after
   SafetensorsFile f = ReadSafetensors(path);
   const std::optional<SavedLearningRates> saved = ReadSavedLearningRates(f.metadata, path);

@@ -77,6 +77,8 @@
 
 #include <ATen/Tensor.h>
 
+#include <chrono>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -85,6 +87,7 @@
 
 #include "engine/bucket.h"
 #include "engine/data_parallel.h"
+#include "engine/device.h"
 #include "engine/dispatch.h"
 #include "engine/engine_types.h"
 #include "engine/fused_optimizer.h"
@@ -228,6 +231,29 @@ class Trainer {
   void AbandonStep();
   bool step_in_progress() const { return pending_ != nullptr; }
 
+  // Steps without the host in the way (Note [Submitted steps] in trainer.cc): Submit queues a
+  // whole step (BeginStep's checks, every micro-batch, the optimizer part) and returns without
+  // waiting for the device; Wait waits for the oldest submitted step and returns its result, as
+  // Step() would have. Submitting step i + 1 before waiting for step i keeps the device busy
+  // between steps:
+  //   trainer.Submit(batch[0]);
+  //   for (i = 0; i < n; ++i) {
+  //     if (i + 1 < n) trainer.Submit(batch[i + 1]);  // queued behind step i
+  //     TrainStepResult r = trainer.Wait();             // step i
+  //   }
+  // At most kMaxSubmittedSteps are unfinished (std::logic_error beyond, or while a BeginStep step
+  // is). A SetLearningRateScale between two Submits applies to the later one. BeginStep, Step,
+  // GatherOptimizerState, SaveCheckpoint and LoadOptimizerState need every submitted step waited
+  // for (std::logic_error). Submit throws what BeginStep and RunNextMicroBatch throw, before the
+  // step is queued (bad examples) or abandoning it; Wait throws what the synchronisation throws
+  // (EngineError(kUnavailable) when a data-parallel rank died), and the step is then dropped.
+  // TrainStepResult::seconds of a submitted step: the wall time from its Submit, or the end of the
+  // step before it when that is later, to the end of its Wait (steady state: the step time).
+  static constexpr size_t kMaxSubmittedSteps = 2;
+  void Submit(std::vector<TrainExample> examples);
+  TrainStepResult Wait();
+  size_t submitted_steps() const { return in_flight_.size(); }
+
   // A schedule's factor: every group's rate becomes its configured rate x `scale` (as PyTorch's
   // LambdaLR multiplies each group's initial rate). The rates are device scalars: no recapture.
   void SetLearningRateScale(double scale);
@@ -310,8 +336,18 @@ class Trainer {
   at::Tensor MicroStep(const std::vector<const TrainExample*>& micro, bool direct, bool last,
                        BucketKey* key, RunKind* kind, int64_t* target_tokens,
                        std::vector<at::Tensor>* optimizer_out);
-  // The step's last part: the all-reduce (data parallel), the optimizer, the host report.
+  // The step's last part: the all-reduce (data parallel), the optimizer, the host report's copy
+  // and the event CompleteStep waits for.
   void FinishStep();
+  // Waits for the step FinishStep queued (data parallel: with the group's deadline), counts it
+  // and reads its report into s.result.
+  void CompleteStep(PendingStep& s);
+  // BeginStep after its check that no submitted step is unfinished; t0 starts result.seconds.
+  void BeginStepAt(std::vector<TrainExample> examples, std::chrono::steady_clock::time_point t0);
+  // The observer's OnStep and OnTokens for a finished step.
+  void ReportStep(const TrainStepResult& r);
+  // std::logic_error naming `call` while a submitted step is unfinished.
+  void RequireAtRest(const char* call) const;
   // A trainer with direct_ about to take a step of several micro-batches: allocates the float32
   // accumulators and captures the optimizer graph (Note [Micro-batches]).
   void PrepareAccumulation();
@@ -340,8 +376,11 @@ class Trainer {
   void StartBroadcastChunk(size_t c);
   // Note [Weights broadcast in the forward]: the deferred chunks' broadcast, eagerly, waited for.
   void FinishForwardBroadcast();
+  // Packs `micro` into pinned host memory and copies it into `buf`; `persistent`: buf is a
+  // bucket's (kept for the trainer's life), uploaded through uploader_ (Note [Uploads beside the
+  // step]); else copied directly.
   void FillBuffers(MicroBuffers& buf, const std::vector<const TrainExample*>& micro,
-                   int64_t* target_tokens);
+                   int64_t* target_tokens, bool persistent);
   // Static inputs sized for `key`; BuffersFor keeps one set per bucket for the graphs.
   std::unique_ptr<MicroBuffers> MakeBuffers(const BucketKey& key) const;
   MicroBuffers& BuffersFor(const BucketKey& key);
@@ -376,6 +415,12 @@ class Trainer {
   at::Tensor micro_batches_;
   std::unique_ptr<PendingStep> pending_;       // BeginStep .. the last RunNextMicroBatch
   std::unique_ptr<TrainStepResult> finished_;  // .. StepResult
+  // Submitted steps whose work is queued, oldest first (Submit .. Wait), and when the last Wait
+  // returned.
+  std::deque<std::unique_ptr<PendingStep>> in_flight_;
+  std::chrono::steady_clock::time_point last_submitted_end_{};
+  // The bucket buffers' uploads (Note [Uploads beside the step] in trainer.cc).
+  std::unique_ptr<DeviceUploader> uploader_;
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;
   bool warmed_up_ = false;

@@ -31,47 +31,13 @@
 #include "model/checkpoint.h"
 #include "base/safetensors.h"
 #include "tests/test_util.h"
+#include "tests/trainer_fixtures.h"
 
 namespace vlmgraph {
 namespace {
 
 using testing::TinyReference;
-
-std::vector<int64_t> Row(const at::Tensor& t, int64_t r) {
-  at::Tensor row = t[r].contiguous();
-  return std::vector<int64_t>(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + row.numel());
-}
-
-std::vector<TrainExample> FixtureBatch() {
-  const auto& ref = TinyReference().tensors;
-  std::vector<TrainExample> out;
-  for (int64_t r = 0; r < 2; ++r) {
-    out.push_back(
-        {Row(ref.at("input_ids"), r), Row(ref.at("targets"), r), ref.at("images").narrow(0, r, 1)});
-  }
-  return out;
-}
-
-nlohmann::json AdamwReference() {
-  std::ifstream in(testing::TinyCheckpointDir() + "/reference.json");
-  return nlohmann::json::parse(in)["adamw"];
-}
-
-TrainOptions FixtureOptions(at::Device device, bool graphs) {
-  const auto j = AdamwReference();
-  TrainOptions o;
-  o.device = device;
-  o.cuda_graphs = graphs;
-  o.learning_rates = LearningRates::All(j["lr"].get<double>());
-  o.beta1 = j["betas"][0].get<double>();
-  o.beta2 = j["betas"][1].get<double>();
-  o.eps = j["eps"].get<double>();
-  o.weight_decay = j["weight_decay"].get<double>();
-  o.buckets.train_batch_sizes = {2, 4};
-  o.buckets.train_seq_lens = {16, 32};
-  o.log_captures = false;
-  return o;
-}
+using namespace trainer_fixtures;
 
 void ExpectUpstreamLosses(Trainer& t) {
   const auto want = AdamwReference()["losses_before_each_step"];
@@ -79,46 +45,6 @@ void ExpectUpstreamLosses(Trainer& t) {
     TrainStepResult r = t.Step(FixtureBatch());
     EXPECT_NEAR(r.loss, want[i].get<double>(), 1e-5) << "step " << i;
   }
-}
-
-std::map<std::string, at::Tensor> Params(Trainer& t) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : t.model()->named_parameters())
-    out[p.key()] = p.value().detach().to(at::kCPU).clone();
-  return out;
-}
-
-// The largest element-wise difference between two trainers' parameters, and the parameter it is in.
-struct ParamDiff {
-  double max_abs = 0;
-  std::string name;
-};
-ParamDiff MaxParamDiff(Trainer& a, Trainer& b) {
-  const auto pa = Params(a), pb = Params(b);
-  ParamDiff worst;
-  for (const auto& [name, w] : pa) {
-    const double d = testing::MaxAbsDiff(w, pb.at(name));
-    if (d > worst.max_abs) worst = {d, name};
-  }
-  return worst;
-}
-
-std::map<std::string, at::Tensor> Masters(Trainer& t) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, w] : t.master_weights()) out[name] = w.detach().to(at::kCPU).clone();
-  return out;
-}
-
-// The fixture row `r` with every text token id (and its target) mapped to another text id: the
-// same image, the same number of counted targets, a different gradient.
-TrainExample Variant(const VlmConfig& cfg, int64_t r) {
-  TrainExample e = FixtureBatch().at(r);
-  auto remap = [&](int64_t id) {
-    return id >= 0 && id < cfg.lm_base_vocab_size ? (id * 7 + 3) % cfg.lm_base_vocab_size : id;
-  };
-  for (auto& id : e.input_ids) id = remap(id);
-  for (auto& id : e.targets) id = remap(id);
-  return e;
 }
 
 // Every working parameter equals its float32 master rounded to bf16.
@@ -1230,8 +1156,13 @@ TEST(DataParallel, ProcessRank) {
   Trainer t(m, o);
   const std::vector<TrainExample> shard = ShardForRank(batch, rank, world);
   std::vector<double> losses;
+  // Step() each, or each step submitted before the one before it is waited for (Note
+  // [Submitted steps]).
+  const bool submit = std::string(std::getenv("VLMGRAPH_TEST_DP_SUBMIT")) == "1";
+  if (submit) t.Submit(shard);
   for (int s = 0; s < kNcclSteps; ++s) {
-    const TrainStepResult r = t.Step(shard);
+    if (submit && s + 1 < kNcclSteps) t.Submit(shard);
+    const TrainStepResult r = submit ? t.Wait() : t.Step(shard);
     if (backend == "nccl") ASSERT_NE(r.kind, RunKind::kEager) << "step " << s;
     losses.push_back(r.loss);
   }
@@ -1267,6 +1198,7 @@ struct RankSetup {
   int64_t accum = 1;              // gradient accumulation steps per rank
   bool shard = false;             // DataParallelOptions::shard_optimizer
   bool broadcast_in_forward = true;  // DataParallelOptions::broadcast_in_forward
+  bool submit = false;               // Trainer::Submit one ahead + Wait instead of Step
   double max_loss_diff = 1e-5, max_weight_diff = 1e-5;  // against the one-rank reference
 };
 
@@ -1283,6 +1215,7 @@ bool RunNcclRanks(int64_t world, const std::filesystem::path& dir, const std::st
         "VLMGRAPH_TEST_DP_ACCUM=" + std::to_string(setup.accum),
         std::string("VLMGRAPH_TEST_DP_SHARD=") + (setup.shard ? "1" : "0"),
         std::string("VLMGRAPH_TEST_DP_FORWARD=") + (setup.broadcast_in_forward ? "1" : "0"),
+        std::string("VLMGRAPH_TEST_DP_SUBMIT=") + (setup.submit ? "1" : "0"),
         "VLMGRAPH_TEST_DP_OUT=" + (dir / (name + std::to_string(rank) + ".safetensors")).string()};
     for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
     std::vector<char*> envp;
@@ -1454,6 +1387,51 @@ TEST(DataParallel, WeightsBroadcastInTheForwardChangeNoResult_CUDA) {
   for (const char* f : {"forward0", "forward1", "own_step0", "own_step1"})
     ::unlink((dir / (std::string(f) + ".safetensors")).c_str());
   ::rmdir(dir.c_str());
+}
+
+// Note [Submitted steps]: two ranks that submit each step before waiting for the one before
+// compute what the same ranks compute with Step(): the same losses, masters and working weights,
+// bit for bit. On NCCL (graphed, their uploads beside the step before) float32, and sharded bf16
+// with the weights broadcast in the next step's forward; on gloo float32 eager steps.
+void ExpectSubmittedRanksEqualSteppedRanks(const std::string& backend, RankSetup setup) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_submit_" + backend + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  setup.submit = true;
+  ASSERT_TRUE(RunNcclRanks(2, dir, "submitted", backend, setup)) << "a rank failed (output above)";
+  setup.submit = false;
+  ASSERT_TRUE(RunNcclRanks(2, dir, "stepped", backend, setup)) << "a rank failed (output above)";
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    const std::string r = std::to_string(rank);
+    const SafetensorsFile got =
+        ReadSafetensors((dir / ("submitted" + r + ".safetensors")).string());
+    const SafetensorsFile want = ReadSafetensors((dir / ("stepped" + r + ".safetensors")).string());
+    ASSERT_EQ(got.tensors.size(), want.tensors.size());
+    for (const auto& [name, w] : want.tensors) {
+      auto it = got.tensors.find(name);
+      ASSERT_NE(it, got.tensors.end()) << name;
+      EXPECT_EQ(testing::MaxAbsDiff(it->second, w), 0) << name << " rank " << rank;
+    }
+  }
+  for (const char* f : {"submitted0", "submitted1", "stepped0", "stepped1"})
+    ::unlink((dir / (std::string(f) + ".safetensors")).c_str());
+  ::rmdir(dir.c_str());
+}
+
+TEST(DataParallel, SubmittedStepsChangeNoResult_CUDA) {
+  if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "built without NCCL";
+  ExpectSubmittedRanksEqualSteppedRanks("nccl", RankSetup{});
+  RankSetup sharded;
+  sharded.dtype = "bfloat16";
+  sharded.shard = true;
+  ExpectSubmittedRanksEqualSteppedRanks("nccl", sharded);
+}
+
+TEST(DataParallel, SubmittedGlooStepsChangeNoResult) {
+  SKIP_WITHOUT_GLOO();
+  ExpectSubmittedRanksEqualSteppedRanks("gloo", RankSetup{});
 }
 
 // The same with gloo ranks as separate CPU processes (eager steps).

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -84,6 +85,79 @@ bool DeviceEvent::WaitFor(double timeout_seconds) {
     std::this_thread::yield();
   }
   return true;
+}
+
+struct DeviceUploader::Impl {
+  at::Device device;
+  std::optional<c10::cuda::CUDAStream> stream;  // from c10's pool, on the first CUDA upload
+  // uploaded: on the upload stream after the last Upload's transfers; released: on the current
+  // stream after the last Upload's staging tensors were copied out. Not created until recorded
+  // (block() on an uncreated event waits for nothing).
+  at::cuda::CUDAEvent uploaded{cudaEventDisableTiming}, released{cudaEventDisableTiming};
+  // A staging tensor per destination storage: as many elements as that storage, so that a view
+  // of the destination has its twin at the same offset and strides.
+  std::map<const void*, at::Tensor> staging;
+};
+
+DeviceUploader::DeviceUploader(const at::Device& device) : impl_(new Impl{device}) {}
+DeviceUploader::~DeviceUploader() = default;
+
+void DeviceUploader::Upload(const std::vector<at::Tensor>& host,
+                            const std::vector<at::Tensor>& device) {
+  TORCH_CHECK(host.size() == device.size(), "DeviceUploader::Upload: ", host.size(),
+              " host tensors for ", device.size(), " destinations");
+  for (size_t i = 0; i < host.size(); ++i) {
+    TORCH_CHECK(host[i].sizes().equals(device[i].sizes()) &&
+                    host[i].scalar_type() == device[i].scalar_type(),
+                "DeviceUploader::Upload: host tensor ", i, " ", host[i].sizes(), " ",
+                host[i].scalar_type(), " does not match its destination ", device[i].sizes(), " ",
+                device[i].scalar_type());
+  }
+  Impl& m = *impl_;
+  if (!m.device.is_cuda()) {
+    for (size_t i = 0; i < host.size(); ++i) device[i].copy_(host[i]);
+    return;
+  }
+  c10::cuda::CUDAGuard guard(m.device);
+  const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
+  if (!m.stream) m.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false);
+  std::vector<at::Tensor> views;
+  views.reserve(device.size());
+  bool allocated = false;
+  for (const at::Tensor& dst : device) {
+    const void* key = dst.storage().data();
+    auto it = m.staging.find(key);
+    if (it == m.staging.end()) {
+      allocated = true;
+      const int64_t elements =
+          static_cast<int64_t>(dst.storage().nbytes()) / static_cast<int64_t>(dst.element_size());
+      at::Tensor staging = at::empty({elements}, dst.options());
+      // Written on the upload stream: the caching allocator must not hand its block to another
+      // tensor while that stream may still use it.
+      c10::cuda::CUDACachingAllocator::recordStream(staging.storage().data_ptr(), *m.stream);
+      it = m.staging.emplace(key, staging).first;
+    }
+    views.push_back(it->second.as_strided(dst.sizes(), dst.strides(), dst.storage_offset()));
+  }
+  m.released.block(*m.stream);  // the last upload's staging tensors were read
+  if (allocated) {
+    // A new staging tensor's block may have served a tensor that the current stream's queued
+    // work still uses (the caching allocator reuses blocks in the order of their stream): the
+    // upload stream must not write it before that work is done.
+    at::cuda::CUDAEvent queued(cudaEventDisableTiming);
+    queued.record(current);
+    queued.block(*m.stream);
+  }
+  {
+    c10::cuda::CUDAStreamGuard on_upload_stream(*m.stream);
+    // Pinned sources: asynchronous DMA; the caching host allocator keeps each block until the
+    // upload stream is past its copy.
+    for (size_t i = 0; i < host.size(); ++i) views[i].copy_(host[i], /*non_blocking=*/true);
+    m.uploaded.record(*m.stream);
+  }
+  m.uploaded.block(current);
+  for (size_t i = 0; i < host.size(); ++i) device[i].copy_(views[i], /*non_blocking=*/true);
+  m.released.record(current);
 }
 
 MemoryStats DeviceMemory(const at::Device& device) {
