@@ -24,6 +24,8 @@ void DeviceEvent::Synchronize() {}
 bool DeviceEvent::WaitFor(double) { return true; }
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
+
+std::string DeviceName(const at::Device&) { return "cpu"; }
 DeviceCapacity DeviceMemoryCapacity(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 void ReleaseCachedMemory(const at::Device&) {
