@@ -109,8 +109,10 @@ RUN set -eu; ldconfig; \
 ENV PATH=/opt/vlmgraph/bin:${PATH} \
     VLMGRAPH_HEALTH_ADDRESS=127.0.0.1:50051
 USER vlmgraph:vlmgraph
-# train.checkpoint_dir ("checkpoints" by default) is relative to this folder; compose mounts a
-# volume over /var/lib/vlmgraph/checkpoints so that saved checkpoints outlive the container.
+# train.checkpoint_dir defaults to $XDG_DATA_HOME/vlmgraph/checkpoints: with the service's data
+# directory /var/lib as XDG_DATA_HOME, /var/lib/vlmgraph/checkpoints, where compose mounts a volume
+# so that saved checkpoints outlive the container.
+ENV XDG_DATA_HOME=/var/lib
 WORKDIR /var/lib/vlmgraph
 EXPOSE 50051 8000 9464
 # SERVING once the model is loaded and the buckets' CUDA graphs are captured (8 s for

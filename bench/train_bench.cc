@@ -12,7 +12,8 @@
 //   [--shard-optimizer on|off]      (data parallel: ZeRO stage 1, DataParallelOptions::
 //                                    shard_optimizer; default: that option's default)
 //   [--peak-tflops X]               (the device's dense bf16 peak for MFU; default: from its name,
-//                                    PeakBf16Tflops below; none known: no MFU)
+//                                    vlmgraph::PeakBf16Tflops of model/flops.h;
+//                                    none known: no MFU)
 //   [--broadcast-in-forward on|off] (sharded: the later blocks' weights broadcast in the next
 //                                    step's forward, DataParallelOptions::broadcast_in_forward)
 //   [--stage-tiles on|off]          (on: tiles staged in bf16 pinned memory ahead, as
@@ -66,18 +67,6 @@
 
 namespace {
 using Clock = std::chrono::steady_clock;
-
-// Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the device's name; 0 when unknown.
-// NVIDIA's datasheets (half the "with sparsity" figure): H100 SXM5 989.4, H100 NVL 835, H100 PCIe
-// 756, H200 989.4 (H200 datasheet), A100 312 (A100 datasheet).
-double PeakBf16Tflops(const std::string& name) {
-  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (has("H100") && has("PCIe")) return 756;
-  if (has("H100") && has("NVL")) return 835;
-  if (has("H100") || has("H200")) return 989.4;
-  if (has("A100")) return 312;
-  return 0;
-}
 
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
                    const std::string& profile_trace, const std::string& recompute,
@@ -200,7 +189,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   for (const auto& e : examples) tiles += e.tiles.defined() ? e.tiles.size(0) : 0;
   const vlmgraph::TrainStepFlops flops = vlmgraph::TrainFlopsPerStep(cfg, batch, seq, tiles);
   const std::string device_name = at::cuda::getDeviceProperties(device.index())->name;
-  const double peak = peak_tflops > 0 ? peak_tflops : PeakBf16Tflops(device_name);
+  const double peak = peak_tflops > 0 ? peak_tflops : vlmgraph::PeakBf16Tflops(device_name);
   const double achieved_tflops = flops.total() / (median_ms / 1e3) / 1e12;
   return {{"world_size", env.world_size},
           {"device_name", device_name},

@@ -93,6 +93,9 @@ struct DeviceCapacity {
 };
 DeviceCapacity DeviceMemoryCapacity(const at::Device& device);
 
+// The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"); "cpu" for a CPU device.
+std::string DeviceName(const at::Device& device);
+
 // Restarts the peak counters of DeviceMemory (no-op on CPU).
 void ResetPeakDeviceMemory(const at::Device& device);
 

@@ -35,6 +35,8 @@ void DeviceUploader::Upload(const std::vector<at::Tensor>& host,
 }
 
 MemoryStats DeviceMemory(const at::Device&) { return {}; }
+
+std::string DeviceName(const at::Device&) { return "cpu"; }
 DeviceCapacity DeviceMemoryCapacity(const at::Device&) { return {}; }
 void ResetPeakDeviceMemory(const at::Device&) {}
 void ReleaseCachedMemory(const at::Device&) {

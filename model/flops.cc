@@ -31,4 +31,13 @@ TrainStepFlops TrainFlopsPerStep(const VlmConfig& cfg, int64_t batch, int64_t se
   return f;
 }
 
+double PeakBf16Tflops(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("H100") && has("PCIe")) return 756;
+  if (has("H100") && has("NVL")) return 835;
+  if (has("H100") || has("H200")) return 989.4;
+  if (has("A100")) return 312;
+  return 0;
+}
+
 }  // namespace vlmgraph

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "model/config.h"
 
@@ -36,5 +37,10 @@ struct TrainStepFlops {
 // One optimizer step over `batch` sequences of `seq` tokens with `tiles` image tiles in all
 // (tiles >= 0; batch, seq > 0, else std::invalid_argument).
 TrainStepFlops TrainFlopsPerStep(const VlmConfig& cfg, int64_t batch, int64_t seq, int64_t tiles);
+
+// A device's dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from its name as the driver
+// reports it; 0 when unknown (no MFU then). NVIDIA's datasheets (half the "with sparsity"
+// figure): H100 SXM5 989.4, H100 NVL 835, H100 PCIe 756, H200 989.4, A100 312.
+double PeakBf16Tflops(const std::string& device_name);
 
 }  // namespace vlmgraph

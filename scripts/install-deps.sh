@@ -70,6 +70,9 @@ if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
   # Python client, end-to-end tests and the digits training demo.
   $PY -m pip install "${pip_flags[@]}" "grpcio>=1.60" "grpcio-tools>=1.60" "protobuf>=4.25" \
     "grpcio-health-checking>=1.60" numpy pillow pyyaml matplotlib
+  # scripts/train_plot.py --tensorboard (torch.utils.tensorboard's SummaryWriter needs it) and its
+  # test, which reads the events back with tensorboard's EventAccumulator.
+  $PY -m pip install "${pip_flags[@]}" "tensorboard>=2.16"
   # Server reflection client (tests/e2e lists the services the way grpcurl does).
   $PY -m pip install "${pip_flags[@]}" "grpcio-reflection>=1.60"
   # The real model and its reference implementations: the GGUF converter (tools/convert_gguf.py:

@@ -1,11 +1,14 @@
 #include "server/checkpoint_quota.h"
 
 #include <filesystem>
+#include <iterator>
 #include <system_error>
+#include <vector>
 
 #include "base/log.h"
 #include "server/convert.h"
 #include "server/status.h"
+#include "server/tokenizer_files.h"
 
 namespace vlmgraph::server {
 
@@ -28,9 +31,11 @@ int64_t CheckpointDirBytes(const std::string& root) {
 
 CheckpointUsage MeasureCheckpointUsage(const std::string& root, const CheckpointDir& dir) {
   CheckpointUsage usage;
-  // The files a save writes (engine/trainer.h, SaveCheckpoint) replace those of a checkpoint
-  // already in `dir`.
-  for (const char* name : {"config.json", "model.safetensors", "optimizer.safetensors"}) {
+  // The files a save writes (engine/trainer.h, SaveCheckpoint; server/tokenizer_files.h) replace
+  // those of a checkpoint already in `dir`.
+  std::vector<std::string> names = {"config.json", "model.safetensors", "optimizer.safetensors"};
+  names.insert(names.end(), std::begin(kTokenizerFileNames), std::end(kTokenizerFileNames));
+  for (const std::string& name : names) {
     std::error_code ec;
     const fs::path file = fs::path(dir.io_path()) / name;
     if (!fs::is_regular_file(fs::symlink_status(file, ec))) continue;

@@ -66,5 +66,14 @@ TEST(TrainFlops, RefusesEmptyShapes) {
   EXPECT_THROW(TrainFlopsPerStep(cfg, 1, 16, -1), std::invalid_argument);
 }
 
+TEST(TrainFlops, PeakFromTheDeviceName) {
+  EXPECT_EQ(PeakBf16Tflops("NVIDIA H100 80GB HBM3"), 989.4);
+  EXPECT_EQ(PeakBf16Tflops("NVIDIA H100 PCIe"), 756);
+  EXPECT_EQ(PeakBf16Tflops("NVIDIA H100 NVL"), 835);
+  EXPECT_EQ(PeakBf16Tflops("NVIDIA H200"), 989.4);
+  EXPECT_EQ(PeakBf16Tflops("NVIDIA A100-SXM4-80GB"), 312);
+  EXPECT_EQ(PeakBf16Tflops("cpu"), 0);  // unknown: no MFU
+}
+
 }  // namespace
 }  // namespace vlmgraph

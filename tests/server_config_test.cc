@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -240,6 +242,52 @@ TEST(ServerConfig, EmptyFileIsTheCpuQuickStart) {
   EXPECT_EQ(c.batching.max_queue_delay_us, 2000);
   EXPECT_EQ(c.server.grpc_address.ToString(), "127.0.0.1:50051");
   EXPECT_LE(c.limits.default_max_new_tokens, c.limits.max_new_tokens);
+}
+
+// Sets an environment variable for one scope, restoring it after.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      ::setenv(name, value, 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+TEST(ServerConfig, CheckpointsDefaultToTheUsersDataDirectory) {
+  {
+    ScopedEnv xdg("XDG_DATA_HOME", "/srv/data");
+    EXPECT_EQ(FromYaml("").train.checkpoint_dir, "/srv/data/vlmgraph/checkpoints");
+  }
+  {
+    ScopedEnv xdg("XDG_DATA_HOME", nullptr);
+    ScopedEnv home("HOME", "/home/ada/");
+    EXPECT_EQ(FromYaml("").train.checkpoint_dir, "/home/ada/.local/share/vlmgraph/checkpoints");
+    // A relative XDG_DATA_HOME is ignored, as the XDG specification says.
+    ScopedEnv relative("XDG_DATA_HOME", "data");
+    EXPECT_EQ(FromYaml("").train.checkpoint_dir, "/home/ada/.local/share/vlmgraph/checkpoints");
+  }
+  // The key still wins, and ~ is the default.
+  EXPECT_EQ(FromYaml("train: {checkpoint_dir: runs}\n").train.checkpoint_dir, "runs");
+  ScopedEnv xdg("XDG_DATA_HOME", "/srv/data");
+  EXPECT_EQ(FromYaml("train: {checkpoint_dir: ~}\n").train.checkpoint_dir,
+            "/srv/data/vlmgraph/checkpoints");
 }
 
 TEST(ServerConfig, CudaDefaultsAreTheEngines) {

@@ -173,6 +173,14 @@ MemoryStats DeviceMemory(const at::Device& device) {
   return m;
 }
 
+std::string DeviceName(const at::Device& device) {
+  if (!device.is_cuda()) return "cpu";
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.has_index() ? device.index()
+                                                                   : c10::cuda::current_device()));
+  return prop.name;
+}
+
 DeviceCapacity DeviceMemoryCapacity(const at::Device& device) {
   DeviceCapacity c;
   if (!device.is_cuda()) return c;

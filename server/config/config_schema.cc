@@ -1,10 +1,13 @@
 #include "server/config/config_schema.h"
 
+#include <pwd.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 #include <stdexcept>
@@ -309,6 +312,25 @@ std::string DefaultServedModelName(const std::string& model) {
   while (p.has_parent_path() && p.filename().empty() && p.parent_path() != p) p = p.parent_path();
   const std::string name = p.filename().string();
   return name.empty() ? model : name;
+}
+
+// train.checkpoint_dir's default: the user's data directory of the XDG Base Directory
+// specification ($XDG_DATA_HOME when it is an absolute path, else $HOME/.local/share, else the
+// password database's home) + /vlmgraph/checkpoints. Trained weights are data the user keeps, not
+// a cache that can be fetched again, so not ~/.cache (where the converted default model lives).
+// "" when no home directory is known (ValidateConfig then asks for the key).
+std::string DefaultCheckpointDir() {
+  const char* xdg = std::getenv("XDG_DATA_HOME");
+  if (xdg != nullptr && xdg[0] == '/') return std::string(xdg) + "/vlmgraph/checkpoints";
+  std::string home;
+  if (const char* h = std::getenv("HOME"); h != nullptr && h[0] == '/') {
+    home = h;
+  } else if (const passwd* pw = ::getpwuid(::getuid()); pw != nullptr && pw->pw_dir != nullptr) {
+    home = pw->pw_dir;
+  }
+  if (home.empty()) return "";
+  if (home.back() == '/') home.pop_back();
+  return home + "/.local/share/vlmgraph/checkpoints";
 }
 
 // CPU runs every region eagerly, so small buckets waste the least padding; on CUDA the engine's
@@ -690,10 +712,15 @@ std::vector<ConfigKey> BuildKeys() {
           .Range(1024, INT_MAX),
 
       Key("train.checkpoint_dir", &SC::train, &SC::Train::checkpoint_dir)
-          .Doc("Root directory of the Train RPC's SaveCheckpoint (clients name a subdirectory; "
-               "\"..\" and absolute paths are refused). Relative paths are relative to the "
-               "working directory.")
-          .Default("checkpoints")
+          .Doc("Root directory of the Train RPC's checkpoints (SaveCheckpoint, save_directory, "
+               "resume_from: clients name a subdirectory; \"..\" and absolute paths are "
+               "refused). Each checkpoint holds the weights, the optimizer state and the "
+               "tokenizer files the server was started with, so `vlmgraph-server --model "
+               "<checkpoint_dir>/<name>` serves it. Relative paths are relative to the working "
+               "directory.")
+          .Derived({"$XDG_DATA_HOME/vlmgraph/checkpoints, or ~/.local/share/vlmgraph/checkpoints "
+                    "when XDG_DATA_HOME is unset",
+                    [](const SC&) { return DefaultCheckpointDir(); }})
           .NonEmpty(),
       Key("train.checkpoint_quota_bytes", &SC::train, &SC::Train::checkpoint_quota_bytes)
           .Doc("Bytes that every file below checkpoint_dir may take together after a save "

@@ -23,6 +23,7 @@
 #include "server/graphed_trainer.h"
 #include "server/grpc/service.h"
 #include "server/status.h"
+#include "server/tokenizer_files.h"
 #include "server/train_ranks.h"
 #include "server/weights_publisher.h"
 
@@ -328,13 +329,18 @@ void VlmGraphService::RunTrain(
                                       ? MeasureCheckpointUsage(config_.train.checkpoint_dir, dir)
                                       : CheckpointUsage{};  // the walk here, not on a GPU thread
     ensure_job().GatherOptimizerState("Train", received, admission);
+    // The tokenizer files the server was started with go beside the weights, so the directory
+    // serves chat as it is (server/tokenizer_files.h).
+    const std::string tokenizer_json = text_ ? text_->tokenizer_path() : "";
     ensure_job().OnFirstRank(
         "Train",
         [&](TrainBackend& rank) {
-          CheckCheckpointQuota(config_.train.checkpoint_dir, usage, rank.checkpoint_bytes(),
+          CheckCheckpointQuota(config_.train.checkpoint_dir, usage,
+                               rank.checkpoint_bytes() + TokenizerFilesBytes(tokenizer_json),
                                quota);
           try {
             rank.Save(dir.io_path());  // Note [Checkpoint directories]: the opened directory
+            CopyTokenizerFiles(tokenizer_json, dir.io_path());
           } catch (const std::system_error& e) {  // std::filesystem_error included
             throw SaveFailed(dir, e.what());
           } catch (const CheckpointError& e) {

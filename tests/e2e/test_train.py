@@ -348,7 +348,15 @@ class ChatTrainTest(unittest.TestCase):
         sys.path.insert(0, os.path.join(ROOT, "tests", "train"))
         from tiny_text_model import make_tiny_text_model
         cls.model_dir = make_tiny_text_model(os.path.join(scratch_dir("tiny-text"), "model"), max_img_size=64)
-        cls.server = Server({"model": cls.model_dir}, name="train-chat").start()
+        # The tokenizer files a transformers checkpoint has beside tokenizer.json.
+        with open(os.path.join(cls.model_dir, "config.json")) as fh:
+            template = json.load(fh)["lm_chat_template"]
+        with open(os.path.join(cls.model_dir, "chat_template.jinja"), "w") as fh:
+            fh.write(template)
+        with open(os.path.join(cls.model_dir, "generation_config.json"), "w") as fh:
+            json.dump({"eos_token_id": 257}, fh)
+        cls.ckpt = scratch_dir("train-chat-ckpt")
+        cls.server = Server({"model": cls.model_dir, "train": {"checkpoint_dir": cls.ckpt}}, name="train-chat").start()
         cls.client = cls.server.client()
         cls.image = chelsea()
 
@@ -390,6 +398,38 @@ class ChatTrainTest(unittest.TestCase):
         # Every assistant turn "2i" / "4i" (two digits) counts 2 + 2 tokens.
         self.assertEqual(steps[1].loss_tokens, 4 * 2 * (2 + 2))
         self.assertLess(steps[-1].loss, steps[1].loss)
+
+    def test_a_saved_checkpoint_serves_chat_as_it_is(self):
+        """A Train job's checkpoint carries the tokenizer files the server was started with, so a
+        server started on the directory answers chat requests, with the trained weights."""
+        c = self.client
+        examples = [{"messages": self.chat(i)} for i in range(20, 24)]
+        cfg = c.train_config(language_learning_rate=3e-3, vision_learning_rate=0, projector_learning_rate=0)
+        saved = [r.saved for r in c.train(cfg, iter([c.train_batch(examples)] * 8 + [c.train_save("chat/run1")]))
+                 if r.HasField("saved")]
+        self.assertEqual(len(saved), 1)
+        path = saved[0].directory
+        self.assertEqual(os.path.dirname(os.path.dirname(path)), os.path.realpath(self.ckpt))
+        for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
+            with open(os.path.join(self.model_dir, name), "rb") as a, open(os.path.join(path, name), "rb") as b:
+                self.assertEqual(a.read(), b.read(), name)
+        before = c.forward(messages=examples[0]["messages"], target_next_tokens=True).loss
+        server = Server({"model": path}, name="train-chat-served").start()
+        try:
+            client = server.client()
+            info = client.model_info()
+            self.assertEqual(info.tokenizer, os.path.join(path, "tokenizer.json"))
+            self.assertEqual(info.chat_format, "chatml")
+            self.assertIn(257, info.suggested_stop_token_ids)  # <|im_end|>, from the copied files
+            reply, summary = client.chat([{"role": "user", "content": "What is 20 + 20?"}], max_new_tokens=4)
+            self.assertGreater(summary.generated_tokens, 0)
+            # The trained weights: the conversation it learned costs less than on the served model.
+            after = client.forward(messages=examples[0]["messages"], target_next_tokens=True).loss
+            self.assertLess(after, before)
+            client.close()
+            self.assertEqual(server.stop(), 0)
+        finally:
+            server.cleanup()
 
     def test_bad_chat_examples_are_refused(self):
         c = self.client

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -59,6 +62,41 @@ std::string ImageBytes(const std::string& url, const std::string& base_dir,
 }
 
 }  // namespace
+
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+ValidationSplit SplitForValidation(int64_t n, double fraction, uint64_t seed) {
+  ValidationSplit out;
+  if (fraction <= 0) {
+    out.train.resize(n);
+    std::iota(out.train.begin(), out.train.end(), 0);
+    return out;
+  }
+  const int64_t held = std::max<int64_t>(1, std::llround(fraction * static_cast<double>(n)));
+  if (held >= n) {
+    throw DatasetError("train.val_fraction " + std::to_string(fraction) + " of " +
+                       std::to_string(n) + " examples leaves none to train on; lower it or " +
+                       "give a separate train.val_dataset");
+  }
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  // A stream of its own (not the data order's seeds): the split never moves with the epoch.
+  uint64_t state = seed ^ 0x76616C5F73706C74ull;  // "val_splt"
+  for (int64_t i = n - 1; i > 0; --i) {
+    const int64_t j = static_cast<int64_t>(SplitMix64(state) % static_cast<uint64_t>(i + 1));
+    std::swap(order[i], order[j]);
+  }
+  out.validation.assign(order.begin(), order.begin() + held);
+  out.train.assign(order.begin() + held, order.end());
+  std::sort(out.validation.begin(), out.validation.end());
+  std::sort(out.train.begin(), out.train.end());
+  return out;
+}
 
 ChatExample ParseChatExample(const std::string& line, const std::string& base_dir,
                              const std::string& where, bool read_images) {

@@ -44,6 +44,19 @@ struct ChatExample {
 ChatExample ParseChatExample(const std::string& line, const std::string& base_dir,
                              const std::string& where, bool read_images = true);
 
+// splitmix64 (Steele et al. 2014): the generator of the data order and of the validation split,
+// the same on every rank and build. Advances `state`.
+uint64_t SplitMix64(uint64_t& state);
+
+// The validation split of a dataset of `n` examples (train.val_fraction): round(fraction x n)
+// examples, at least 1, drawn by a Fisher-Yates shuffle seeded by `seed`, held out; the rest
+// train. Both lists are ascending indices into the dataset. The same on every rank, build and
+// resume. Throws DatasetError when no example would be left to train on.
+struct ValidationSplit {
+  std::vector<int64_t> train, validation;
+};
+ValidationSplit SplitForValidation(int64_t n, double fraction, uint64_t seed);
+
 class ChatDataset {
  public:
   // Reads the file's non-blank lines. Throws DatasetError for an unreadable or empty file.

@@ -225,7 +225,31 @@ const std::vector<Key>& Keys() {
               "Resume from a checkpoint directory written by vlmgraph-train: its weights, AdamW "
               "state, step and data position."),
       MakeKey("train.log_every", &C::log_every,
-              "Rank 0 prints a progress line every this many steps.", 1.0),
+              "Rank 0 prints a progress line, and writes a line of the metrics file, every this "
+              "many steps.",
+              1.0),
+      MakeKey("train.val_fraction", &C::val_fraction,
+              "Fraction of the dataset's examples held out as the validation set (at least one; "
+              "drawn by seed, the same on every rank and resume); 0 = none. Flag "
+              "--val-fraction.",
+              0.0, 0.5),
+      MakeKey("train.val_dataset", &C::val_dataset,
+              "A JSONL file of validation examples, in the dataset's format (instead of "
+              "val_fraction); \"\" = none. Flag --val-file."),
+      MakeKey("train.eval_every_steps", &C::eval_every_steps,
+              "Evaluate the validation set's loss (forward only) every this many steps; with a "
+              "validation set, also before a fresh job's first step and after the last. 0 = only "
+              "then. Flag --eval-every.",
+              0.0),
+      MakeKey("train.metrics_file", &C::metrics_file,
+              "Rank 0's metrics, one JSON object per logged or evaluated step (step, loss, "
+              "eval_loss, learning_rate per part, grad_norm, tokens_per_second, mfu, ...; "
+              "docs/training.md, \"Metrics file\"); \"\" = <train.save_dir>/metrics.jsonl "
+              "(none without save_dir); none = no file. Flag --metrics-file."),
+      MakeKey("train.peak_tflops", &C::peak_tflops,
+              "The device's dense bf16 peak, TFLOP/s, for MFU in the metrics; 0 = from the "
+              "device's name (H100, H200, A100). No MFU on the CPU. Flag --peak-tflops.",
+              0.0, 1e6),
       MakeKey("distributed.backend", &C::backend, "\"\" = nccl on CUDA, gloo on CPU.", std::nullopt,
               std::nullopt, {"", "gloo", "nccl"}),
       MakeKey("distributed.timeout_seconds", &C::timeout_seconds,
@@ -327,6 +351,8 @@ TrainRunConfig LoadTrainRunConfig(
     c.dataset = Resolve(base, c.dataset);
     c.save_dir = Resolve(base, c.save_dir);
     c.resume = Resolve(base, c.resume);
+    c.val_dataset = Resolve(base, c.val_dataset);
+    if (c.metrics_file != "none") c.metrics_file = Resolve(base, c.metrics_file);
   }
   for (const auto& [key, value] : overrides) {
     const Key* k = FindKey(key);
@@ -345,6 +371,15 @@ TrainRunConfig LoadTrainRunConfig(
   if (c.dataset.empty()) throw ServerConfigError("train.dataset", "required: a JSONL file");
   if (c.save_every_steps > 0 && c.save_dir.empty())
     throw ServerConfigError("train.save_dir", "required when train.save_every_steps is set");
+  if (c.val_fraction > 0 && !c.val_dataset.empty()) {
+    throw ServerConfigError("train.val_dataset",
+                            "set either train.val_fraction or train.val_dataset, not both");
+  }
+  if (c.eval_every_steps > 0 && c.val_fraction == 0 && c.val_dataset.empty()) {
+    throw ServerConfigError("train.eval_every_steps",
+                            "needs a validation set: set train.val_fraction (--val-fraction) or "
+                            "train.val_dataset (--val-file)");
+  }
   if (auto problem = c.learning_rates.Check())
     throw ServerConfigError("train." + problem->field, problem->message);
   if (!c.learning_rates.AnyTrained()) {

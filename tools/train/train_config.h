@@ -56,6 +56,16 @@ struct TrainRunConfig {
   int64_t save_every_steps = 0;
   std::string resume;  // a checkpoint directory written by vlmgraph-train
   int64_t log_every = 1;
+  // The validation set: val_fraction of the dataset's lines held out (seeded by seed), or the
+  // lines of val_dataset; none when both are unset. Evaluated every eval_every_steps steps and at
+  // the end (tools/train/train_run.h).
+  double val_fraction = 0;
+  std::string val_dataset;
+  int64_t eval_every_steps = 0;
+  // Rank 0's metrics file (JSON lines, tools/train/metrics_log.h): "" = <save_dir>/metrics.jsonl,
+  // or none without save_dir; "none" = none.
+  std::string metrics_file;
+  double peak_tflops = 0;  // the device's bf16 peak for MFU; 0 = from its name (CUDA only)
 
   // distributed.*
   std::string backend;  // "" = nccl on CUDA, gloo on CPU

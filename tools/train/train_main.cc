@@ -5,12 +5,14 @@
 //                                                                           # of torchrun / srun
 //   torchrun --nproc_per_node=8 --no-python vlmgraph-train --config train.yaml
 //   vlmgraph-train --nproc-per-node 8 --config train.yaml                  # the same, no torchrun
+//   vlmgraph-train --config train.yaml --val-fraction 0.05 --eval-every 100
 //   vlmgraph-train --config train.yaml --print-config | --help-config | --dump-examples
 //
 // Exit statuses: 0 done; 1 failed; 2 bad flags, settings or data; 3 UNAVAILABLE (a peer rank died
 // or hung: distributed.timeout_seconds); with --nproc-per-node, the first failing rank's status
 // (128 + N for a rank killed by signal N).
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,8 @@ namespace {
 
 const char* kUsage =
     "usage: vlmgraph-train --config FILE [--set KEY=VALUE]... [--nproc-per-node N]\n"
+    "                      [--val-fraction F | --val-file PATH] [--eval-every N]\n"
+    "                      [--metrics-file PATH] [--peak-tflops X]\n"
     "                      [--print-config | --help-config | --dump-examples]\n"
     "\n"
     "  --config FILE         YAML settings (docs/training.md; --help-config lists every key)\n"
@@ -32,6 +36,18 @@ const char* kUsage =
     "  --print-config        print the effective settings and exit\n"
     "  --help-config         print every key with its default and documentation\n"
     "  --dump-examples       print each dataset example as tokenized for training (JSON lines)\n"
+    "\n"
+    "Validation and metrics (each the same as --set of the key named):\n"
+    "  --val-fraction F      hold out the fraction F of the dataset (seeded by `seed`) as the\n"
+    "                        validation set (train.val_fraction)\n"
+    "  --val-file PATH       a JSONL file of validation examples instead (train.val_dataset)\n"
+    "  --eval-every N        validation loss every N steps, and before the first step and after\n"
+    "                        the last (train.eval_every_steps; 0 = before and after only)\n"
+    "  --metrics-file PATH   rank 0's metrics, one JSON object per logged step (train.metrics_file;\n"
+    "                        default <train.save_dir>/metrics.jsonl; 'none' = none). Plot it with\n"
+    "                        scripts/train_plot.py METRICS -o loss.png [--tensorboard DIR]\n"
+    "  --peak-tflops X       the device's dense bf16 peak for MFU (train.peak_tflops; default from\n"
+    "                        the device's name; no MFU on the CPU)\n"
     "\n"
     "Ranks come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,\n"
     "MASTER_PORT; Slurm's SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID too); none set: one rank.\n"
@@ -74,6 +90,20 @@ int main(int argc, char** argv) {
       }
       sets.emplace_back(kv.substr(0, eq), kv.substr(eq + 1));
       child_args.push_back("--set=" + kv);
+    } else if (is("--val-fraction") || is("--val-file") || is("--eval-every") ||
+               is("--metrics-file") || is("--peak-tflops")) {
+      // Shorthands of --set: the value as a YAML scalar (a path quoted, so that any name works).
+      const std::string flag = a.substr(0, a.find('='));
+      const std::string v = value(flag);
+      const bool path = flag == "--val-file" || flag == "--metrics-file";
+      const std::string key = flag == "--val-fraction"   ? "train.val_fraction"
+                              : flag == "--val-file"     ? "train.val_dataset"
+                              : flag == "--eval-every"   ? "train.eval_every_steps"
+                              : flag == "--metrics-file" ? "train.metrics_file"
+                                                         : "train.peak_tflops";
+      const std::string yaml = path ? nlohmann::json(v).dump() : v;
+      sets.emplace_back(key, yaml);
+      child_args.push_back("--set=" + key + "=" + yaml);
     } else if (is("--nproc-per-node") || is("--nproc_per_node")) {
       const std::string v =
           value(a.rfind("--nproc_per_node", 0) == 0 ? "--nproc_per_node" : "--nproc-per-node");

@@ -14,15 +14,22 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
-#include "engine/data_parallel.h"
-#include "engine/trainer.h"
 #include "base/atomic_file.h"
+#include "engine/data_parallel.h"
+#include "engine/device.h"
+#include "engine/evaluator.h"
+#include "engine/trainer.h"
 #include "model/checkpoint.h"
+#include "model/flops.h"
 #include "server/engine_from_config.h"
 #include "server/text_prompt.h"
+#include "server/tokenizer_files.h"
 #include "tools/train/dataset.h"
+#include "tools/train/metrics_log.h"
+#include "tools/train/train_progress.h"
 
 namespace vlmgraph::train {
 namespace {
@@ -36,16 +43,9 @@ class SetupError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// splitmix64 (Steele et al. 2014): the data order's generator, the same on every rank and build.
-uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 // Note [Data order]: the examples are read as one stream over the epochs; stream position p is
-// example order(p / N)[p % N] of the N dataset lines, where order(e) is the identity or, with
+// example order(p / N)[p % N] of the N training examples (the dataset's lines less the
+// validation split, tools/train/dataset.h SplitForValidation), where order(e) is the identity or, with
 // train.shuffle, a Fisher-Yates permutation drawn from splitmix64 seeded by (seed, e). Step k
 // takes positions [k * G, (k + 1) * G) (G = global_batch_size, a batch may straddle two epochs),
 // and each rank its ShardForRank of them, so every rank agrees on the batch without talking, and
@@ -61,7 +61,7 @@ class DataOrder {
       if (shuffle_) {
         uint64_t state = seed_ * 0x100000001B3ull + static_cast<uint64_t>(epoch);
         for (int64_t i = n_ - 1; i > 0; --i) {
-          const int64_t j = static_cast<int64_t>(SplitMix(state) % static_cast<uint64_t>(i + 1));
+          const int64_t j = static_cast<int64_t>(SplitMix64(state) % static_cast<uint64_t>(i + 1));
           std::swap(order_[i], order_[j]);
         }
       }
@@ -88,20 +88,6 @@ double CosineScale(int64_t it, int64_t max_steps) {
   const double ratio = (it - warmup) / (max_steps - warmup);
   const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
   return min_scale + coeff * (1 - min_scale);
-}
-
-std::string Duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  char text[32];
-  if (s >= 3600) {
-    std::snprintf(text, sizeof(text), "%lldh%02lldm", static_cast<long long>(s / 3600),
-                  static_cast<long long>(s / 60 % 60));
-  } else {
-    std::snprintf(text, sizeof(text), "%lldm%02llds", static_cast<long long>(s / 60),
-                  static_cast<long long>(s % 60));
-  }
-  return text;
 }
 
 bool IsFile(const std::string& path) {
@@ -231,6 +217,11 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   std::unique_ptr<Trainer> trainer;
   std::unique_ptr<server::TextModel> text;
   std::unique_ptr<ChatDataset> data;
+  // The validation set: lines of val_data (train.val_dataset) or held out of data (val_fraction).
+  std::unique_ptr<ChatDataset> val_data;
+  ValidationSplit split;
+  std::optional<MetricsLog> metrics;
+  double peak_tflops = 0;  // 0: no MFU
   VlmConfig cfg;
   JobState state;
   int64_t total_steps = 0;
@@ -269,18 +260,34 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     } catch (const DatasetError& e) {
       throw SetupError(std::string("train.dataset: ") + e.what());
     }
+    try {
+      if (!c.val_dataset.empty()) {
+        val_data = std::make_unique<ChatDataset>(ChatDataset::Open(c.val_dataset));
+        val_data->Check();
+        split = SplitForValidation(data->size(), 0, c.seed);
+        split.validation.resize(val_data->size());
+        std::iota(split.validation.begin(), split.validation.end(), 0);
+      } else {
+        split = SplitForValidation(data->size(), c.val_fraction, c.seed);
+      }
+    } catch (const DatasetError& e) {
+      throw SetupError(std::string(c.val_dataset.empty() ? "train.val_fraction: "
+                                                         : "train.val_dataset: ") +
+                       e.what());
+    }
     if (c.global_batch_size % env.world_size != 0) {
       throw SetupError("train.global_batch_size: " + std::to_string(c.global_batch_size) +
                        " must be a multiple of the number of ranks (" +
                        std::to_string(env.world_size) + ")");
     }
+    const int64_t train_examples = static_cast<int64_t>(split.train.size());
     total_steps =
         c.steps > 0
             ? c.steps
-            : static_cast<int64_t>(std::floor(c.epochs * data->size() / c.global_batch_size));
+            : static_cast<int64_t>(std::floor(c.epochs * train_examples / c.global_batch_size));
     if (total_steps < 1) {
-      throw SetupError("train.steps: the dataset's " + std::to_string(data->size()) +
-                       " examples make no step of train.global_batch_size " +
+      throw SetupError("train.steps: the dataset's " + std::to_string(train_examples) +
+                       " training examples make no step of train.global_batch_size " +
                        std::to_string(c.global_batch_size) + " in train.epochs " +
                        std::to_string(c.epochs) + "; set train.steps or more epochs");
     }
@@ -339,6 +346,19 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
                          std::to_string(trainer->steps()));
       }
     }
+    if (main_rank) {
+      const std::string path = c.metrics_file == "none" ? ""
+                               : !c.metrics_file.empty() ? c.metrics_file
+                               : c.save_dir.empty()      ? ""
+                                                         : c.save_dir + "/metrics.jsonl";
+      try {
+        if (!path.empty()) metrics = MetricsLog::Open(path, trainer->steps());
+      } catch (const std::runtime_error& e) {
+        throw SetupError(std::string("train.metrics_file: ") + e.what());
+      }
+    }
+    if (device.is_cuda())
+      peak_tflops = c.peak_tflops > 0 ? c.peak_tflops : PeakBf16Tflops(DeviceName(device));
   } catch (const SetupError& e) {
     fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
   } catch (const EngineError& e) {
@@ -348,6 +368,11 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   }
 
   const bool tty = main_rank && ::isatty(STDOUT_FILENO);
+  // A line that stays (an evaluation, a save): on a terminal it replaces the bar's line, and the
+  // next step draws the bar again below it.
+  auto print_line = [tty](const std::string& text) {
+    std::cout << (tty ? "\r\033[K" : "") << text << std::endl;
+  };
   // Every rank calls it (the sharded optimizer's state is gathered from every rank first); rank 0
   // writes.
   auto save = [&](const std::string& dir, int64_t position) {
@@ -355,15 +380,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     if (!main_rank) return;
     trainer->SaveCheckpoint(dir);
     // The tokenizer beside the weights: the directory serves text with vlmgraph-server --model.
-    const std::string tok = TokenizerPath(c);
-    const std::string tok_dir =
-        tok.substr(0, tok.rfind('/') == std::string::npos ? 0 : tok.rfind('/'));
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                             "generation_config.json"}) {
-      const std::string from = (std::string(name) == "tokenizer.json") ? tok : tok_dir + "/" + name;
-      const std::string to = dir + "/" + name;
-      if (!from.empty() && IsFile(from) && from != to) WriteText(to, ReadText(from));
-    }
+    server::CopyTokenizerFiles(TokenizerPath(c), dir);
     json s;
     s["step"] = trainer->steps();
     s["position"] = position;
@@ -373,20 +390,59 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     s["shuffle"] = c.shuffle;
     s["dataset"] = c.dataset;
     s["dataset_examples"] = data->size();
+    s["train_examples"] = split.train.size();
+    s["validation_examples"] = split.validation.size();
+    if (c.val_fraction > 0) s["val_fraction"] = c.val_fraction;
+    if (!c.val_dataset.empty()) s["val_dataset"] = c.val_dataset;
     WriteText(dir + "/trainer_state.json", s.dump(2) + "\n");
+    print_line("vlmgraph-train: saved checkpoint to " + dir + " (step " +
+               std::to_string(trainer->steps()) + ")");
   };
 
-  DataOrder order(data->size(), c.seed, c.shuffle);
+  const int64_t train_examples = static_cast<int64_t>(split.train.size());
+  const bool has_validation = !split.validation.empty();
+  const ChatDataset& val_source = val_data ? *val_data : *data;
+  // This rank's shard of the validation set: every world_size-th example from its rank on.
+  std::vector<int64_t> val_shard;
+  for (size_t k = static_cast<size_t>(env.rank); k < split.validation.size();
+       k += static_cast<size_t>(env.world_size)) {
+    val_shard.push_back(split.validation[k]);
+  }
+  // Every rank calls it: the loss over the whole validation set (engine/evaluator.h).
+  auto evaluate = [&]() {
+    trainer->GatherOptimizerState();  // the sharded optimizer: every weight current everywhere
+    EvalOptions o;
+    o.device = device;
+    o.micro_batch_size = *std::max_element(c.train_batch_sizes.begin(), c.train_batch_sizes.end());
+    o.data_parallel = group;
+    return EvaluateLoss(
+        trainer->model(), static_cast<int64_t>(val_shard.size()),
+        [&](int64_t i) {
+          return val_source.Example(val_shard[static_cast<size_t>(i)], *text, cfg, MaxTokens(c),
+                                    "buckets.train_seq_lens, with buckets.oversize reject",
+                                    c.max_tiles_per_example);
+        },
+        o);
+  };
+  auto unix_seconds = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+
+  DataOrder order(train_examples, c.seed, c.shuffle);
   int64_t position = state.position;
   const auto started = std::chrono::steady_clock::now();
   const int64_t first_step = trainer->steps();
   double last_loss = 0;
+  std::optional<EvalLoss> last_eval;
   if (main_rank) {
     // The start-up summary: what trains, on what, how much per step.
     int64_t trained = 0, frozen = 0;
     for (const auto& named : trainer->master_weights()) trained += named.second.numel();
     for (const auto& p : trainer->model()->parameters()) frozen += p.numel();
     frozen -= trained;
+    const int64_t longest =
+        *std::max_element(c.train_seq_lens.begin(), c.train_seq_lens.end());
     char line[512];
     std::snprintf(line, sizeof(line),
                   "vlmgraph-train: %lld rank(s) on %s, %s; parameters %.1fM trained, %.1fM frozen; "
@@ -398,6 +454,25 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
                   static_cast<long long>(c.global_batch_size / env.world_size),
                   static_cast<long long>(first_step), static_cast<long long>(total_steps),
                   at::get_num_threads());
+    std::cout << line << std::endl;
+    std::string validation = "no validation set";
+    if (has_validation) {
+      validation = "validation " + std::to_string(split.validation.size()) + " examples (" +
+                   (val_data ? c.val_dataset : "held out of the dataset") +
+                   "), evaluated " +
+                   (c.eval_every_steps > 0
+                        ? "every " + std::to_string(c.eval_every_steps) + " steps and "
+                        : std::string()) +
+                   "at the end";
+    }
+    std::snprintf(line, sizeof(line),
+                  "vlmgraph-train: %lld training examples, %s; up to %lld tokens per step (%lld x "
+                  "%lld); learning rate %s (%s); metrics %s",
+                  static_cast<long long>(train_examples), validation.c_str(),
+                  static_cast<long long>(c.global_batch_size * longest),
+                  static_cast<long long>(c.global_batch_size), static_cast<long long>(longest),
+                  LearningRateText(trainer->learning_rates(), trainer->learning_rates()).c_str(),
+                  c.lr_schedule.c_str(), metrics ? metrics->path().c_str() : "not written");
     std::cout << line << std::endl;
   }
   if (main_rank && first_step >= total_steps) {
@@ -411,7 +486,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   const at::ScalarType compute_dtype = trainer->options().compute_dtype;
   auto load = [&, compute_dtype](int64_t at) {
     std::vector<int64_t> batch;
-    for (int64_t k = 0; k < c.global_batch_size; ++k) batch.push_back(order.At(at + k));
+    for (int64_t k = 0; k < c.global_batch_size; ++k) batch.push_back(split.train[order.At(at + k)]);
     std::vector<TrainExample> examples;
     for (int64_t index : ShardForRank(batch, env.rank, env.world_size)) {
       examples.push_back(data->Example(index, *text, cfg, MaxTokens(c),
@@ -424,49 +499,70 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
   std::future<std::vector<TrainExample>> prefetched;
   if (trainer->steps() < total_steps) prefetched = std::async(std::launch::async, load, position);
   try {
+    // A fresh job's validation loss before its first step: the curve's starting point, and a
+    // validation set that cannot be used stops the job before it trains.
+    if (has_validation && first_step == 0 && total_steps > 0) {
+      last_eval = evaluate();
+      if (main_rank) {
+        print_line(EvalLine(0, total_steps, *last_eval));
+        if (metrics) metrics->Write(EvalRecord(0, unix_seconds(), *last_eval));
+      }
+    }
     while (trainer->steps() < total_steps) {
       const auto t0 = std::chrono::steady_clock::now();
-      std::vector<TrainExample> examples;
-      try {
-        examples = prefetched.get();
-      } catch (const DatasetError& e) {
-        fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
-      }
+      std::vector<TrainExample> examples = prefetched.get();
       if (trainer->steps() + 1 < total_steps) {
         prefetched = std::async(std::launch::async, load, position + c.global_batch_size);
       }
       if (c.lr_schedule == "cosine")
         trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
+      int64_t tiles = 0;
+      for (const TrainExample& e : examples) tiles += e.tiles.defined() ? e.tiles.size(0) : 0;
       const TrainStepResult r = trainer->Step(examples);
       position += c.global_batch_size;
       last_loss = r.loss;
       const double step_seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (main_rank && (r.step % c.log_every == 0 || r.step == total_steps)) {
+      const bool evaluated =
+          has_validation && ((c.eval_every_steps > 0 && r.step % c.eval_every_steps == 0) ||
+                             r.step == total_steps);
+      std::optional<EvalLoss> eval;
+      if (evaluated) last_eval = eval = evaluate();
+      const bool logged = r.step % c.log_every == 0 || r.step == total_steps;
+      if (main_rank && (logged || evaluated)) {
         const double elapsed =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-        const double per_step = elapsed / static_cast<double>(r.step - first_step);
-        const double eta = per_step * static_cast<double>(total_steps - r.step);
-        const double tokens_per_second =
+        StepReport report;
+        report.step = r.step;
+        report.total_steps = total_steps;
+        report.loss = r.loss;
+        report.grad_norm = r.grad_norm;
+        report.skipped = r.skipped;
+        report.learning_rates = r.learning_rates;
+        report.configured_rates = trainer->learning_rates();
+        report.tokens_per_second =
             static_cast<double>(r.real_tokens * env.world_size) / std::max(step_seconds, 1e-9);
-        char line[256];
-        if (tty) {
-          const int width = 24;
-          const int filled = static_cast<int>(width * r.step / total_steps);
-          std::snprintf(line, sizeof(line), "\r[%s%s] %lld/%lld loss %.4f  %.0f tok/s  ETA %s   ",
-                        std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
-                        static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
-                        tokens_per_second, Duration(eta).c_str());
-          std::cout << line << (r.step == total_steps ? "\n" : "") << std::flush;
-        } else {
-          std::snprintf(
-              line, sizeof(line),
-              "step %lld/%lld loss %.6f grad_norm %.4g tokens/s %.0f step_s %.3f eta %s%s",
-              static_cast<long long>(r.step), static_cast<long long>(total_steps), r.loss,
-              r.grad_norm, tokens_per_second, step_seconds, Duration(eta).c_str(),
-              r.skipped ? " skipped" : "");
-          std::cout << line << std::endl;
+        report.step_seconds = step_seconds;
+        report.elapsed_seconds = elapsed;
+        report.eta_seconds = elapsed / static_cast<double>(r.step - first_step) *
+                             static_cast<double>(total_steps - r.step);
+        report.unix_time_seconds = unix_seconds();
+        report.examples_seen = position;
+        report.epoch = static_cast<double>(position) / static_cast<double>(train_examples);
+        if (peak_tflops > 0) {
+          const double flops = StepFlops(cfg, r.buckets, tiles);
+          if (flops > 0) report.mfu = flops / std::max(step_seconds, 1e-9) / (peak_tflops * 1e12);
         }
+        report.eval = eval;
+        if (logged) {
+          if (tty) {
+            std::cout << ProgressBar(report) << (r.step == total_steps ? "\n" : "") << std::flush;
+          } else {
+            std::cout << ProgressLine(report) << std::endl;
+          }
+        }
+        if (eval) print_line(EvalLine(r.step, total_steps, *eval));
+        if (metrics) metrics->Write(MetricsRecord(report));
       }
       if (!c.save_dir.empty() && c.save_every_steps > 0 && r.step % c.save_every_steps == 0 &&
           r.step != total_steps) {
@@ -479,19 +575,23 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
       group->Barrier();
       group->Leave();  // no rank takes the first to leave for a lost one
     }
+  } catch (const DatasetError& e) {
+    fail(kExitBadConfig, "INVALID_ARGUMENT", e.what());
   } catch (const EngineError& e) {
     FailWith(who, e);
   } catch (const std::exception& e) {
     fail(kExitFailed, "INTERNAL", e.what());
   }
   if (main_rank) {
-    char line[256];
+    char line[512];
     if (trainer->steps() == first_step) {  // a resume with no step left: no loss to report
       std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, no step taken",
                     static_cast<long long>(trainer->steps()));
     } else {
-      std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, final loss %.9g%s%s",
-                    static_cast<long long>(trainer->steps()), last_loss,
+      char eval_text[64] = "";
+      if (last_eval) std::snprintf(eval_text, sizeof(eval_text), ", eval_loss %.9g", last_eval->loss);
+      std::snprintf(line, sizeof(line), "vlmgraph-train: done: step %lld, final loss %.9g%s%s%s",
+                    static_cast<long long>(trainer->steps()), last_loss, eval_text,
                     c.save_dir.empty() ? "" : ", saved to ", c.save_dir.c_str());
     }
     std::cout << line << std::endl;
