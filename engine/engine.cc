@@ -376,8 +376,9 @@ ValidatedRequest Engine::Validate(GenerateRequest request) const {
     if (s.top_k < 0)
       throw EngineError("sampling.top_k", "sampling.top_k: must be >= 0 (0 disables it)");
   }
-  for (const auto& [field, top] : {std::pair<const char*, int64_t>{"logprobs.top", request.logprobs.top},
-                                    {"logprobs.prompt_top", request.logprobs.prompt_top}}) {
+  for (const auto& [field, top] :
+       {std::pair<const char*, int64_t>{"logprobs.top", request.logprobs.top},
+        {"logprobs.prompt_top", request.logprobs.prompt_top}}) {
     if (top < 0 || top > kMaxTopLogprobs) {
       throw EngineError(field, std::string(field) + ": must lie in [0, " +
                                    std::to_string(kMaxTopLogprobs) + "], got " +

@@ -50,9 +50,9 @@ class EngineError : public std::runtime_error {
   // The request field at fault as the engine's request types spell it, which is also the gRPC
   // API's field path: "input_ids", "tiles", "sampling.max_new_tokens", "sampling.temperature",
   // "sampling.top_p", "sampling.top_k", "sampling.stop_token_ids", "logprobs.top",
-  // "logprobs.prompt_top", "target_ids",
-  // "logits_positions"; "" when the error is about no one field. what() starts with it. Other
-  // protocols translate it to their own names (server/openai/requests.h).
+  // "logprobs.prompt_top", "target_ids", "logits_positions"; "" when the error is about no one
+  // field. what() starts with it. Other protocols translate it to their own names
+  // (server/openai/requests.h).
   const std::string& field() const { return field_; }
   // Set when a generation does not fit the longest context (field input_ids or
   // sampling.max_new_tokens).
@@ -86,9 +86,9 @@ inline constexpr int64_t kMaxTopLogprobs = 20;
 // cost nothing: their decode steps run as they would without this (Note [Logprobs off the graph]
 // in engine/logprobs.h).
 struct LogprobsParams {
-  bool tokens = false;    // each new token's logprob (TokenEvent::logprob)
-  int64_t top = 0;        // with `tokens`: the `top` most likely tokens too, 0..kMaxTopLogprobs
-  bool prompt = false;    // each prompt token's logprob from the second on (echo)
+  bool tokens = false;     // each new token's logprob (TokenEvent::logprob)
+  int64_t top = 0;         // with `tokens`: the `top` most likely tokens too, 0..kMaxTopLogprobs
+  bool prompt = false;     // each prompt token's logprob from the second on (echo)
   int64_t prompt_top = 0;  // with `prompt`: the most likely tokens at each, 0..kMaxTopLogprobs
   bool any() const { return tokens || prompt; }
 };
