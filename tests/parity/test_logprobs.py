@@ -4,7 +4,7 @@ top_logprobs, echo, n, prompt batches), against transformers on the same weights
 
 The tiny random transformers Llama checkpoint of test_hf_checkpoint (tied head, byte-level BPE
 tokenizer, SmolLM2's chat template; save_pretrained) is served as it is by the real
-vlmgraph-server (float32, CPU, loopback port 0), and compared with transformers' float32 forward
+vlmgraph-server (float32; the CPU, or VLMGRAPH_E2E_DEVICE; loopback port 0), and compared with transformers' float32 forward
 pass of the same directory:
 - /v1/completions echo with logprobs: each prompt token's logprob (the first one's null) equals
   log_softmax of transformers' logits, for lm-evaluation-harness's payload (max_tokens 1, echo,
@@ -58,7 +58,8 @@ TEXT = "The capital of France is Paris. Write a haiku about the sea."
 
 
 def server_config(directory):
-    return {"model": directory, "device": "cpu", "dtype": "float32",
+    # The device is e2e_util's (VLMGRAPH_E2E_DEVICE=cuda: the GPU, with CUDA graphs).
+    return {"model": directory, "dtype": "float32",
             # A chat image is 13 tiles of 64 tokens (nanoVLM resizes it to 2048 px): 893 tokens.
             "buckets": {"batch_sizes": [1, 2, 4], "seq_lens": [32, 128, 1024],
                         "context_lens": [256, 1024],
