@@ -82,6 +82,7 @@ std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   // (from the logits, the region's output, before any other run), so the next step carries them.
   const at::Tensor tokens = buf.dec_carry.narrow(0, 0, batch);
   if (!draws.empty()) SampleRowsInto(r.outputs[0], draws, tokens);
+  QueueLogprobs(fed, r.outputs[0], tokens, step.get());
   buf.host_dec_tokens[half].narrow(0, 0, batch).copy_(tokens, /*non_blocking=*/true);
   buf.dec_done[half]->Record();
   // Counted when queued: a step whose tokens are dropped (see Step()) still ran.
@@ -106,12 +107,27 @@ void Engine::FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events) {
   last_decode_done_ = now;
   ObserveTime(step.key, step.kind, seconds);
   const int64_t* tokens = buf.host_dec_tokens[step.half].data_ptr<int64_t>();
+  std::vector<TokenLogprob> logprobs;  // one per step.logprob_slots entry
+  if (!step.logprob_slots.empty()) {
+    std::vector<int64_t> tops;
+    for (int64_t slot : step.logprob_slots) {
+      const Sequence* s = slots_[static_cast<size_t>(slot)].get();
+      tops.push_back(s != nullptr ? s->logprobs.top : 0);
+    }
+    logprobs = ToTokenLogprobs(step.logprobs, tops);
+  }
+  size_t next_logprob = 0;  // logprob_slots are in the order of step.rows
   for (const auto& [id, slot] : step.rows) {
+    const bool has_logprob =
+        next_logprob < step.logprob_slots.size() && step.logprob_slots[next_logprob] == slot;
+    const size_t logprob_index = next_logprob;
+    if (has_logprob) ++next_logprob;
     Sequence* s = slots_[static_cast<size_t>(slot)].get();
     if (s == nullptr || s->id != id) continue;  // cancelled or ended since the step was queued
     s->queued -= 1;
     s->length += 1;  // the fed token is now in the cache
     Emit(*s, tokens[slot], events);
+    if (has_logprob) events->back().logprob = std::move(logprobs[logprob_index]);
   }
 }
 

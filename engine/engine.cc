@@ -376,6 +376,15 @@ ValidatedRequest Engine::Validate(GenerateRequest request) const {
     if (s.top_k < 0)
       throw EngineError("sampling.top_k", "sampling.top_k: must be >= 0 (0 disables it)");
   }
+  for (const auto& [field, top] :
+       {std::pair<const char*, int64_t>{"logprobs.top", request.logprobs.top},
+        {"logprobs.prompt_top", request.logprobs.prompt_top}}) {
+    if (top < 0 || top > kMaxTopLogprobs) {
+      throw EngineError(field, std::string(field) + ": must lie in [0, " +
+                                   std::to_string(kMaxTopLogprobs) + "], got " +
+                                   std::to_string(top));
+    }
+  }
   // No index in the message: a protocol may add default stop ids to the client's.
   for (int64_t t : s.stop_token_ids) {
     if (t < 0 || t >= model_->cfg.lm_vocab_size) {
@@ -571,6 +580,7 @@ std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
       seq->slot = static_cast<int64_t>(slot);
       seq->length = static_cast<int64_t>(r.input_ids.size());
       seq->sampling = r.sampling;
+      seq->logprobs = r.logprobs;
       seqs.push_back(seq.get());
       ids.push_back(seq->id);
       slots_[slot] = std::move(seq);
@@ -600,7 +610,9 @@ std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
         return PrefillExact(ToExactPrompts(group), slots, /*write_cache=*/true);
       });
       std::vector<int64_t> tokens = SampleRows(r.outputs[0], group_seqs);
+      const size_t first_event = events->size();
       for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
+      AttachPrefillLogprobs(group, r, tokens, events->data() + first_event);
     }
   } catch (...) {
     // No caller will own these sequences: give their slots back.

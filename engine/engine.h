@@ -242,8 +242,19 @@ class Engine {
   // nullptr when no sequence qualifies. Does not wait for the device.
   std::unique_ptr<QueuedStep> QueueDecode(bool carry);
   // Waits for `step`'s tokens, advances its sequences that are still active and emits a
-  // TokenEvent for each.
+  // TokenEvent for each (with its logprobs when its request asked).
   void FinishDecode(QueuedStep& step, std::vector<TokenEvent>* events);
+  // The logprobs of the rows of `fed` whose requests ask, from the decode region's `logits` (B, V)
+  // and the step's `tokens` (B), queued into `step`'s host buffers; nothing when none asks (Note
+  // [Logprobs off the graph], engine/logprobs.h). engine_logprobs.cc.
+  void QueueLogprobs(const std::vector<Sequence*>& fed, const at::Tensor& logits,
+                     const at::Tensor& tokens, QueuedStep* step);
+  // A prefill group's logprobs, for the requests that ask: each first token's (from the region's
+  // last-position logits) and each prompt's (from its hidden states, in chunks), set on events[k],
+  // the k-th request's first event. Before the runner's next run. engine_logprobs.cc.
+  void AttachPrefillLogprobs(const std::vector<const GenerateRequest*>& group,
+                             const DispatchResult& r, const std::vector<int64_t>& tokens,
+                             TokenEvent* events);
   void Free(int64_t slot);
   void ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const;
 

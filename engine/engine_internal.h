@@ -10,6 +10,7 @@
 
 #include "engine/device.h"
 #include "engine/engine.h"
+#include "engine/logprobs.h"
 #include "model/kv_cache.h"
 
 namespace vlmgraph {
@@ -48,6 +49,7 @@ struct Engine::Sequence {
   // between Step() calls): its next step feeds position length + queued.
   int64_t queued = 0;
   SamplingParams sampling;
+  LogprobsParams logprobs;
 };
 
 // Static device buffers shared by every bucket's region function. Each bucket reads a prefix
@@ -86,6 +88,10 @@ struct Engine::QueuedStep {
   RunKind kind = RunKind::kEager;
   int half = 0;       // host staging half (Buffers::host_dec_in, host_dec_tokens, dec_done)
   Clock::time_point queued_at;
+  // The rows that asked for logprobs (Note [Logprobs off the graph], engine/logprobs.h): their KV
+  // cache rows, and their logprobs copied towards the host before dec_done[half] was recorded.
+  std::vector<int64_t> logprob_slots;
+  LogprobRows logprobs;  // host, one row per logprob_slots entry
 };
 
 }  // namespace vlmgraph

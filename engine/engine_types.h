@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -48,9 +49,10 @@ class EngineError : public std::runtime_error {
   Code code() const { return code_; }
   // The request field at fault as the engine's request types spell it, which is also the gRPC
   // API's field path: "input_ids", "tiles", "sampling.max_new_tokens", "sampling.temperature",
-  // "sampling.top_p", "sampling.top_k", "sampling.stop_token_ids", "target_ids",
-  // "logits_positions"; "" when the error is about no one field. what() starts with it. Other
-  // protocols translate it to their own names (server/openai/requests.h).
+  // "sampling.top_p", "sampling.top_k", "sampling.stop_token_ids", "logprobs.top",
+  // "logprobs.prompt_top", "target_ids", "logits_positions"; "" when the error is about no one
+  // field. what() starts with it. Other protocols translate it to their own names
+  // (server/openai/requests.h).
   const std::string& field() const { return field_; }
   // Set when a generation does not fit the longest context (field input_ids or
   // sampling.max_new_tokens).
@@ -74,10 +76,34 @@ struct SamplingParams {
   std::vector<int64_t> stop_token_ids;  // generation ends after emitting one of these
 };
 
+// The most alternatives a request may ask for at one position (OpenAI's top_logprobs limit, and
+// vLLM's default max_logprobs).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
+// Log-probabilities a generation asks for (the OpenAI API's logprobs, top_logprobs and echo).
+// Every value is log_softmax over the model's whole vocabulary of its raw logits, in float32:
+// before temperature, top-k and top-p, as vLLM returns them by default. Requests that ask for none
+// cost nothing: their decode steps run as they would without this (Note [Logprobs off the graph]
+// in engine/logprobs.h).
+struct LogprobsParams {
+  bool tokens = false;     // each new token's logprob (TokenEvent::logprob)
+  int64_t top = 0;         // with `tokens`: the `top` most likely tokens too, 0..kMaxTopLogprobs
+  bool prompt = false;     // each prompt token's logprob from the second on (echo)
+  int64_t prompt_top = 0;  // with `prompt`: the most likely tokens at each, 0..kMaxTopLogprobs
+  bool any() const { return tokens || prompt; }
+};
+
+// One position's log-probabilities: the token's own, and the most likely tokens there.
+struct TokenLogprob {
+  float logprob = 0;                           // of the token at this position, natural log
+  std::vector<std::pair<int64_t, float>> top;  // (token id, logprob), most likely first
+};
+
 struct GenerateRequest {
   std::vector<int64_t> input_ids;  // prompt, with mp_image_token_length image tokens per tile
   at::Tensor tiles;                // (N, 3, S, S) float32 in [0, 1], CPU; undefined for text only
   SamplingParams sampling;
+  LogprobsParams logprobs;
 };
 
 enum class FinishReason { kNone, kLength, kStopToken, kContextFull, kCancelled };
@@ -91,6 +117,11 @@ struct TokenEvent {
   int64_t token = -1;
   bool finished = false;
   FinishReason reason = FinishReason::kNone;
+  // The token's log-probabilities, when its request asked (LogprobsParams::tokens).
+  std::optional<TokenLogprob> logprob;
+  // On a sequence's first event, when its request asked (LogprobsParams::prompt): one entry per
+  // prompt token from the second on, prompt length - 1 in all (the first token has none).
+  std::shared_ptr<const std::vector<TokenLogprob>> prompt_logprobs;
 };
 
 struct ForwardRequest {

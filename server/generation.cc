@@ -52,8 +52,11 @@ GenerationSession::Taken GenerationSession::Take(std::chrono::milliseconds timeo
   GenerationStream::Update u = stream_->Wait(timeout);
   if (!u.tokens.empty()) {
     GenerationDelta delta;
-    for (int64_t t : u.tokens) {
+    delta.prompt_logprobs = std::move(u.prompt_logprobs);
+    for (size_t i = 0; i < u.tokens.size(); ++i) {
+      const int64_t t = u.tokens[i];
       delta.token_ids.push_back(t);
+      if (i < u.logprobs.size()) delta.logprobs.push_back(std::move(u.logprobs[i]));
       if (!text_) continue;
       TextStream::Delta d = text_->Push(t);
       delta.text += d.text;

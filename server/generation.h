@@ -46,6 +46,11 @@ struct GenerationDelta {
   std::vector<int64_t> token_ids;  // new since the previous delta; empty only in the last delta,
                                    // which carries text held back until the end
   std::string text;                // their text (empty without a TextStream, or held back)
+  // One per token id when the request asked for logprobs (LogprobsParams::tokens), else empty.
+  std::vector<TokenLogprob> logprobs;
+  // In the first delta when the request asked for the prompt's (LogprobsParams::prompt): one per
+  // prompt token from the second on. Else null.
+  std::shared_ptr<const std::vector<TokenLogprob>> prompt_logprobs;
 };
 
 struct GenerationOutcome {

@@ -31,6 +31,9 @@ GenerationStream::Update GenerationStream::Wait(std::chrono::milliseconds timeou
   cv_.wait_for(lock, timeout, [this] { return done_ || !tokens_.empty(); });
   Update u;
   u.tokens.swap(tokens_);
+  u.logprobs.swap(logprobs_);
+  u.prompt_logprobs = std::move(prompt_logprobs_);
+  prompt_logprobs_ = nullptr;
   u.done = done_;
   u.reason = reason_;
   u.error = error_;
@@ -61,11 +64,13 @@ bool GenerationStream::done() {
   return done_;
 }
 
-void GenerationStream::Push(const TokenEvent& event) {
+void GenerationStream::Push(TokenEvent& event) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (done_) return;
     tokens_.push_back(event.token);
+    if (event.logprob) logprobs_.push_back(std::move(*event.logprob));
+    if (event.prompt_logprobs) prompt_logprobs_ = std::move(event.prompt_logprobs);
     if (event.finished) {
       done_ = true;
       reason_ = event.reason;
@@ -432,7 +437,7 @@ bool Scheduler::Admit(std::vector<std::shared_ptr<GenerationStream>> batch,
 }
 
 void Scheduler::Route(std::vector<TokenEvent>* events) {
-  for (const TokenEvent& ev : *events) {
+  for (TokenEvent& ev : *events) {
     auto it = running_.find(ev.id);
     if (it == running_.end()) {
       // A sequence nobody owns (its admission failed half-way): free its slot.

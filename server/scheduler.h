@@ -118,6 +118,11 @@ class GenerationStream {
  public:
   struct Update {
     std::vector<int64_t> tokens;  // new since the previous Wait
+    // One per token when the request asked for logprobs (LogprobsParams::tokens), else empty.
+    std::vector<TokenLogprob> logprobs;
+    // The prompt's logprobs, in the update with the first token when the request asked
+    // (LogprobsParams::prompt); else null.
+    std::shared_ptr<const std::vector<TokenLogprob>> prompt_logprobs;
     bool done = false;            // no more tokens will come
     FinishReason reason = FinishReason::kNone;
     std::exception_ptr error;  // set when the request failed (done is true)
@@ -142,7 +147,7 @@ class GenerationStream {
  private:
   friend class Scheduler;
   bool done();
-  void Push(const TokenEvent& event);
+  void Push(TokenEvent& event);  // moves its logprobs
   void Fail(std::exception_ptr error);
   void Notify();
 
@@ -154,6 +159,8 @@ class GenerationStream {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int64_t> tokens_;
+  std::vector<TokenLogprob> logprobs_;
+  std::shared_ptr<const std::vector<TokenLogprob>> prompt_logprobs_;
   bool done_ = false;
   FinishReason reason_ = FinishReason::kNone;
   std::exception_ptr error_;

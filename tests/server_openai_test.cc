@@ -16,6 +16,8 @@
 #include "engine/engine_types.h"
 #include "image/image_processor.h"
 #include "server/config/config.h"
+#include "server/openai/choices.h"
+#include "server/openai/logprobs_json.h"
 #include "server/openai/openai_http.h"
 #include "server/openai/requests.h"
 #include "server/openai/responses.h"
@@ -222,7 +224,7 @@ TEST(OpenAiProtocol, RequestErrors) {
        "messages[0].content[0].type", "use text or image_url"},
       {R"({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]})", 404, "model",
        "`gpt-4o` does not exist"},
-      {R"({"messages": [{"role": "user", "content": "hi"}], "n": 2})", 400, "n", "only one choice"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "n": 65})", 400, "n", "[1, 64]"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5})", 400,
        "temperature", "[0, 2]"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})", 400,
@@ -242,8 +244,13 @@ TEST(OpenAiProtocol, RequestErrors) {
        400, "stop", "stop[1]: 26214400 bytes; a stop string may have at most 256"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "stream_options": {}})", 400,
        "stream_options", "only allowed when stream is true"},
-      {R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true})", 400, "logprobs",
-       "not supported"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1})", 400, "logprobs",
+       "true or false"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true,
+           "top_logprobs": 21})",
+       400, "top_logprobs", "top_logprobs: must lie in [0, 20], got 21"},
+      {R"({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3})", 400,
+       "top_logprobs", "needs logprobs: true"},
       {R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", 400,
        "tools", "not supported"},
       {R"({"messages": [{"role": "user", "content": "hi"}],
@@ -259,16 +266,24 @@ TEST(OpenAiProtocol, RequestErrors) {
     EXPECT_NE(e.message.find(c.message_part), std::string::npos) << c.body << " -> " << e.message;
     EXPECT_EQ(e.type, "invalid_request_error") << c.body;
   }
-  // n = 0 and negative n: n must be 1, without advice to send that many requests.
   for (const char* n : {"0", "-2"}) {
     const ErrorInfo e = ErrorOf([&] {
       ParseChatCompletionRequest(
           std::string(R"({"messages": [{"role": "user", "content": "hi"}], "n": )") + n + "}",
           Ctx());
     });
-    EXPECT_EQ(e.message, std::string("n: must be 1 (one choice per request), got ") + n);
+    EXPECT_EQ(e.message, std::string("n: must lie in [1, 64], got ") + n);
     EXPECT_EQ(e.param, "n");
   }
+  // Logprobs and n as the engine gets them.
+  const ChatCompletionRequest asks = ParseChatCompletionRequest(
+      R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 5,
+          "n": 3})",
+      Ctx());
+  EXPECT_TRUE(asks.params.logprobs);
+  EXPECT_EQ(asks.params.top_logprobs, 5);
+  EXPECT_EQ(asks.params.n, 3);
+  EXPECT_FALSE(asks.params.echo);
   // The unknown model carries OpenAI's code.
   EXPECT_EQ(
       ErrorOf([] { ParseChatCompletionRequest(R"({"model": "x", "messages": []})", Ctx()); }).code,
@@ -339,15 +354,25 @@ TEST(OpenAiProtocol, ImageUrlErrors) {
 }
 
 TEST(OpenAiProtocol, CompletionPrompts) {
-  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": "Once"})", Ctx()).prompt_text, "Once");
-  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": ["Once"]})", Ctx()).prompt_text, "Once");
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": "Once"})", Ctx()).prompts.at(0).text, "Once");
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": ["Once"]})", Ctx()).prompts.at(0).text, "Once");
   CompletionRequest ids = ParseCompletionRequest(R"({"prompt": [1, 2, 3]})", Ctx());
-  EXPECT_FALSE(ids.prompt_text.has_value());
-  EXPECT_EQ(ids.prompt_ids, (std::vector<int64_t>{1, 2, 3}));
-  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [[4, 5]]})", Ctx()).prompt_ids,
+  ASSERT_EQ(ids.prompts.size(), 1u);
+  EXPECT_FALSE(ids.prompts[0].text.has_value());
+  EXPECT_EQ(ids.prompts[0].ids, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [[4, 5]]})", Ctx()).prompts.at(0).ids,
             (std::vector<int64_t>{4, 5}));
-  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [7]})", Ctx()).prompt_ids,
+  EXPECT_EQ(ParseCompletionRequest(R"({"prompt": [7]})", Ctx()).prompts.at(0).ids,
             std::vector<int64_t>{7});
+  // A batch of prompts: strings, or lists of token ids.
+  const CompletionRequest batch = ParseCompletionRequest(R"({"prompt": ["a", "b"]})", Ctx());
+  ASSERT_EQ(batch.prompts.size(), 2u);
+  EXPECT_EQ(batch.prompts[1].text, "b");
+  const CompletionRequest id_batch =
+      ParseCompletionRequest(R"({"prompt": [[1, 2], [3]], "n": 2})", Ctx());
+  ASSERT_EQ(id_batch.prompts.size(), 2u);
+  EXPECT_EQ(id_batch.prompts[1].ids, std::vector<int64_t>{3});
+  EXPECT_EQ(id_batch.params.n, 2);
 
   struct Case {
     std::string body;
@@ -358,12 +383,18 @@ TEST(OpenAiProtocol, CompletionPrompts) {
            {"{}", "prompt", "required"},
            {R"({"prompt": ""})", "prompt", "must not be empty"},
            {R"({"prompt": []})", "prompt", "non-empty"},
-           {R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
+           {R"({"prompt": ["a", [1]]})", "prompt[1]", "all strings"},
+           {R"({"prompt": [[1], ""]})", "prompt[1]", "all strings"},
+           {R"({"prompt": ["a", ""]})", "prompt[1]", "must not be empty"},
            {R"({"prompt": [1, 2.5]})", "prompt[1]", "an integer"},
-           {R"({"prompt": "x", "echo": true})", "echo", "not supported"},
-           {R"({"prompt": "x", "logprobs": 2})", "logprobs", "not supported"},
+           {R"({"prompt": [[1], [2.5]]})", "prompt[1][0]", "an integer"},
+           {R"({"prompt": "x", "echo": 1})", "echo", "true or false"},
+           {R"({"prompt": "x", "logprobs": 21})", "logprobs", "[0, 20]"},
+           {R"({"prompt": "x", "logprobs": true})", "logprobs", "an integer"},
            {R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
-           {R"({"prompt": "x", "n": 3})", "n", "only one choice"},
+           {R"({"prompt": "x", "n": 0})", "n", "[1, 64]"},
+           {R"({"prompt": "x", "n": 65})", "n", "[1, 64]"},
+           {R"({"prompt": ["a", "b", "c"], "n": 22})", "prompt", "at most 64"},
        }) {
     const ErrorInfo e = ErrorOf([&] { ParseCompletionRequest(c.body, Ctx()); });
     EXPECT_EQ(e.http_status, 400) << c.body;
@@ -649,7 +680,7 @@ TEST(OpenAiProtocol, TextLongerThanTheContextIsRefusedBeforeAnyWork) {
       << e.message;
 
   CompletionRequest completion;
-  completion.prompt_text = LongBadText();
+  completion.prompts.push_back({LongBadText(), {}});
   e = ErrorOf([&] { PrepareCompletion(completion, BoundedText(), TestLimits(), 32); });
   EXPECT_EQ(e.code, "context_length_exceeded");
   EXPECT_EQ(e.param, "prompt");
@@ -700,6 +731,114 @@ TEST(OpenAiProtocol, ImagesOverTheTileLimitAreRefusedFromTheirHeaders) {
   e = ErrorOf([&] { PrepareChatCompletion(r, Text(), Tiny(), TestLimits(), 512); });
   EXPECT_EQ(e.param, "messages[0].content[0].image_url.url");
   EXPECT_NE(e.message.find("corrupt png image"), std::string::npos) << e.message;
+}
+
+TEST(OpenAiProtocol, LogprobsEchoAndChoicesReachTheEngineRequest) {
+  const CompletionRequest c = ParseCompletionRequest(
+      R"({"prompt": [104, 105], "max_tokens": 0, "echo": true, "logprobs": 3, "n": 2,
+          "seed": 10})",
+      Ctx());
+  const PreparedGeneration g = PrepareCompletion(c, Text(), TestLimits(), 512);
+  EXPECT_TRUE(g.echo && g.echo_only);
+  EXPECT_EQ(g.request.sampling.max_new_tokens, 1);  // one token made, left out of the response
+  EXPECT_TRUE(g.request.logprobs.tokens);
+  EXPECT_EQ(g.request.logprobs.top, 3);
+  EXPECT_TRUE(g.request.logprobs.prompt);
+  EXPECT_EQ(g.request.logprobs.prompt_top, 3);
+  EXPECT_EQ(g.echo_text, "hi");
+  EXPECT_EQ(g.n, 2);
+  EXPECT_EQ(ChoiceRequest(g, 0).sampling.seed, 10u);
+  EXPECT_EQ(ChoiceRequest(g, 1).sampling.seed, 11u);
+  // Echo without logprobs asks the engine for none; logprobs without echo not for the prompt's.
+  const PreparedGeneration plain = PrepareCompletion(
+      ParseCompletionRequest(R"({"prompt": "ab", "echo": true, "max_tokens": 2})", Ctx()), Text(),
+      TestLimits(), 512);
+  EXPECT_FALSE(plain.request.logprobs.any());
+  EXPECT_FALSE(plain.echo_only);
+  EXPECT_EQ(plain.echo_text, "ab");
+  const PreparedGeneration no_echo =
+      PrepareCompletion(ParseCompletionRequest(R"({"prompt": "ab", "logprobs": 0})", Ctx()), Text(),
+                        TestLimits(), 512);
+  EXPECT_TRUE(no_echo.request.logprobs.tokens);
+  EXPECT_FALSE(no_echo.request.logprobs.prompt);
+  // max_tokens 0 without echo is the engine's to refuse (max_new_tokens >= 1).
+  EXPECT_EQ(PrepareCompletion(ParseCompletionRequest(R"({"prompt": "ab", "max_tokens": 0})", Ctx()),
+                              Text(), TestLimits(), 512)
+                .request.sampling.max_new_tokens,
+            0);
+}
+
+TEST(OpenAiProtocol, LogprobsInOpenAisFormats) {
+  const Tokenizer& tok = Text().tokenizer();  // byte-level: id 'h' is "h"
+  const TokenLogprob h{-0.5f, {{'h', -0.5f}, {'i', -1.5f}, {'x', -2.0f}}};
+  CompletionLogprobs completion(&tok, /*top=*/1);
+  completion.AddUnscored('a');
+  completion.Add('h', h);
+  completion.Add('i', {-1e30f, {}});
+  const nlohmann::json c = completion.Take();
+  EXPECT_EQ(c["tokens"], nlohmann::json({"a", "h", "i"}));
+  EXPECT_EQ(c["token_logprobs"], nlohmann::json({nullptr, -0.5, -9999.0}));
+  // The token itself and the `top` most likely: {h, h} is one entry; none beyond top 1.
+  EXPECT_EQ(c["top_logprobs"][0], nullptr);
+  EXPECT_EQ(c["top_logprobs"][1], nlohmann::json({{"h", -0.5}}));
+  EXPECT_EQ(c["top_logprobs"][2], nlohmann::json({{"i", -9999.0}}));
+  EXPECT_EQ(c["text_offset"], nlohmann::json({0, 1, 2}));
+  completion.Add('x', h);  // offsets count on after a Take
+  EXPECT_EQ(completion.Take()["text_offset"], nlohmann::json({3}));
+  ChatLogprobs chat(&tok);
+  chat.Add('h', h);
+  const nlohmann::json j = chat.Take();
+  EXPECT_EQ(j["refusal"], nullptr);
+  ASSERT_EQ(j["content"].size(), 1u);
+  EXPECT_EQ(j["content"][0]["token"], "h");
+  EXPECT_EQ(j["content"][0]["bytes"], nlohmann::json({104}));
+  EXPECT_EQ(j["content"][0]["top_logprobs"].size(), 3u);
+  EXPECT_EQ(j["content"][0]["top_logprobs"][1],
+            nlohmann::json({{"token", "i"}, {"logprob", -1.5}, {"bytes", {105}}}));
+  EXPECT_TRUE(chat.Take()["content"].empty());
+}
+
+TEST(OpenAiProtocol, ChoicesNumberPromptMajorAndEchoThePrompt) {
+  std::vector<PreparedGeneration> prompts;
+  for (const char* body : {R"({"prompt": "hi", "n": 2, "echo": true, "logprobs": 0})",
+                           R"({"prompt": [104], "n": 2, "echo": true, "logprobs": 0,
+                               "max_tokens": 0})"}) {
+    prompts.push_back(
+        PrepareCompletion(ParseCompletionRequest(body, Ctx()), Text(), TestLimits(), 512));
+  }
+  ResponseChoices out(/*chat=*/false, NewResponseMeta("cmpl", "m"), &prompts, &Text().tokenizer());
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_EQ(out.prompt_of(1), 0u);
+  EXPECT_EQ(out.prompt_of(2), 1u);
+  auto prompt_logprobs = [](size_t n) {
+    return std::make_shared<const std::vector<TokenLogprob>>(n, TokenLogprob{-1.0f, {}});
+  };
+  for (size_t i = 0; i < 4; ++i) {
+    GenerationDelta d;
+    d.token_ids = {'!'};
+    d.text = "!";
+    d.logprobs = {{-0.25f, {}}};
+    d.prompt_logprobs = prompt_logprobs(i < 2 ? 1 : 0);
+    EXPECT_EQ(out.OnDelta(i, d), "");
+    EXPECT_FALSE(out.all_finished());
+    GenerationOutcome o;
+    o.reason = FinishReason::kLength;
+    o.generated_tokens = 1;
+    EXPECT_EQ(out.OnFinish(i, o), "");
+  }
+  ASSERT_TRUE(out.all_finished());
+  const nlohmann::json body = out.TakeBody();
+  ASSERT_EQ(body["choices"].size(), 4u);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(body["choices"][i]["index"], i);
+  EXPECT_EQ(body["choices"][1]["text"], "hi!");
+  EXPECT_EQ(body["choices"][1]["logprobs"]["token_logprobs"],
+            nlohmann::json({nullptr, -1.0, -0.25}));
+  // max_tokens 0: the prompt alone; the token made is not counted.
+  EXPECT_EQ(body["choices"][3]["text"], "h");
+  EXPECT_EQ(body["choices"][3]["logprobs"]["tokens"], nlohmann::json({"h"}));
+  EXPECT_EQ(body["choices"][3]["finish_reason"], "length");
+  EXPECT_EQ(body["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(body["usage"]["completion_tokens"], 2);
 }
 
 TEST(OpenAiProtocol, CompletionTokenizeDetokenize) {

@@ -16,6 +16,8 @@
 
 #include "base/log.h"
 #include "server/generation.h"
+#include "server/openai/choices.h"
+#include "server/openai/http_text.h"
 #include "server/openai/requests.h"
 #include "server/openai/responses.h"
 #include "server/status.h"
@@ -70,33 +72,6 @@ std::string EndpointLabel(const std::string& path) {
   return route ? route->path : "other";  // bounded label values: unknown paths share one
 }
 
-// "application/json; charset=utf-8" -> true; media types compare case-insensitively (RFC 9110).
-bool IsJsonContentType(const std::string& value) {
-  std::string media = value.substr(0, value.find(';'));
-  while (!media.empty() && std::isspace(static_cast<unsigned char>(media.back()))) media.pop_back();
-  size_t start = 0;
-  while (start < media.size() && std::isspace(static_cast<unsigned char>(media[start]))) ++start;
-  media = media.substr(start);
-  std::transform(media.begin(), media.end(), media.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return media == "application/json";
-}
-
-std::string PercentDecodeModel(const std::string& text) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (text[i] == '%' && i + 2 < text.size() &&
-        std::isxdigit(static_cast<unsigned char>(text[i + 1])) &&
-        std::isxdigit(static_cast<unsigned char>(text[i + 2]))) {
-      out += static_cast<char>(std::stoi(text.substr(i + 1, 2), nullptr, 16));
-      i += 2;
-    } else {
-      out += text[i];
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 int64_t MaxHttpBodyBytes(const ServerConfig::Limits& limits) {
@@ -107,27 +82,29 @@ struct OpenAiHttpServer::Impl {
   Impl(const ServerConfig& config, EngineRouter* router, Metrics* metrics, const TextModel* text,
        const ApiKeys* keys, WeightsPublisher* publisher);
 
-  // One generation over HTTP, from its submission to its last byte. Lives while the engine or
-  // the connection may still call it; its lifetime is what Shutdown's drain counts.
+  // One completion request over HTTP (its choices: n per prompt), from its submission to its
+  // last byte. Lives while the engine or the connection may still call it; its lifetime is what
+  // Shutdown's drain counts.
   struct Generation : std::enable_shared_from_this<Generation> {
-    Generation(Impl* owner, std::shared_ptr<HttpExchange> exchange, PreparedGeneration g,
-               bool chat);
+    Generation(Impl* owner, std::shared_ptr<HttpExchange> exchange,
+               std::vector<PreparedGeneration> prompts, bool chat);
     ~Generation();
-    void Start(ValidatedRequest request);
+    void Start(std::vector<ValidatedRequest> requests);  // one per choice
     void ScheduleDrain();
     void Drain();
     void Fail(std::exception_ptr error);
+    void CancelAll();  // strand
 
     Impl* const owner;
     const std::shared_ptr<HttpExchange> exchange;
-    PreparedGeneration g;
+    const std::vector<PreparedGeneration> prompts;
     const bool chat;
-    const ResponseMeta meta;
-    TextStream text;
+    const bool stream;
+    openai::ResponseChoices out;                     // strand
+    std::vector<std::unique_ptr<TextStream>> texts;  // one per choice
     net::strand<net::thread_pool::executor_type> strand;
-    std::unique_ptr<GenerationSession> session;  // strand
+    std::vector<std::unique_ptr<GenerationSession>> sessions;  // strand; null once finished
     std::atomic<bool> drain_scheduled{false};
-    std::string out;     // non-streaming: the text so far
     bool ended = false;  // strand
     // Itself while the generation runs (Start to the end of Drain or Fail): nothing else holds a
     // generation that waits for the engine.
@@ -140,7 +117,8 @@ struct OpenAiHttpServer::Impl {
 
   // On a worker thread.
   void Handle(const std::shared_ptr<HttpExchange>& x, Endpoint endpoint);
-  void StartGeneration(const std::shared_ptr<HttpExchange>& x, PreparedGeneration g, bool chat);
+  void StartGeneration(const std::shared_ptr<HttpExchange>& x,
+                       std::vector<PreparedGeneration> prompts, bool chat);
 
   void Authorize(const HttpRequest& head, Scope scope) const;  // throws ApiError 401 / 403
   const TextModel& RequireText() const;
@@ -361,17 +339,20 @@ void OpenAiHttpServer::Impl::Handle(const std::shared_ptr<HttpExchange>& x, Endp
     }
     case Endpoint::kChat: {
       const ChatCompletionRequest request = ParseChatCompletionRequest(body, ctx);
-      StartGeneration(x,
-                      PrepareChatCompletion(request, RequireText(), engine.model_config(),
-                                            config.limits, engine.max_context()),
-                      /*chat=*/true);
+      std::vector<PreparedGeneration> prompts;
+      prompts.push_back(PrepareChatCompletion(request, RequireText(), engine.model_config(),
+                                              config.limits, engine.max_context()));
+      StartGeneration(x, std::move(prompts), /*chat=*/true);
       return;
     }
     case Endpoint::kCompletions: {
       const CompletionRequest request = ParseCompletionRequest(body, ctx);
-      StartGeneration(
-          x, PrepareCompletion(request, RequireText(), config.limits, engine.max_context()),
-          /*chat=*/false);
+      std::vector<PreparedGeneration> prompts;
+      for (size_t p = 0; p < request.prompts.size(); ++p) {
+        prompts.push_back(
+            PrepareCompletion(request, RequireText(), config.limits, engine.max_context(), p));
+      }
+      StartGeneration(x, std::move(prompts), /*chat=*/false);
       return;
     }
     case Endpoint::kTokenize: {
@@ -462,70 +443,86 @@ void OpenAiHttpServer::Impl::Unregister(Generation* g) {
 }
 
 OpenAiHttpServer::Impl::Generation::Generation(Impl* owner_in, std::shared_ptr<HttpExchange> x,
-                                               PreparedGeneration g_in, bool chat_in)
+                                               std::vector<PreparedGeneration> prompts_in,
+                                               bool chat_in)
     : owner(owner_in),
       exchange(std::move(x)),
-      g(std::move(g_in)),
+      prompts(std::move(prompts_in)),
       chat(chat_in),
-      meta(NewResponseMeta(chat_in ? "chatcmpl" : "cmpl", owner_in->ctx.served_model_name)),
-      text(&owner_in->RequireText().tokenizer(), g.stop_strings),
-      strand(net::make_strand(owner_in->streams.get_executor())) {}
+      stream(prompts.front().stream),
+      out(chat_in, NewResponseMeta(chat_in ? "chatcmpl" : "cmpl", owner_in->ctx.served_model_name),
+          &prompts, &owner_in->RequireText().tokenizer()),
+      strand(net::make_strand(owner_in->streams.get_executor())) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    texts.push_back(std::make_unique<TextStream>(&owner_in->RequireText().tokenizer(),
+                                                 prompts[out.prompt_of(i)].stop_strings));
+  }
+}
 
 OpenAiHttpServer::Impl::Generation::~Generation() { owner->Unregister(this); }
 
 void OpenAiHttpServer::Impl::StartGeneration(const std::shared_ptr<HttpExchange>& x,
-                                             PreparedGeneration g, bool chat) {
-  // The one validation (thread-safe): ids, image tokens vs tiles, max_tokens, context, sampling;
-  // its refusal in OpenAI's words (FromEngineError).
-  ValidatedRequest request = [&] {
-    try {
-      return router->engine().Validate(std::move(g.request));
-    } catch (const EngineError& e) {
-      throw FromEngineError(e, g);
+                                             std::vector<PreparedGeneration> prompts, bool chat) {
+  // The one validation (thread-safe): ids, image tokens vs tiles, max_tokens, context, sampling,
+  // logprobs; its refusal in OpenAI's words (FromEngineError). Every choice is validated before
+  // any is submitted.
+  std::vector<ValidatedRequest> requests;
+  for (const PreparedGeneration& g : prompts) {
+    for (int64_t k = 0; k < g.n; ++k) {
+      try {
+        requests.push_back(router->engine().Validate(ChoiceRequest(g, k)));
+      } catch (const EngineError& e) {
+        throw FromEngineError(e, g);
+      }
     }
-  }();
+  }
   if (LogEnabled(LogLevel::kDebug)) {
-    const int64_t tiles = request->tiles.defined() ? request->tiles.size(0) : 0;
+    const PreparedGeneration& g = prompts.front();
+    const int64_t tiles = g.request.tiles.defined() ? g.request.tiles.size(0) : 0;
     LogDebug("HTTP " + x->request().path + " from " + x->request().remote_address + ": " +
-             std::to_string(g.prompt_tokens) + " prompt tokens, " + std::to_string(tiles) +
-             " tiles, max_tokens " + std::to_string(request->sampling.max_new_tokens) +
+             std::to_string(prompts.size()) + " prompts, " + std::to_string(requests.size()) +
+             " choices, " + std::to_string(g.prompt_tokens) + " prompt tokens, " +
+             std::to_string(tiles) + " tiles, max_tokens " +
+             std::to_string(requests.front()->sampling.max_new_tokens) +
              (g.stream ? ", stream" : ""));
   }
-  auto gen = std::make_shared<Generation>(this, x, std::move(g), chat);
+  auto gen = std::make_shared<Generation>(this, x, std::move(prompts), chat);
   Register(gen.get());
-  gen->Start(std::move(request));  // throws RESOURCE_EXHAUSTED / UNAVAILABLE before any byte
+  gen->Start(std::move(requests));  // throws RESOURCE_EXHAUSTED / UNAVAILABLE before any byte
 }
 
-void OpenAiHttpServer::Impl::Generation::Start(ValidatedRequest request) {
+void OpenAiHttpServer::Impl::Generation::Start(std::vector<ValidatedRequest> requests) {
   const Clock::time_point accepted =
       Clock::now() - std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(exchange->seconds()));
   std::weak_ptr<Generation> weak = weak_from_this();
-  session = std::make_unique<GenerationSession>(*owner->router, owner->metrics, std::move(request),
-                                                accepted, &text, [weak] {
-                                                  if (auto self = weak.lock())
-                                                    self->ScheduleDrain();
-                                                });
+  // A choice refused by the queue ends the request: the sessions already made cancel their
+  // sequences as they are destroyed.
+  for (size_t i = 0; i < requests.size(); ++i) {
+    sessions.push_back(std::make_unique<GenerationSession>(
+        *owner->router, owner->metrics, std::move(requests[i]), accepted, texts[i].get(), [weak] {
+          if (auto self = weak.lock()) self->ScheduleDrain();
+        }));
+  }
   self = shared_from_this();
   // Submitted: from here on errors go to the client through Drain.
-  if (g.stream) {
+  if (stream) {
     exchange->StartStream(200, "text/event-stream",
                           {{"Cache-Control", "no-cache"},
                            {"X-Accel-Buffering", "no"}});  // proxies: pass events on at once
-    if (chat) {
-      exchange->Write(SseEvent(ChatCompletionChunkJson(
-          meta, {{"role", "assistant"}, {"content", ""}}, "", g.include_usage)));
-    }
+    if (const std::string start = out.StreamStart(); !start.empty()) exchange->Write(start);
   }
   exchange->OnClientGone([weak] {
-    if (auto s = weak.lock()) {
-      net::post(s->strand, [s] {
-        if (s->session) s->session->Cancel();
-      });
-    }
+    if (auto s = weak.lock()) net::post(s->strand, [s] { s->CancelAll(); });
   });
-  // The session lives on the strand from now on: a notification may have come already.
+  // The sessions live on the strand from now on: a notification may have come already.
   net::post(strand, [s = self] { s->Drain(); });
+}
+
+void OpenAiHttpServer::Impl::Generation::CancelAll() {
+  for (auto& session : sessions) {
+    if (session) session->Cancel();
+  }
 }
 
 void OpenAiHttpServer::Impl::Generation::ScheduleDrain() {
@@ -535,58 +532,47 @@ void OpenAiHttpServer::Impl::Generation::ScheduleDrain() {
 
 void OpenAiHttpServer::Impl::Generation::Drain() {
   drain_scheduled = false;
-  if (ended || !session) return;
-  GenerationSession::Taken t;
-  try {
-    t = session->Take();
-  } catch (...) {
-    return Fail(std::current_exception());
-  }
-  for (const GenerationDelta& d : t.deltas) {
-    if (!g.stream) {
-      out += d.text;
-    } else if (!d.text.empty()) {
-      exchange->Write(
-          SseEvent(chat ? ChatCompletionChunkJson(meta, {{"content", d.text}}, "", g.include_usage)
-                        : CompletionChunkJson(meta, d.text, "", g.include_usage)));
+  if (ended || sessions.empty()) return;
+  std::string events;
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    if (!sessions[i]) continue;  // finished
+    GenerationSession::Taken t;
+    try {
+      t = sessions[i]->Take();
+      for (const GenerationDelta& d : t.deltas) events += out.OnDelta(i, d);
+      if (t.finished && !t.error) events += out.OnFinish(i, t.outcome);
+    } catch (...) {
+      return Fail(std::current_exception());
     }
+    if (!t.finished) continue;
+    if (t.error) return Fail(t.error);
+    sessions[i].reset();
   }
-  if (!t.finished) return;
-  if (t.error) return Fail(t.error);
+  if (stream && !events.empty()) exchange->Write(events);
+  if (!out.all_finished()) return;
   ended = true;
-  const GenerationOutcome& o = t.outcome;
-  const std::string reason = FinishReasonString(o.reason);
-  const Usage usage{g.prompt_tokens, o.generated_tokens};
-  if (!g.stream) {
-    exchange->Respond(200, "application/json",
-                      Dump(chat ? ChatCompletionJson(meta, out, reason, usage)
-                                : CompletionJson(meta, out, reason, usage)));
+  if (!stream) {
+    exchange->Respond(200, "application/json", Dump(out.TakeBody()));
   } else {
-    exchange->Write(
-        SseEvent(chat ? ChatCompletionChunkJson(meta, json::object(), reason, g.include_usage)
-                      : CompletionChunkJson(meta, "", reason, g.include_usage)));
-    if (g.include_usage) {
-      exchange->Write(SseEvent(
-          UsageChunkJson(meta, chat ? "chat.completion.chunk" : "text_completion", usage)));
-    }
-    exchange->Write(kSseDone);
+    exchange->Write(out.StreamEnd());
     exchange->EndStream();
   }
-  session.reset();
+  sessions.clear();
   self.reset();  // may destroy this generation: last
 }
 
 void OpenAiHttpServer::Impl::Generation::Fail(std::exception_ptr error) {
   ended = true;
-  session.reset();
+  CancelAll();
+  sessions.clear();
   const std::shared_ptr<Generation> keep = std::move(self);  // released as this returns
   if (exchange->client_gone()) return;                       // reported as 499 by the front
   const ErrorInfo e = owner->ErrorOf(error);
-  if (!g.stream) return owner->SendError(*exchange, e);
+  if (!stream) return owner->SendError(*exchange, e);
   const bool server_fault = e.http_status >= 500 && e.http_status != 503;
-  Log(server_fault ? LogLevel::kError : LogLevel::kDebug, "HTTP stream " + meta.id + " -> " +
-                                                              std::to_string(e.http_status) + ": " +
-                                                              LogSafe(e.message, 512));
+  Log(server_fault ? LogLevel::kError : LogLevel::kDebug,
+      "HTTP stream " + exchange->request().path + " -> " + std::to_string(e.http_status) + ": " +
+          LogSafe(e.message, 512));
   exchange->SetReportedStatus(e.http_status);
   exchange->Write(SseEvent(ErrorJson(e)));
   exchange->Write(kSseDone);
@@ -687,11 +673,7 @@ void OpenAiHttpServer::Shutdown(double timeout_seconds) {
       if (auto g = weak.lock()) running.push_back(std::move(g));
     }
   }
-  for (auto& g : running) {
-    net::post(g->strand, [g] {
-      if (g->session) g->session->Cancel();
-    });
-  }
+  for (auto& g : running) net::post(g->strand, [g] { g->CancelAll(); });
   running.clear();
   {
     // Cancelled generations end within one drain; give their last bytes a moment to leave.

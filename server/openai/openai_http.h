@@ -23,8 +23,10 @@
 //                              0}, ...]} ("error": the device error of a failed engine); a 503
 //                              body is OpenAI's error body with the same "engines" list
 //   GET  /v1/models            the one model, served_model_name; GET /v1/models/{model} too
-//   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE
-//   POST /v1/completions       a prompt string (or token ids); stream: true -> SSE
+//   POST /v1/chat/completions  text and image_url (data: URL) content parts; stream: true -> SSE;
+//                              n choices, logprobs (server/openai/choices.h)
+//   POST /v1/completions       a prompt string or token ids, or a batch of them; stream: true ->
+//                              SSE; n choices, logprobs, echo (server/openai/choices.h)
 //   POST /tokenize             vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", ...}
 //   POST /detokenize           vLLM's: {"tokens"} -> {"prompt"}
 //   POST /v1/admin/rollback    the weights served before the last publish (key with the publish
@@ -44,7 +46,8 @@
 // Errors (OpenAI's {"error": {"message", "type", "param", "code"}}; the mapping from the
 // server's exceptions is openai::ErrorFromException, the one place that maps them):
 //   400 invalid_request_error  malformed JSON or HTTP, missing or bad fields, bad base64, a remote
-//                              image URL, n > 1, a prompt longer than the context
+//                              image URL, n or top_logprobs out of range, a prompt longer
+//                              than the context
 //                              (code context_length_exceeded), no tokenizer loaded
 //   401 authentication_error   missing or wrong API key (code invalid_api_key)
 //   403 permission_error       the key lacks the inference scope

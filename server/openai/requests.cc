@@ -1,7 +1,5 @@
 #include "server/openai/requests.h"
 
-#include <absl/strings/escaping.h>
-
 #include <algorithm>
 #include <cctype>
 #include <chrono>
@@ -98,15 +96,7 @@ std::vector<int64_t> IntList(const json& v, const std::string& param) {
   return out;
 }
 
-std::string Lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return s;
-}
 
-bool StartsWith(const std::string& s, const std::string& prefix) {
-  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
-}
 
 // --- request parts
 // --------------------------------------------------------------------------------
@@ -131,8 +121,6 @@ void RefuseUnsupported(const json& body, bool chat) {
     throw BadRequest(param + ": " + what + " is not supported by this server", param);
   };
   if (chat) {
-    if (OptBool(body, "logprobs", "logprobs").value_or(false)) refuse("logprobs", "logprobs");
-    if (Field(body, "top_logprobs")) refuse("top_logprobs", "top_logprobs");
     for (const char* key : {"tools", "functions"}) {
       const json* f = Field(body, key);
       if (f && !(f->is_array() && f->empty())) refuse(key, "tool calling");
@@ -142,8 +130,6 @@ void RefuseUnsupported(const json& body, bool chat) {
         refuse("response_format", "a response_format other than {\"type\": \"text\"}");
     }
   } else {
-    if (Field(body, "logprobs")) refuse("logprobs", "logprobs");
-    if (OptBool(body, "echo", "echo").value_or(false)) refuse("echo", "echo");
     if (OptString(body, "suffix", "suffix").value_or("") != "") refuse("suffix", "suffix");
     if (OptInt(body, "best_of", "best_of").value_or(1) != 1) refuse("best_of", "best_of > 1");
   }
@@ -154,19 +140,53 @@ void RefuseUnsupported(const json& body, bool chat) {
     refuse("logit_bias", "logit_bias");
 }
 
+// A count of alternatives per position, in [0, kMaxTopLogprobs].
+int64_t TopLogprobs(int64_t v, const std::string& param) {
+  if (v < 0 || v > kMaxTopLogprobs) {
+    throw BadRequest(param + ": must lie in [0, " + std::to_string(kMaxTopLogprobs) + "], got " +
+                         std::to_string(v),
+                     param);
+  }
+  return v;
+}
+
+// Chat: logprobs (bool) and top_logprobs (int, needs logprobs: true), as OpenAI; completions:
+// logprobs (int) and echo.
+void ParseLogprobs(const json& body, bool chat, GenerationParams* p) {
+  if (chat) {
+    p->logprobs = OptBool(body, "logprobs", "logprobs").value_or(false);
+    if (const std::optional<int64_t> top = OptInt(body, "top_logprobs", "top_logprobs")) {
+      p->top_logprobs = TopLogprobs(*top, "top_logprobs");
+      p->logprobs_param = "top_logprobs";
+      if (!p->logprobs && *top > 0) {
+        throw BadRequest("top_logprobs: needs logprobs: true; send \"logprobs\": true with it",
+                         "top_logprobs");
+      }
+    }
+    return;
+  }
+  if (const std::optional<int64_t> top = OptInt(body, "logprobs", "logprobs")) {
+    p->logprobs = true;
+    p->top_logprobs = TopLogprobs(*top, "logprobs");
+  }
+  p->echo = OptBool(body, "echo", "echo").value_or(false);
+}
+
 // Types and this API's own rules only; the values the engine checks (max_tokens >= 1 and within
 // limits.max_new_tokens, top_p, top_k, stop_token_ids, the context) are refused by
 // Engine::Validate and named in this API's terms by FromEngineError.
 GenerationParams ParseGenerationParams(const json& body, bool chat) {
   RefuseUnsupported(body, chat);
   GenerationParams p;
-  if (const std::optional<int64_t> n = OptInt(body, "n", "n"); n && *n != 1) {
-    if (*n < 1)
-      throw BadRequest("n: must be 1 (one choice per request), got " + std::to_string(*n), "n");
-    throw BadRequest("n: only one choice per request is supported, got " + std::to_string(*n) +
-                         "; send " + std::to_string(*n) + " requests instead",
-                     "n");
+  if (const std::optional<int64_t> n = OptInt(body, "n", "n")) {
+    if (*n < 1 || *n > kMaxChoices) {
+      throw BadRequest(
+          "n: must lie in [1, " + std::to_string(kMaxChoices) + "], got " + std::to_string(*n),
+          "n");
+    }
+    p.n = *n;
   }
+  ParseLogprobs(body, chat, &p);
   // max_completion_tokens replaces the deprecated max_tokens (OpenAI); vLLM takes it first too.
   for (const char* key : {"max_completion_tokens", "max_tokens"}) {
     const std::optional<int64_t> v = OptInt(body, key, key);
@@ -393,6 +413,9 @@ PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_
   g.prompt_tokens = static_cast<int64_t>(input_ids.size());
   SamplingParams& s = g.request.sampling;
   s.max_new_tokens = MaxNewTokens(p, g.prompt_tokens, limits, max_context);
+  // OpenAI's echo with max_tokens 0: the prompt alone. The engine makes one token, left out.
+  g.echo_only = p.echo && p.max_tokens && *p.max_tokens == 0;
+  if (g.echo_only) s.max_new_tokens = 1;
   s.greedy = p.temperature < kGreedyTemperature;
   s.temperature = s.greedy ? 1.0 : p.temperature;
   s.top_p = p.top_p;
@@ -410,6 +433,16 @@ PreparedGeneration Finish(const GenerationParams& p, std::vector<int64_t> input_
   g.max_tokens_param = p.max_tokens_param;
   g.stream = p.stream;
   g.include_usage = p.include_usage;
+  g.n = p.n;
+  g.logprobs = p.logprobs;
+  g.top_logprobs = p.top_logprobs;
+  g.logprobs_param = p.logprobs_param;
+  g.echo = p.echo;
+  LogprobsParams& l = g.request.logprobs;
+  l.tokens = p.logprobs;
+  l.top = p.top_logprobs;
+  l.prompt = p.logprobs && p.echo;
+  l.prompt_top = l.prompt ? p.top_logprobs : 0;
   return g;
 }
 
@@ -435,23 +468,43 @@ CompletionRequest ParseCompletionRequest(const std::string& body, const RequestC
   r.params = ParseGenerationParams(j, /*chat=*/false);
   const json* prompt = Field(j, "prompt");
   if (!prompt) throw BadRequest("prompt: required; send the text to complete", "prompt");
-  // A string, or one prompt as a list: ["text"], [ids...] or [[ids...]] (OpenAI's forms).
-  const json* one = prompt;
-  if (prompt->is_array() && prompt->size() == 1 && !(*prompt)[0].is_number()) one = &(*prompt)[0];
-  if (one->is_string()) {
-    r.prompt_text = one->get<std::string>();
-    if (r.prompt_text->empty()) throw BadRequest("prompt: must not be empty", "prompt");
-  } else if (one->is_array() && !one->empty() &&
-             std::all_of(one->begin(), one->end(), [](const json& v) { return v.is_number(); })) {
-    r.prompt_ids = IntList(*one, "prompt");
-  } else if (prompt->is_array() && prompt->size() > 1 &&
-             !std::all_of(prompt->begin(), prompt->end(),
-                          [](const json& v) { return v.is_number(); })) {
-    throw BadRequest("prompt: one prompt per request is supported, got " +
-                         std::to_string(prompt->size()) + "; send one request per prompt",
-                     "prompt");
+  // OpenAI's forms: "text", [ids...], or a batch: ["text", ...] or [[ids...], ...].
+  auto is_number = [](const json& v) { return v.is_number(); };
+  auto one = [&](const json& v, const std::string& param) {
+    CompletionPrompt p;
+    if (v.is_string()) {
+      p.text = v.get<std::string>();
+      if (p.text->empty()) throw BadRequest(param + ": must not be empty", param);
+    } else if (v.is_array() && !v.empty() && std::all_of(v.begin(), v.end(), is_number)) {
+      p.ids = IntList(v, param);
+    } else {
+      throw BadRequest(param + ": must be a non-empty string or a non-empty list of token ids",
+                       param);
+    }
+    return p;
+  };
+  if (prompt->is_array() && !prompt->empty() &&
+      !std::all_of(prompt->begin(), prompt->end(), is_number)) {
+    const bool strings = (*prompt)[0].is_string();
+    for (size_t i = 0; i < prompt->size(); ++i) {
+      const std::string param = "prompt[" + std::to_string(i) + "]";
+      if ((*prompt)[i].is_string() != strings) {
+        throw BadRequest(param +
+                             ": a batch of prompts must be all strings or all lists of "
+                             "token ids",
+                         param);
+      }
+      r.prompts.push_back(one((*prompt)[i], param));
+    }
   } else {
-    throw BadRequest("prompt: must be a non-empty string or a non-empty list of token ids",
+    r.prompts.push_back(one(*prompt, "prompt"));
+  }
+  const int64_t choices = static_cast<int64_t>(r.prompts.size()) * r.params.n;
+  if (choices > kMaxChoices) {
+    throw BadRequest("prompt: " + std::to_string(r.prompts.size()) + " prompts x n = " +
+                         std::to_string(r.params.n) + " make " + std::to_string(choices) +
+                         " choices; at most " + std::to_string(kMaxChoices) +
+                         " are allowed per request: send fewer prompts per request",
                      "prompt");
   }
   return r;
@@ -481,50 +534,6 @@ DetokenizeRequest ParseDetokenizeRequest(const std::string& body, const RequestC
   return {IntList(*tokens, "tokens")};
 }
 
-std::string DecodeImageUrl(const std::string& url, const Limits& limits, const std::string& param) {
-  const std::string head = Lower(url.substr(0, std::min<size_t>(url.size(), 16)));
-  if (StartsWith(head, "http://") || StartsWith(head, "https://")) {
-    throw BadRequest(param +
-                         ": remote image URLs are not supported; this server fetches nothing. "
-                         "Send the image inline as a data URL: data:image/png;base64,<the file "
-                         "in base64>",
-                     param);
-  }
-  if (!StartsWith(head, "data:")) {
-    throw BadRequest(param + ": must be a data URL, data:image/png;base64,<the file in base64>",
-                     param);
-  }
-  const size_t comma = url.find(',');
-  if (comma == std::string::npos)
-    throw BadRequest(param + ": malformed data URL: no ',' before the data", param);
-  // "image/png;base64": media type, then parameters; base64 must be the last one (RFC 2397).
-  const std::string meta = Lower(url.substr(5, comma - 5));
-  const std::string media_type = meta.substr(0, meta.find(';'));
-  if (!StartsWith(media_type, "image/")) {
-    throw BadRequest(param + ": the data URL's media type must be image/png or image/jpeg, got '" +
-                         media_type + "'",
-                     param);
-  }
-  if (meta.size() < 7 || meta.compare(meta.size() - 7, 7, ";base64") != 0) {
-    throw BadRequest(
-        param + ": the data URL must be base64-encoded (data:" + media_type + ";base64,...)",
-        param);
-  }
-  const std::string_view data = std::string_view(url).substr(comma + 1);
-  // Refuse before decoding: base64 carries 3 bytes per 4 characters.
-  if (static_cast<int64_t>(data.size() / 4) * 3 > limits.max_image_bytes + 3) {
-    throw BadRequest(param + ": the image has about " + std::to_string(data.size() / 4 * 3) +
-                         " bytes; at most " + std::to_string(limits.max_image_bytes) +
-                         " are allowed (limits.max_image_bytes)",
-                     param);
-  }
-  std::string bytes;
-  if (!absl::Base64Unescape(absl::string_view(data.data(), data.size()), &bytes))
-    throw BadRequest(param + ": the image data is not valid base64", param);
-  if (bytes.empty()) throw BadRequest(param + ": the image data is empty", param);
-  return bytes;
-}
-
 // --- engine requests
 // ------------------------------------------------------------------------------
 
@@ -543,12 +552,30 @@ PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
 }
 
 PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
-                                     const Limits& limits, int64_t max_context) {
-  std::vector<int64_t> ids = request.prompt_ids;
-  if (request.prompt_text) {
-    ids = Tokenizing([&] { return text.BuildText(*request.prompt_text, {}).input_ids; });
+                                     const Limits& limits, int64_t max_context, size_t prompt) {
+  const CompletionPrompt& p = request.prompts.at(prompt);
+  std::vector<int64_t> ids = p.ids;
+  if (p.text) ids = Tokenizing([&] { return text.BuildText(*p.text, {}).input_ids; });
+  PreparedGeneration g =
+      Finish(request.params, std::move(ids), at::Tensor(), text, limits, max_context, "prompt");
+  if (g.echo) {
+    if (p.text) {
+      g.echo_text = *p.text;
+    } else {
+      try {  // as vLLM: the ids decoded, special tokens kept
+        g.echo_text = text.tokenizer().Decode(p.ids, /*skip_special_tokens=*/false);
+      } catch (const TokenizerError& e) {
+        throw BadRequest(std::string("prompt: ") + e.what(), "prompt");
+      }
+    }
   }
-  return Finish(request.params, std::move(ids), at::Tensor(), text, limits, max_context, "prompt");
+  return g;
+}
+
+GenerateRequest ChoiceRequest(const PreparedGeneration& g, int64_t choice) {
+  GenerateRequest r = g.request;  // tiles are shared, not copied
+  r.sampling.seed += static_cast<uint64_t>(choice);
+  return r;
 }
 
 // vLLM's /tokenize has no limit; this one refuses, with the same context_length_exceeded, a text
@@ -620,6 +647,8 @@ ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g) {
       {"sampling.top_p", "top_p", nullptr},
       {"sampling.top_k", "top_k", ": must be >= 1, or 0 or -1 to disable it"},
       {"sampling.stop_token_ids", "stop_token_ids", nullptr},
+      {"logprobs.top", g.logprobs_param, nullptr},
+      {"logprobs.prompt_top", g.logprobs_param, nullptr},
   };
   for (const Name& n : names) {
     if (field != n.engine) continue;

@@ -24,23 +24,38 @@
 //   Errors: OpenAI's {"error": {"message", "type", "param", "code"}} (ErrorFromException).
 //
 // Accepted request fields (anything else is ignored, as vLLM does; fields this server cannot honour
-// are refused instead of ignored: n > 1, logprobs, tools, response_format other than text,
-// non-zero penalties, logit_bias, echo, suffix, best_of > 1). The parsers check types and this
+// are refused instead of ignored: tools, response_format other than text, non-zero penalties,
+// logit_bias, suffix, best_of > 1). The parsers check types and this
 // API's own rules; the ranges below that are the engine's (max_tokens, top_p, top_k, stop ids, the
 // context) are checked by Engine::Validate alone and its refusal named here by FromEngineError:
 //   model                 optional; when given it must equal served_model_name (else 404)
 //   messages              chat: [{role: system|developer|user|assistant, content: string or
 //                         [{type: text, text} | {type: image_url, image_url: {url}}]}]; image URLs
 //                         must be `data:image/...;base64,...` (the server fetches nothing)
-//   prompt                completions: a string, or token ids ([int] or [[int]] of one prompt)
+//   prompt                completions: a string, token ids ([int]), or a batch of prompts
+//                         ([string] or [[int]]); each prompt's choices follow the previous
+//                         prompt's (index = prompt * n + choice)
 //   max_completion_tokens / max_tokens   >= 1, <= limits.max_new_tokens; default
-//                         limits.default_max_new_tokens, capped to the context left
+//                         limits.default_max_new_tokens, capped to the context left; 0 with echo
+//                         (completions): the prompt alone is returned, as vLLM does
+//   logprobs, top_logprobs  chat: logprobs true returns each new token's logprob, top_logprobs
+//                         0..20 (needs logprobs true) the most likely tokens at each position;
+//                         completions: logprobs 0..20 (vLLM's bound; OpenAI's is 5) returns each
+//                         token's logprob and, in top_logprobs, the chosen token's and the
+//                         logprobs most likely ones. Logprobs are log_softmax of the raw logits
+//                         over the whole vocabulary (before temperature, top-k and top-p), as
+//                         vLLM returns them by default (engine/logprobs.h)
+//   echo                  completions: the prompt's text before the completion's and, with
+//                         logprobs, its tokens' logprobs (the first token's is null), as OpenAI
+//                         and vLLM; streamed as the first chunk of each choice
+//   n                     choices per prompt, 1..kMaxChoices with prompts x n <= kMaxChoices;
+//                         choice i samples with seed + i (the same choices for the same seed)
 //   temperature           [0, 2], default 1 (sampling); below 1e-5 = greedy (as vLLM)
 //   top_p                 (0, 1], checked when sampling
 //   top_k (vLLM; 0 or -1 = off), seed (int; default: a fresh random seed)
 //   stop                  a string or up to 4 strings; the text ends before the first match
 //   stop_token_ids        (vLLM) extra stop tokens; ignore_eos (vLLM) drops the default ones
-//   n                     1 only; stream; stream_options.include_usage (stream only)
+//   stream; stream_options.include_usage (stream only)
 //
 // Errors: every function throws ApiError (a ServerError with an HTTP status and OpenAI's error
 // fields) or lets the engine's, tokenizer's and image decoder's exceptions through; the HTTP layer
@@ -87,7 +102,15 @@ struct GenerationParams {
   bool ignore_eos = false;              // no default stop tokens
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  int64_t n = 1;               // choices per prompt
+  bool logprobs = false;       // chat: logprobs true; completions: logprobs given
+  int64_t top_logprobs = 0;    // chat: top_logprobs; completions: logprobs; 0..kMaxTopLogprobs
+  std::string logprobs_param = "logprobs";  // the field that set top_logprobs
+  bool echo = false;                        // completions: echo
 };
+
+// The most choices one request may ask for (prompts x n).
+inline constexpr int64_t kMaxChoices = 64;
 
 // vLLM's _SAMPLING_EPS: a temperature below it samples greedily.
 inline constexpr double kGreedyTemperature = 1e-5;
@@ -109,9 +132,14 @@ struct ChatCompletionRequest {
   GenerationParams params;
 };
 
+// One prompt of a completions request.
+struct CompletionPrompt {
+  std::optional<std::string> text;  // set unless the prompt was token ids
+  std::vector<int64_t> ids;         // the prompt as token ids
+};
+
 struct CompletionRequest {
-  std::optional<std::string> prompt_text;  // set unless the prompt was token ids
-  std::vector<int64_t> prompt_ids;         // the prompt as token ids
+  std::vector<CompletionPrompt> prompts;  // one, or a batch
   GenerationParams params;
 };
 
@@ -152,6 +180,17 @@ struct PreparedGeneration {
   std::string max_tokens_param;           // "max_tokens" or "max_completion_tokens"
   bool stream = false;
   bool include_usage = false;
+  int64_t n = 1;               // choices of this prompt (GenerationParams::n)
+  bool logprobs = false;       // the response carries logprobs (request.logprobs asks for them)
+  int64_t top_logprobs = 0;    // alternatives per position in the response
+  std::string logprobs_param;  // "logprobs" or "top_logprobs": the field that set top_logprobs
+  // Completions' echo: the prompt's text, returned before the completion's (the prompt as given,
+  // or its token ids decoded); with logprobs the engine returns the prompt's logprobs too.
+  bool echo = false;
+  std::string echo_text;
+  // max_tokens 0 with echo: the engine makes one token (max_new_tokens 1), which the response
+  // leaves out (text, logprobs, usage), as vLLM does.
+  bool echo_only = false;
 };
 
 // Checks the limits before the work: the messages' text length (TextModel::CheckTextLength: a text
@@ -166,16 +205,21 @@ struct PreparedGeneration {
 PreparedGeneration PrepareChatCompletion(const ChatCompletionRequest& request,
                                          const TextModel& text, const VlmConfig& cfg,
                                          const Limits& limits, int64_t max_context);
+// The prompt `prompt` of `request` (an index into request.prompts).
 PreparedGeneration PrepareCompletion(const CompletionRequest& request, const TextModel& text,
-                                     const Limits& limits, int64_t max_context);
+                                     const Limits& limits, int64_t max_context, size_t prompt = 0);
+// Choice `choice` (0..n-1) of `g`: the request with seed + choice, so that a seeded request's
+// choices differ and repeat.
+GenerateRequest ChoiceRequest(const PreparedGeneration& g, int64_t choice);
 // Engine::Validate's refusal (`e`, kInvalidArgument) of `g`'s request as this API's error, through
 // one translation table from the engine's field names (EngineError::field) to this API's: a
 // context overflow (EngineError::context_overflow) -> 400 context_length_exceeded in OpenAI's and
 // vLLM's words with param "messages" or "prompt"; sampling.max_new_tokens -> max_tokens (or
 // max_completion_tokens, the field the request used), sampling.temperature / top_p / top_k /
-// stop_token_ids -> temperature / top_p / top_k / stop_token_ids; input_ids and tiles -> param
-// "messages" or "prompt" with the engine's message. 400 invalid_request_error. Another code: as
-// ErrorFromException maps it.
+// stop_token_ids -> temperature / top_p / top_k / stop_token_ids; logprobs.top and
+// logprobs.prompt_top -> top_logprobs (chat) or logprobs (completions); input_ids and tiles ->
+// param "messages" or "prompt" with the engine's message. 400 invalid_request_error. Another code:
+// as ErrorFromException maps it.
 ApiError FromEngineError(const EngineError& e, const PreparedGeneration& g);
 
 // The token ids /tokenize returns (image tokens included): a prompt as /v1/completions tokenizes

@@ -49,48 +49,77 @@ const char* FinishReasonString(FinishReason reason) {
   }
 }
 
-json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
-                        const std::string& finish_reason, const Usage& usage) {
+json ChatChoiceJson(int64_t index, const std::string& text, const json& logprobs,
+                    const std::string& finish_reason) {
+  return {{"index", index},
+          {"message", {{"role", "assistant"}, {"content", text}}},
+          {"logprobs", logprobs},
+          {"finish_reason", FinishReasonJson(finish_reason)}};
+}
+
+json CompletionChoiceJson(int64_t index, const std::string& text, const json& logprobs,
+                          const std::string& finish_reason) {
+  return {{"index", index},
+          {"text", text},
+          {"logprobs", logprobs},
+          {"finish_reason", FinishReasonJson(finish_reason)}};
+}
+
+json ChatCompletionJson(const ResponseMeta& meta, json choices, const Usage& usage) {
   json j = ChoicesMeta(meta, "chat.completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"message", {{"role", "assistant"}, {"content", text}}},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  j["choices"] = std::move(choices);
   j["usage"] = UsageJson(usage);
   return j;
+}
+
+json CompletionJson(const ResponseMeta& meta, json choices, const Usage& usage) {
+  json j = ChoicesMeta(meta, "text_completion");
+  j["choices"] = std::move(choices);
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+json ChatCompletionChunkJson(const ResponseMeta& meta, int64_t index, const json& delta,
+                             const json& logprobs, const std::string& finish_reason,
+                             bool include_usage) {
+  json j = ChoicesMeta(meta, "chat.completion.chunk");
+  j["choices"] = json::array({{{"index", index},
+                               {"delta", delta},
+                               {"logprobs", logprobs},
+                               {"finish_reason", FinishReasonJson(finish_reason)}}});
+  if (include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+json CompletionChunkJson(const ResponseMeta& meta, int64_t index, const std::string& text,
+                         const json& logprobs, const std::string& finish_reason,
+                         bool include_usage) {
+  json j = ChoicesMeta(meta, "text_completion");
+  j["choices"] = json::array({CompletionChoiceJson(index, text, logprobs, finish_reason)});
+  if (include_usage) j["usage"] = nullptr;
+  return j;
+}
+
+json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
+                        const std::string& finish_reason, const Usage& usage) {
+  return ChatCompletionJson(meta, json::array({ChatChoiceJson(0, text, nullptr, finish_reason)}),
+                            usage);
 }
 
 json ChatCompletionChunkJson(const ResponseMeta& meta, const json& delta,
                              const std::string& finish_reason, bool include_usage) {
-  json j = ChoicesMeta(meta, "chat.completion.chunk");
-  j["choices"] = json::array({{{"index", 0},
-                               {"delta", delta},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  if (include_usage) j["usage"] = nullptr;
-  return j;
+  return ChatCompletionChunkJson(meta, 0, delta, nullptr, finish_reason, include_usage);
 }
 
 json CompletionJson(const ResponseMeta& meta, const std::string& text,
                     const std::string& finish_reason, const Usage& usage) {
-  json j = ChoicesMeta(meta, "text_completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"text", text},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  j["usage"] = UsageJson(usage);
-  return j;
+  return CompletionJson(meta, json::array({CompletionChoiceJson(0, text, nullptr, finish_reason)}),
+                        usage);
 }
 
 json CompletionChunkJson(const ResponseMeta& meta, const std::string& text,
                          const std::string& finish_reason, bool include_usage) {
-  json j = ChoicesMeta(meta, "text_completion");
-  j["choices"] = json::array({{{"index", 0},
-                               {"text", text},
-                               {"logprobs", nullptr},
-                               {"finish_reason", FinishReasonJson(finish_reason)}}});
-  if (include_usage) j["usage"] = nullptr;
-  return j;
+  return CompletionChunkJson(meta, 0, text, nullptr, finish_reason, include_usage);
 }
 
 json UsageChunkJson(const ResponseMeta& meta, const std::string& object, const Usage& usage) {

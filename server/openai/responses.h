@@ -42,6 +42,28 @@ json UsageJson(const Usage& usage);  // {prompt_tokens, completion_tokens, total
 // token or stop string.
 const char* FinishReasonString(FinishReason reason);
 
+// One choice of a whole response: {"index", "message": {"role": "assistant", "content": text},
+// "logprobs", "finish_reason"} (chat) or {"index", "text", "logprobs", "finish_reason"}
+// (completions). `logprobs`: null, or logprobs_json.h's object.
+json ChatChoiceJson(int64_t index, const std::string& text, const json& logprobs,
+                    const std::string& finish_reason);
+json CompletionChoiceJson(int64_t index, const std::string& text, const json& logprobs,
+                          const std::string& finish_reason);
+// object "chat.completion" / "text_completion" with `choices` (a list of the above) and usage.
+json ChatCompletionJson(const ResponseMeta& meta, json choices, const Usage& usage);
+json CompletionJson(const ResponseMeta& meta, json choices, const Usage& usage);
+// Stream chunks of choice `index`: "chat.completion.chunk" with `delta` ({"role": "assistant",
+// "content": ""} first, then {"content": text}, then {} with the finish reason), or
+// "text_completion" with `text`; `logprobs` null or the chunk's tokens' (logprobs_json.h);
+// finish_reason "" = null; `include_usage` adds "usage": null.
+json ChatCompletionChunkJson(const ResponseMeta& meta, int64_t index, const json& delta,
+                             const json& logprobs, const std::string& finish_reason,
+                             bool include_usage);
+json CompletionChunkJson(const ResponseMeta& meta, int64_t index, const std::string& text,
+                         const json& logprobs, const std::string& finish_reason,
+                         bool include_usage);
+
+// The one-choice forms of the above (index 0, logprobs null).
 // object "chat.completion": one choice with {"role": "assistant", "content": text}.
 json ChatCompletionJson(const ResponseMeta& meta, const std::string& text,
                         const std::string& finish_reason, const Usage& usage);

@@ -277,7 +277,9 @@ class OpenAiTest(unittest.TestCase):
         ok = dict(model=self.model, messages=messages("Hi"), max_tokens=1)
         self.assert_error(lambda: create(**{**ok, "model": "gpt-4o"}), 404, "`gpt-4o` does not exist",
                           code="model_not_found", param="model")
-        self.assert_error(lambda: create(**{**ok, "n": 2}), 400, "only one choice", param="n")
+        self.assert_error(lambda: create(**{**ok, "n": 65}), 400, "n: must lie in [1, 64]", param="n")
+        self.assert_error(lambda: create(**{**ok, "logprobs": True, "top_logprobs": 21}), 400,
+                          "top_logprobs: must lie in [0, 20]", param="top_logprobs")
         bad64 = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]
         self.assert_error(lambda: create(**{**ok, "messages": bad64}), 400, "not valid base64",
                           param="messages[0].content[0].image_url.url")

@@ -56,10 +56,11 @@ def tiny_llama(tied, seed, vocab=VOCAB, **overrides):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    overrides.setdefault("max_position_embeddings", 256)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                         bos_token_id=1, eos_token_id=2, **overrides)
+                         rms_norm_eps=1e-5, tie_word_embeddings=tied, bos_token_id=1,
+                         eos_token_id=2, **overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
