@@ -237,7 +237,10 @@ int main(int argc, char** argv) {
     std::printf("%s\n", report[graphs ? "graph" : "eager"].dump(2).c_str());
     std::fflush(stdout);
   }
-  if (a.decode_only) return 0;
+  if (a.decode_only) {
+    if (!a.json.empty()) std::ofstream(a.json) << report.dump(2);
+    return 0;
+  }
   std::printf("\n| figure | eager | CUDA graphs | speedup |\n|---|---|---|---|\n");
   auto row = [&](const char* name, const nlohmann::json& e, const nlohmann::json& g) {
     std::printf("| %s | %.3f ms | %.3f ms | %.1fx |\n", name, e.get<double>(), g.get<double>(),

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -508,21 +509,43 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
         if (metrics) metrics->Write(EvalRecord(0, unix_seconds(), *last_eval));
       }
     }
-    while (trainer->steps() < total_steps) {
-      const auto t0 = std::chrono::steady_clock::now();
+    // Steps are submitted one ahead (Trainer::Submit / Wait, Note [Submitted steps] in
+    // engine/trainer.cc): step k + 1 is queued before step k is waited for, so the device goes
+    // from one step to the next without waiting for this loop; not past a step that ends in an
+    // evaluation or a save, which need the trainer at rest.
+    auto at_rest_after = [&](int64_t step) {
+      const bool evaluates =
+          has_validation &&
+          ((c.eval_every_steps > 0 && step % c.eval_every_steps == 0) || step == total_steps);
+      const bool saves = !c.save_dir.empty() && c.save_every_steps > 0 &&
+                         step % c.save_every_steps == 0 && step != total_steps;
+      return evaluates || saves;
+    };
+    int64_t submitted = trainer->steps();
+    std::deque<int64_t> submitted_tiles;  // image tiles of each unfinished step, for its FLOPs
+    auto submit_next = [&] {
       std::vector<TrainExample> examples = prefetched.get();
-      if (trainer->steps() + 1 < total_steps) {
-        prefetched = std::async(std::launch::async, load, position + c.global_batch_size);
+      if (submitted + 1 < total_steps) {
+        prefetched = std::async(std::launch::async, load,
+                                position + (submitted + 1 - trainer->steps()) * c.global_batch_size);
       }
       if (c.lr_schedule == "cosine")
-        trainer->SetLearningRateScale(CosineScale(trainer->steps(), total_steps));
+        trainer->SetLearningRateScale(CosineScale(submitted, total_steps));
       int64_t tiles = 0;
       for (const TrainExample& e : examples) tiles += e.tiles.defined() ? e.tiles.size(0) : 0;
-      const TrainStepResult r = trainer->Step(examples);
+      submitted_tiles.push_back(tiles);
+      trainer->Submit(std::move(examples));
+      ++submitted;
+    };
+    while (trainer->steps() < total_steps) {
+      if (trainer->submitted_steps() == 0) submit_next();
+      if (submitted < total_steps && !at_rest_after(trainer->steps() + 1)) submit_next();
+      const TrainStepResult r = trainer->Wait();
+      const int64_t tiles = submitted_tiles.front();
+      submitted_tiles.pop_front();
       position += c.global_batch_size;
       last_loss = r.loss;
-      const double step_seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double step_seconds = r.seconds;  // its share of the wall time
       const bool evaluated =
           has_validation && ((c.eval_every_steps > 0 && r.step % c.eval_every_steps == 0) ||
                              r.step == total_steps);
