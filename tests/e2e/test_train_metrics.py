@@ -27,10 +27,11 @@ RATE = 0.002
 
 
 def cosine_scale(it, max_steps):
-    """Upstream nanoVLM's get_lr as a factor (tools/train/train_run.cc, CosineScale)."""
+    """Upstream nanoVLM's get_lr as a factor, its warm-up at least one step and capped at 1
+    (tools/train/train_run.cc, CosineScale)."""
     warmup = max_steps * 0.03
     if it < warmup:
-        return (it + 1) / warmup
+        return min(1.0, (it + 1) / max(warmup, 1.0))
     if it > max_steps:
         return 0.1
     ratio = (it - warmup) / (max_steps - warmup)

@@ -5,6 +5,7 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <cmath>
@@ -84,7 +85,10 @@ class DataOrder {
 double CosineScale(int64_t it, int64_t max_steps) {
   const double min_scale = 0.1;
   const double warmup = max_steps * 0.03;
-  if (it < warmup) return (it + 1) / warmup;
+  // Upstream's (it + 1) / warmup exceeds 1 when the warm-up is fractional (8.3 x the rate at the
+  // first step of a 4-step job, 1.08 x at the last warm-up step of a 217-step one): the warm-up
+  // here lasts at least one step and never passes the configured rate.
+  if (it < warmup) return std::min(1.0, (it + 1) / std::max(warmup, 1.0));
   if (it > max_steps) return min_scale;
   const double ratio = (it - warmup) / (max_steps - warmup);
   const double coeff = 0.5 * (1.0 + std::cos(M_PI * ratio));
