@@ -148,9 +148,9 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
       for (int i = 0; i < n; ++i) on_result(step());
       return;
     }
-    guarded([&] { trainer.Submit(examples); return 0; });
+    guarded([&] { trainer.Submit(examples); });
     for (int i = 0; i < n; ++i) {
-      if (i + 1 < n) guarded([&] { trainer.Submit(examples); return 0; });
+      if (i + 1 < n) guarded([&] { trainer.Submit(examples); });
       on_result(guarded([&] { return trainer.Wait(); }));
     }
   };

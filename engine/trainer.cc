@@ -900,11 +900,7 @@ void Trainer::CheckSomethingLearns(const std::vector<TrainExample>& examples) co
 // waits for. The step's state (accumulated gradients, the device loss sum) lives on the device
 // between the calls; nothing else may use the trainer meanwhile.
 void Trainer::BeginStep(std::vector<TrainExample> examples) {
-  if (!in_flight_.empty()) {
-    throw std::logic_error("Trainer::BeginStep: " + std::to_string(in_flight_.size()) +
-                           " submitted step(s) unfinished: call Wait first (Note [Submitted "
-                           "steps])");
-  }
+  RequireAtRest("BeginStep");
   BeginStepAt(std::move(examples), Clock::now());
 }
 
@@ -1102,9 +1098,9 @@ void Trainer::CompleteStep(PendingStep& s) {
   // the process hung), and anything that waits for the device (freeing the graphs' memory,
   // cudaDeviceSynchronize) would hang, so the process must end without waiting for the device:
   // vlmgraph-train prints the error and exits (std::_Exit) at once, as torchrun's agent ends the
-  // job's other ranks. A host thread that blocks before it gets here (FinishStep, a later Submit) (the CUDA runtime may block
-  // behind the hung kernel) is ended by the group's step watchdog
-  // (DataParallelGroup::ArmStepWatchdog), which takes the process down 5 s later.
+  // job's other ranks. A host thread that blocks before it gets here (in FinishStep or a later
+  // Submit: the CUDA runtime may block behind the hung kernel) is ended by the group's step
+  // watchdog (DataParallelGroup::ArmStepWatchdog), which takes the process down 5 s later.
   if (data_parallel_ && options_.device.is_cuda()) {
     const double timeout = options_.data_parallel->options().timeout_seconds;
     if (!s.done->WaitFor(timeout)) {

@@ -517,13 +517,13 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     // engine/trainer.cc): step k + 1 is queued before step k is waited for, so the device goes
     // from one step to the next without waiting for this loop; not past a step that ends in an
     // evaluation or a save, which need the trainer at rest.
-    auto at_rest_after = [&](int64_t step) {
-      const bool evaluates =
-          has_validation &&
-          ((c.eval_every_steps > 0 && step % c.eval_every_steps == 0) || step == total_steps);
-      const bool saves = !c.save_dir.empty() && c.save_every_steps > 0 &&
-                         step % c.save_every_steps == 0 && step != total_steps;
-      return evaluates || saves;
+    auto evaluates_after = [&](int64_t step) {
+      return has_validation &&
+             ((c.eval_every_steps > 0 && step % c.eval_every_steps == 0) || step == total_steps);
+    };
+    auto saves_after = [&](int64_t step) {  // the periodic saves; the last step's comes below
+      return !c.save_dir.empty() && c.save_every_steps > 0 && step % c.save_every_steps == 0 &&
+             step != total_steps;
     };
     int64_t submitted = trainer->steps();
     std::deque<int64_t> submitted_tiles;  // image tiles of each unfinished step, for its FLOPs
@@ -543,16 +543,15 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
     };
     while (trainer->steps() < total_steps) {
       if (trainer->submitted_steps() == 0) submit_next();
-      if (submitted < total_steps && !at_rest_after(trainer->steps() + 1)) submit_next();
+      const int64_t next = trainer->steps() + 1;  // the step Wait returns
+      if (submitted < total_steps && !evaluates_after(next) && !saves_after(next)) submit_next();
       const TrainStepResult r = trainer->Wait();
       const int64_t tiles = submitted_tiles.front();
       submitted_tiles.pop_front();
       position += c.global_batch_size;
       last_loss = r.loss;
       const double step_seconds = r.seconds;  // its share of the wall time
-      const bool evaluated =
-          has_validation && ((c.eval_every_steps > 0 && r.step % c.eval_every_steps == 0) ||
-                             r.step == total_steps);
+      const bool evaluated = evaluates_after(r.step);
       std::optional<EvalLoss> eval;
       if (evaluated) last_eval = eval = evaluate();
       const bool logged = r.step % c.log_every == 0 || r.step == total_steps;
@@ -591,10 +590,7 @@ int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
         if (eval) print_line(EvalLine(r.step, total_steps, *eval));
         if (metrics) metrics->Write(MetricsRecord(report));
       }
-      if (!c.save_dir.empty() && c.save_every_steps > 0 && r.step % c.save_every_steps == 0 &&
-          r.step != total_steps) {
-        save(c.save_dir, position);
-      }
+      if (saves_after(r.step)) save(c.save_dir, position);
     }
     if (!c.save_dir.empty()) save(c.save_dir, position);
     // Every rank ends together: no rank leaves while another still needs it.
