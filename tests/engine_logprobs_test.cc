@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 #include "engine/logprobs.h"
 #include "model/checkpoint.h"
+#include "tests/engine_fixtures.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {
@@ -19,19 +20,9 @@ namespace {
 
 constexpr float kTolerance = 1e-4f;  // float32 CPU: the same model, batched against unbatched
 
-BucketSpec Buckets() {
-  BucketSpec b;
-  b.batch_sizes = {1, 2, 4};
-  b.seq_lens = {8, 16, 32};
-  b.context_lens = {32, 64};
-  b.tile_counts = {1, 2};
-  b.Validate();
-  return b;
-}
-
 std::unique_ptr<Engine> MakeEngine(bool overlap) {
   EngineOptions o;
-  o.buckets = Buckets();
+  o.buckets = testing::SmallBuckets();
   o.log_captures = false;
   o.overlap_decode_steps = overlap;
   o.check_graphs = true;  // a region output read after the runner's next run reads poison

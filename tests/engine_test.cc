@@ -34,6 +34,7 @@
 #include "engine/step_runner.h"
 #include "model/checkpoint.h"
 #include "model/kv_cache.h"
+#include "tests/engine_fixtures.h"
 #include "tests/test_util.h"
 
 namespace vlmgraph {
@@ -42,15 +43,7 @@ namespace {
 using testing::MaxAbsDiff;
 using testing::TinyReference;
 
-BucketSpec SmallBuckets() {
-  BucketSpec b;
-  b.batch_sizes = {1, 2, 4};
-  b.seq_lens = {8, 16, 32};
-  b.context_lens = {32, 64};
-  b.tile_counts = {1, 2};
-  b.Validate();
-  return b;
-}
+using testing::SmallBuckets;
 
 std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs,
                                    BucketSpec buckets = SmallBuckets(),
