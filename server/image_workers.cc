@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include "base/thread_name.h"
+
 namespace vlmgraph::server {
 namespace {
 
@@ -19,6 +21,7 @@ class ImageWorkers {
     for (int i = 0; i < threads; ++i) {
       threads_.emplace_back([this] {
         t_on_image_worker = true;
+        NameCurrentThread("vlmg-image");
         Loop();
       });
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "engine/device.h"
 #include "server/status.h"
 
@@ -285,6 +286,8 @@ bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
 }
 
 void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready) {
+  // "vlmg-cuda:1", "vlmg-cpu": the engine's GPU thread in top -H and bench/thread_cpu.py.
+  NameCurrentThread("vlmg-" + (options_.device.empty() ? std::string("engine") : options_.device));
   try {
     // Everything this thread runs is for its engine's device (Note [Data-parallel routing]).
     if (!options_.device.empty()) BindThreadToDevice(at::Device(options_.device));

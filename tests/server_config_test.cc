@@ -85,7 +85,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
                context_lens, tile_counts, train_batch_sizes, train_seq_lens, oversize] = buckets;
   const auto& [enabled, lazy, pdl] = capture;
   const auto& [max_queue_delay_us, max_queue_size] = batching;
-  const auto& [grpc_address, metrics_address, http_address, api_key] = endpoints;
+  const auto& [grpc_address, metrics_address, http_address, api_key, stream_threads] = endpoints;
   const auto& [io_threads, workers, http_idle, head_timeout, body_timeout, write_timeout,
                max_connections, max_connections_per_client, max_body_bytes_in_flight] = http;
   const auto& [api_keys_file, allow_unauthenticated] = auth;
@@ -125,6 +125,7 @@ std::vector<std::string> FieldValues(const ServerConfig& c) {
           Text(metrics_address),
           Text(http_address),
           Text(api_key),
+          Text(stream_threads),
           Text(io_threads),
           Text(workers),
           Text(http_idle),
@@ -191,6 +192,7 @@ ServerConfig NonDefaultConfig() {
   c.server.metrics_address = ListenAddress::Parse("[::1]:2");
   c.server.http_address = ListenAddress();
   c.server.api_key = "k";
+  c.server.stream_threads = 6;
   c.http.io_threads = 3;
   c.http.workers = 5;
   c.http.idle_timeout_seconds = 7.5;

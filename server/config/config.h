@@ -20,6 +20,8 @@
 // Thread rules: value types and pure functions.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <set>
 #include <stdexcept>
@@ -92,11 +94,15 @@ struct ServerConfig {
     // by gRPC and HTTP when not empty. The environment variable VLMGRAPH_API_KEY overrides it
     // (keeps the key out of files).
     std::string api_key;
+    // Threads per front (gRPC's Generate, the HTTP API's streams) that turn the engines' new
+    // tokens into stream chunks (detokenize, stop strings, the message); 0 = 2, or 1 per 2
+    // engines past 4 (StreamThreads).
+    int64_t stream_threads = 0;
   } server;
 
   // The HTTP front (server/http/http_server.h, Note [Request deadlines]).
   struct Http {
-    int64_t io_threads = 0;  // threads that serve every connection
+    int64_t io_threads = 0;  // threads that serve every connection; 0 = 2 per engine (IoThreads)
     int64_t workers = 0;     // threads that parse, tokenize and decode images of requests
     double idle_timeout_seconds = 0;
     double request_head_timeout_seconds = 0;
@@ -199,6 +205,25 @@ std::string DocumentedConfigYaml(const RawConfig& raw, const std::string& header
 // line (or the end) follows them; "" otherwise. Lines keep their "\n". The header that
 // DocumentedConfigYaml keeps when it regenerates a file.
 std::string LeadingComment(const std::string& text);
+
+// Threads of a front that grow with the GPUs it serves: `configured` when set (> 0), else
+// `per_engine` x engines, at least `floor`. Measured on 4 x H200 at 256 streams per GPU
+// (docs/benchmarks.md, "Scaling"): gRPC's 2 stream threads ran at 0.72 of a core each and served
+// 489-498k tokens/s, 8 served 463k; HTTP with 8 I/O threads had a time to first token of 27 ms
+// (p50) against 39 ms with 2, at the same tokens/s.
+inline int ThreadsForEngines(int64_t configured, size_t engines, double per_engine, int floor) {
+  if (configured > 0) return static_cast<int>(configured);
+  const double n = per_engine * static_cast<double>(std::max<size_t>(1, engines));
+  return std::max(floor, static_cast<int>(n));
+}
+// server.stream_threads: 2, and 1 per 2 engines past 4 engines.
+inline int StreamThreads(const ServerConfig& config, size_t engines) {
+  return ThreadsForEngines(config.server.stream_threads, engines, 0.5, 2);
+}
+// http.io_threads: 2 per engine.
+inline int IoThreads(const ServerConfig& config, size_t engines) {
+  return ThreadsForEngines(config.http.io_threads, engines, 2.0, 2);
+}
 
 // Whether `model` names a built-in preset (VlmConfig::PresetNames: "nanovlm-tiny", ...).
 bool IsPresetModel(const std::string& model);

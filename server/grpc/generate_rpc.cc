@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "server/convert.h"
+#include "server/drain_batches.h"
 #include "server/generation.h"
 #include "server/grpc/service.h"
 #include "server/status.h"
@@ -37,13 +39,18 @@ v1::FinishReason ToProto(FinishReason r) {
 }  // namespace
 
 struct VlmGraphService::GenerateThreads {
+  explicit GenerateThreads(int stream_threads)
+      : drains(&streams, stream_threads), streams(static_cast<size_t>(stream_threads)) {}
+  // Before the pools: destroyed after them (Note [Batched drains]).
+  DrainBatches<GenerateCall> drains;
   net::thread_pool prepare{kPrepareThreads};
-  net::thread_pool streams{kStreamThreads};
+  net::thread_pool streams;
   std::atomic<int64_t> queued{0};  // calls waiting for a prepare thread
 };
 
-std::shared_ptr<VlmGraphService::GenerateThreads> VlmGraphService::StartGenerateThreads() {
-  return std::make_shared<GenerateThreads>();
+std::shared_ptr<VlmGraphService::GenerateThreads> VlmGraphService::StartGenerateThreads(
+    int stream_threads) {
+  return std::make_shared<GenerateThreads>(stream_threads);
 }
 
 // One Generate stream. gRPC holds it through self_ from Generate to OnDone; posted work holds it
@@ -114,11 +121,20 @@ class VlmGraphService::GenerateCall final : public grpc::ServerWriteReactor<v1::
   }
 
  private:
+  friend class DrainBatches<GenerateCall>;  // calls Drain
   enum class Phase { kQueued, kPreparing, kRunning };
+
+  // Any thread (the GPU thread's on_update): at most one drain waits to run, in a batch of the
+  // stream threads (Note [Batched drains]).
+  void ScheduleDrain() {
+    if (drain_scheduled_.exchange(true)) return;
+    service_->generate_threads_->drains.Schedule(shared_from_this());
+  }
 
   // On a prepare thread: convert and validate (the one validation, thread-safe: ids, image tokens
   // vs tiles, context, sampling), then submit.
   void Prepare() {
+    NameThreadOnce("vlmg-grpc-prep");
     --service_->generate_threads_->queued;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -169,15 +185,10 @@ class VlmGraphService::GenerateCall final : public grpc::ServerWriteReactor<v1::
     }
   }
 
-  // Any thread (the GPU thread's on_update): at most one drain waits to run.
-  void ScheduleDrain() {
-    if (drain_scheduled_.exchange(true)) return;
-    net::post(service_->generate_threads_->streams, [s = shared_from_this()] { s->Drain(); });
-  }
-
-  // On a stream thread: what arrived goes into the pending chunk, which is written unless a
-  // write is outstanding.
+  // On a stream thread (DrainBatches): what arrived goes into the pending chunk, which is written
+  // unless a write is outstanding.
   void Drain() {
+    NameThreadOnce("vlmg-grpc-strm");
     drain_scheduled_ = false;
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_ || !session_ || generation_done_) return;

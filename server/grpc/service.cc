@@ -18,7 +18,8 @@ VlmGraphService::VlmGraphService(EngineRouter* router, Metrics* metrics, const S
       config_(config),
       text_(text),
       keys_(keys),
-      publisher_(publisher) {}
+      publisher_(publisher),
+      generate_threads_(StartGenerateThreads(StreamThreads(config, router->size()))) {}
 
 void VlmGraphService::SetShutdownDeadline(Clock::time_point deadline) {
   shutdown_deadline_ns_.store(

@@ -22,7 +22,7 @@
 //      on server/image_workers.h's threads) and Engine::Validate, then a GenerationSession
 //      submits it to the router (server/generation.h).
 //   3. the GPU thread notifies the session (on_update); that only posts a drain to one of
-//      kStreamThreads threads, which takes the new tokens (detokenizing, stop strings) into the
+//      server.stream_threads threads, which takes the new tokens (detokenizing, stop strings) into the
 //      call's pending chunk.
 //   4. at most one write is outstanding per stream (StartWrite ... OnWriteDone): tokens that
 //      arrive meanwhile are coalesced into the pending chunk (ids and text concatenated), so a
@@ -69,8 +69,8 @@ class VlmGraphService final
  public:
   // Threads that convert and validate Generate requests (Note [Generate on the callback API]).
   static constexpr int kPrepareThreads = 4;
-  // Threads that turn engine tokens into Generate chunks (as the HTTP front's stream threads).
-  static constexpr int kStreamThreads = 2;
+  // Threads that turn engine tokens into Generate chunks: server.stream_threads (StreamThreads in
+  // server/config/config.h), as the HTTP front's stream threads.
 
   // `text` (tokenizer and chat format) may be null: then prompts must be token ids. `keys` (may
   // be null = no keys) decides who may call what (server/auth.h): GetModelInfo, Generate and
@@ -110,7 +110,7 @@ class VlmGraphService final
  private:
   class GenerateCall;      // server/grpc/generate_rpc.cc
   struct GenerateThreads;  // the prepare and stream threads (server/grpc/generate_rpc.cc)
-  static std::shared_ptr<GenerateThreads> StartGenerateThreads();
+  static std::shared_ptr<GenerateThreads> StartGenerateThreads(int stream_threads);
 
   // The end of every counted call (synchronous or callback), called once, before its status is
   // sent, while `context` is valid: `error` (null = OK) becomes its status (StatusFromException);
@@ -155,7 +155,7 @@ class VlmGraphService final
   // SetShutdownDeadline's time point, nanoseconds since the clock's epoch; max = none.
   std::atomic<int64_t> shutdown_deadline_ns_{std::numeric_limits<int64_t>::max()};
   // Last: its threads are joined first, when the service is destroyed.
-  const std::shared_ptr<GenerateThreads> generate_threads_ = StartGenerateThreads();
+  const std::shared_ptr<GenerateThreads> generate_threads_;
 };
 
 }  // namespace vlmgraph::server

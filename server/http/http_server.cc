@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "server/config/config.h"
 
 namespace vlmgraph::server {
@@ -817,7 +818,8 @@ HttpServer::HttpServer(HttpServerOptions options, HttpHandlers handlers)
   const int threads = std::max(1, o.io_threads);
   for (int i = 0; i < threads; ++i) {
     ++m.running_threads;
-    m.threads.emplace_back([&m] {
+    m.threads.emplace_back([&m, name = o.thread_name] {
+      NameCurrentThread(name);
       while (true) {
         try {
           m.ioc.run();

@@ -73,6 +73,7 @@ struct HttpServerOptions {
   // A host name binds its first resolved address; localhost binds 127.0.0.1.
   ListenAddress address;
   int io_threads = 2;
+  std::string thread_name = "vlmg-http-io";  // the I/O threads' name (base/thread_name.h)
   // TLS when tls_cert_file is set (PEM); tls_client_ca_file additionally requires client
   // certificates signed by that CA (mutual TLS).
   std::string tls_cert_file, tls_key_file, tls_client_ca_file;

@@ -11,6 +11,7 @@ MetricsHttpServer::MetricsHttpServer(const ListenAddress& address,
   HttpServerOptions o;
   o.address = address;
   o.io_threads = 1;
+  o.thread_name = "vlmg-metrics";
   o.max_connections = 1024;
   o.max_connections_per_client = 64;
   HttpHandlers h;

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "server/generation.h"
 #include "server/openai/choices.h"
 #include "server/openai/http_text.h"
@@ -151,7 +152,7 @@ struct OpenAiHttpServer::Impl {
   std::atomic<int64_t> queued_work{0};  // bodies waiting for a worker
 
   net::thread_pool workers;
-  net::thread_pool streams{kStreamThreads};
+  net::thread_pool streams;  // server.stream_threads: StreamThreads
   std::unique_ptr<HttpServer> http;  // last: stopped first
 };
 
@@ -169,7 +170,8 @@ OpenAiHttpServer::Impl::Impl(const ServerConfig& config_in, EngineRouter* router
                   std::chrono::system_clock::now().time_since_epoch())
                   .count()),
       max_body_bytes(MaxHttpBodyBytes(config_in.limits)),
-      workers(static_cast<size_t>(std::max<int64_t>(1, config_in.http.workers))) {}
+      workers(static_cast<size_t>(std::max<int64_t>(1, config_in.http.workers))),
+      streams(static_cast<size_t>(StreamThreads(config_in, router_in->size()))) {}
 
 // --- the head: everything decided before the body is read (Note [Limits before work]) ---------
 
@@ -304,6 +306,7 @@ void OpenAiHttpServer::Impl::OnRequest(std::shared_ptr<HttpExchange> x) {
   }
   ++queued_work;
   net::post(workers, [this, x, endpoint] {
+    NameThreadOnce("vlmg-http-work");
     --queued_work;
     if (x->client_gone()) return;
     try {
@@ -531,6 +534,7 @@ void OpenAiHttpServer::Impl::Generation::ScheduleDrain() {
 }
 
 void OpenAiHttpServer::Impl::Generation::Drain() {
+  NameThreadOnce("vlmg-http-strm");
   drain_scheduled = false;
   if (ended || sessions.empty()) return;
   std::string events;
@@ -588,7 +592,7 @@ OpenAiHttpServer::OpenAiHttpServer(const ServerConfig& config, EngineRouter* rou
   Impl& m = *impl_;
   HttpServerOptions o;
   o.address = config.server.http_address;
-  o.io_threads = static_cast<int>(config.http.io_threads);
+  o.io_threads = IoThreads(config, router->size());
   o.tls_cert_file = config.tls.cert_file;
   o.tls_key_file = config.tls.key_file;
   o.tls_client_ca_file = config.tls.client_ca_file;

@@ -77,7 +77,8 @@
 // also record time to first token, inter-token latency and generated tokens as gRPC does.
 //
 // Threads: http.io_threads serve the connections, http.workers prepare requests, and
-// kStreamThreads turn engine tokens into response chunks; nothing blocks on a client.
+// server.stream_threads turn engine tokens into response chunks (IoThreads, StreamThreads in
+// server/config/config.h); nothing blocks on a client.
 // Thread rules: construct, StopAccepting, Shutdown and destroy from the main thread; the rest runs
 // on those threads and only uses thread-safe objects (EngineRouter, Engine::Validate, Metrics, the
 // immutable TextModel). Errors: the constructor throws std::runtime_error naming
@@ -98,9 +99,6 @@
 #include "server/weights_publisher.h"
 
 namespace vlmgraph::server {
-
-// Threads that turn the engine's tokens into response chunks (light work: detokenize, JSON).
-inline constexpr int kStreamThreads = 2;
 
 // The largest request body accepted: limits.max_request_bytes grown by base64's 4/3 (images come
 // inline as base64 in JSON), so a request that fits gRPC fits HTTP. Larger bodies get 413.
