@@ -8,10 +8,12 @@
 #         by tools/convert_gguf.py; transformers parity in bfloat16; vlmgraph-bench on it; and
 #         bench/serving_bench.py (HTTP + gRPC, concurrency 1 / 8 / 64) against the server in bf16
 #   soak: tests/soak/soak.py against nanovlm-460m bf16 on the GPU (see the part below)
-#   dptrain, dpserve, dpsoak: data-parallel training and serving on every GPU of the host
+#   dptrain, dpserve, dpsoak, dpscale: data-parallel training and serving on every GPU of the host
 #         (scripts/gpu/multi_gpu.sh: NCCL parity, scaling at 1/2/4/8 GPUs with the overlap trace,
 #         vlmgraph-train under torchrun and a rank killed mid-job; serving 1..N GPUs behind one
-#         endpoint over HTTP and gRPC; a mixed gRPC + HTTP soak, $VLMGRAPH_DPSOAK_SECONDS);
+#         endpoint over HTTP and gRPC; a mixed gRPC + HTTP soak, $VLMGRAPH_DPSOAK_SECONDS; the
+#         scaling curve of training and serving in one table, upstream nanoVLM's DDP beside it
+#         when $VLMGRAPH_PEERS names ../shared/peers);
 #         $VLMGRAPH_TOKENIZER names a SmolLM2 tokenizer.json
 #         (the entry-point and serving checks need it), $HTTP_LOAD the HTTP load generator
 #
@@ -136,7 +138,7 @@ for p in $PARTS; do
         --duration "${VLMGRAPH_SOAK_SECONDS:-480}" --concurrency 16 --json "$OUT/soak.json" \
         --server-log "$OUT/soak_server.log"
       ;;
-    dptrain | dpserve | dpsoak)
+    dptrain | dpserve | dpsoak | dpscale)
       part "$p" scripts/gpu/multi_gpu.sh "$BIN" "$OUT" "$p"
       ;;
     *) echo "unknown part $p" && failed=$((failed + 1)) ;;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Multi-GPU checks of one host, called by scripts/gpu-check.sh (parts dptrain, dpserve, dpsoak) with
-#   multi_gpu.sh BIN_DIR OUT_DIR dptrain|dpserve|dpsoak
+# Multi-GPU checks of one host, called by scripts/gpu-check.sh (parts dptrain, dpserve, dpsoak,
+# dpscale) with
+#   multi_gpu.sh BIN_DIR OUT_DIR dptrain|dpserve|dpsoak|dpscale
 # dptrain: the data-parallel *_CUDA tests (NCCL ranks as processes against one rank); the graphed
 #   training step of nanovlm-460m bf16 at 8 x 1024 per GPU on 1, 2, 4, 8 GPUs (as many as the host
 #   has) under torchrun, tokens/s per GPU with the GPU's clock and power, with
@@ -19,7 +20,16 @@
 #   unclean shutdown fails the check.
 # dpsoak: the server on every GPU under gRPC and HTTP at once (128 streams per GPU each) for
 #   $VLMGRAPH_DPSOAK_SECONDS (default 600): 0 errors, no device fault, a clean shutdown.
-# dpserve and dpsoak need $VLMGRAPH_TOKENIZER (a SmolLM2 tokenizer.json).
+# dpscale: the scaling curve, 1 to N GPUs of the host (docs/benchmarks.md, "Scaling"): training
+#   as dptrain's default step at each world, the 1-GPU step measured first and last (its mean is
+#   the baseline), the largest world traced (bench/allreduce_overlap.py --steady), and upstream
+#   nanoVLM under DDP (eager) at the same worlds when $VLMGRAPH_PEERS holds
+#   upstream_ddp_scaling.py; serving as dpserve's last two loads (HTTP at 256 streams per GPU,
+#   then gRPC at 256 per GPU with one loader per GPU) with the server's busiest threads sampled
+#   during the gRPC load (bench/thread_cpu.py), and at N GPUs once more with the fronts' threads
+#   fixed at 2 (server.stream_threads, http.io_threads) as they were before they grew with the
+#   GPUs. Ends with one table (scale_summary.txt, scale_summary.json).
+# dpserve, dpsoak and dpscale need $VLMGRAPH_TOKENIZER (a SmolLM2 tokenizer.json).
 # Prints one summary line per figure; logs go to OUT_DIR. Exit status: the number of failed checks.
 set -uo pipefail
 BIN=$1 OUT=$2 WHAT=$3
@@ -27,16 +37,15 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} PYTHONUNBUFFERED=1
 NG=$(nvidia-smi -L | wc -l)
-WORLDS=$(for w in 1 2 4 8; do [ "$w" -le "$NG" ] && echo $w; done)
+# $VLMGRAPH_WORLDS ("1 4") picks worlds; default 1, 2, 4, 8 as the host allows.
+WORLDS=${VLMGRAPH_WORLDS:-$(for w in 1 2 4 8; do [ "$w" -le "$NG" ] && echo $w; done)}
 failed=0
 TOKENIZER=${VLMGRAPH_TOKENIZER:-}
 smol() {  # the SmolLM2-135M-shaped checkpoint (random weights) in /tmp/vlmgraph-smol
   [ -f /tmp/vlmgraph-smol/model.safetensors ] || python3 bench/make_smol_checkpoint.py "$ROOT" /tmp/vlmgraph-smol >"$OUT/smol.log" 2>&1
 }
 case $WHAT in
-  dptrain)
-    "$BIN/tests/trainer_test" --gtest_filter='DataParallel.*CUDA*' >"$OUT/dp_tests.log" 2>&1 || failed=$((failed + 1))
-    grep -E "^\[  (PASSED|FAILED|SKIPPED) |nccl rank" "$OUT/dp_tests.log"
+  dptrain | dpscale)
     B=(--mode graph --batch 8 --seq 1024 --steps 20)
     train() {  # train NAME WORLD ARGS...: one bench run, its summary line
       local name=$1 w=$2
@@ -49,6 +58,10 @@ case $WHAT in
       fi || failed=$((failed + 1))
       python3 -c "import json; d = json.load(open('$OUT/$name.json'))['graph']; g = d.get('gpu', {}); print('$name: %d GPU(s) %.2f ms (spread %.1f%%%s), %.0f tokens/s per GPU, SM clock median %s MHz, power median %s W, throttle %s' % ($w, d['median_step_ms'], 100 * d['step_ms_spread'], ' UNSTABLE' if d['unstable'] else '', d['tokens_per_second_per_gpu'], (g.get('sm_clock_mhz') or {}).get('median'), (g.get('power_w') or {}).get('median'), g.get('throttle_reasons', g.get('nvml'))))"
     }
+    ;;&
+  dptrain)
+    "$BIN/tests/trainer_test" --gtest_filter='DataParallel.*CUDA*' >"$OUT/dp_tests.log" 2>&1 || failed=$((failed + 1))
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) |nccl rank" "$OUT/dp_tests.log"
     # Each world: the default step (bf16 gradient reduction, the optimizer sharded over the ranks,
     # tiles staged ahead) with its overlap trace; with 2+ GPUs every rank running the whole
     # optimizer (--shard-optimizer off) and float32 reduction beside it; on 1 GPU the tiles
@@ -117,19 +130,22 @@ PY
       grep -h UNAVAILABLE "$OUT/dp_kill_r0.log" | tail -1
     fi
     ;;
-  dpserve | dpsoak)
+  dpserve | dpsoak | dpscale)
     smol
     HTTP_LOAD=${HTTP_LOAD:-$ROOT/../shared/tools/http_load.py}
     [ -n "$TOKENIZER" ] || { echo "$WHAT needs VLMGRAPH_TOKENIZER (the loads send chat messages)"; exit 1; }
-    serve() {  # serve W: the server on W GPUs in the background; sets pid, grpc, http
+    serve() {  # serve W [ARGS...]: the server on W GPUs in the background; sets pid, grpc, http
+      # Logs: dp_serve_wW$SERVE_TAG.{out,log}.
+      local w=$1 log="$OUT/dp_serve_w$1${SERVE_TAG:-}"
+      shift
       "$BIN/server/vlmgraph-server" --config deploy/config.yaml --model /tmp/vlmgraph-smol \
-        --tokenizer "$TOKENIZER" --data-parallel-size "$1" --grpc-address 127.0.0.1:0 \
-        --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 --set 'auth.api_keys_file=""' \
-        >"$OUT/dp_serve_w$1.out" 2>"$OUT/dp_serve_w$1.log" &
+        --tokenizer "$TOKENIZER" --data-parallel-size "$w" --grpc-address 127.0.0.1:0 \
+        --metrics-address 127.0.0.1:0 --http-address 127.0.0.1:0 --set 'auth.api_keys_file=""' "$@" \
+        >"$log.out" 2>"$log.log" &
       pid=$!
-      for _ in $(seq 900); do grep -q ready "$OUT/dp_serve_w$1.out" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
-      grpc=$(sed -n 's/.* grpc \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$1.out")
-      http=$(sed -n 's/.* http \([^ ]*\).*/\1/p' "$OUT/dp_serve_w$1.out")
+      for _ in $(seq 900); do grep -q ready "$log.out" 2>/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.2; done
+      grpc=$(sed -n 's/.* grpc \([^ ]*\).*/\1/p' "$log.out")
+      http=$(sed -n 's/.* http \([^ ]*\).*/\1/p' "$log.out")
       [ -n "$grpc" ] || { echo "server on $1 GPU(s) did not start"; failed=$((failed + 1)); kill $pid 2>/dev/null; return 1; }
     }
     grpc_load() {  # grpc_load NAME PROCS STREAMS_EACH SECONDS: PROCS vlmgraph-grpc-load processes
@@ -158,8 +174,9 @@ PY
       kill -TERM $pid 2>/dev/null
       wait $pid
       local rc=$?
-      grep -E "device|stopped|fault|assert" "$OUT/dp_serve_w$1.log" | grep -v "ready on" | head -5
-      if [ "$rc" != 0 ] || grep -qE "failed and cannot run|device-side assert|stopped after a device fault" "$OUT/dp_serve_w$1.log"; then
+      local log="$OUT/dp_serve_w$1${SERVE_TAG:-}.log"
+      grep -E "device|stopped|fault|assert" "$log" | grep -v "ready on" | head -5
+      if [ "$rc" != 0 ] || grep -qE "failed and cannot run|device-side assert|stopped after a device fault" "$log"; then
         echo "server on $1 GPU(s): exit status $rc, or a device fault in its log"; failed=$((failed + 1))
       fi
     }
@@ -192,6 +209,54 @@ PY
     tail -1 "$OUT/dp_soak_http.json" | sed "s/^/soak $NG GPU(s), $secs s: http /"
     python3 -c "import json, sys; r = json.loads(open('$OUT/dp_soak_http.json').read().strip().splitlines()[-1]); sys.exit(r['errors'] != 0)" || failed=$((failed + 1))
     stop_server "$NG"
+    ;;
+  dpscale)
+    # $VLMGRAPH_DPSCALE_PARTS: "train serve" (default), or either alone (two shorter calls; the
+    # summary reads what the OUT_DIR holds).
+    parts=" ${VLMGRAPH_DPSCALE_PARTS:-train serve} "
+    if [[ $parts == *" train "* ]]; then
+      # Training: the 1-GPU step first and last, each larger world between, the largest traced.
+      train scale_train_w1a 1 "${B[@]}"
+      for w in $WORLDS; do
+        [ "$w" = 1 ] && continue
+        if [ "$w" = "$NG" ]; then
+          train "scale_train_w$w" "$w" "${B[@]}" --profile-trace "$OUT/scale_trace_w$w"
+          python3 bench/allreduce_overlap.py "$OUT/scale_trace_w$w.graph.json" --steps 3 --steady --json \
+            >"$OUT/scale_overlap_w$w.json" 2>&1 && tail -1 "$OUT/scale_overlap_w$w.json"
+          gzip -f "$OUT/scale_trace_w$w.graph.json"
+        else
+          train "scale_train_w$w" "$w" "${B[@]}"
+        fi
+      done
+      train scale_train_w1b 1 "${B[@]}"
+      if [ -f "${VLMGRAPH_PEERS:-/nonexistent}/upstream_ddp_scaling.py" ]; then
+        (cd "$VLMGRAPH_PEERS" && timeout 400 python3 upstream_ddp_scaling.py eager 8 1024) >"$OUT/scale_upstream.log" 2>&1
+        grep RESULT "$OUT/scale_upstream.log" | tail -1
+      fi
+    fi
+    if [[ $parts == *" serve "* ]]; then
+      # Serving: HTTP, then gRPC with one loader per GPU and the server's threads sampled.
+      scale_serve() {  # scale_serve W NAME [SERVER ARGS...]
+        local w=$1 name=$2
+        shift 2
+        serve "$w" "$@" || return 0
+        python3 "$HTTP_LOAD" --url "http://$http" --model auto --concurrency $((256 * w)) \
+          --procs $((8 * w > 32 ? 32 : 8 * w)) --seconds 15 --warmup 3 --max-tokens 128 >"$OUT/${name}_http.json" 2>&1
+        tail -1 "$OUT/${name}_http.json" | sed "s/^/$name http: /"
+        loaders=(); grpc_load "${name}_grpc" "$w" 256 15
+        sleep 8
+        python3 bench/thread_cpu.py "$pid" --seconds 5 --top 16 --json >"$OUT/${name}_threads.json"
+        wait "${loaders[@]}"
+        grpc_report "${name}_grpc" "$name grpc, 256 streams per GPU"
+        stop_server "$w"
+      }
+      for w in $WORLDS; do scale_serve "$w" "scale_w$w"; done
+      # $VLMGRAPH_DPSCALE_FIXED=0 leaves this comparison out.
+      if [ "${VLMGRAPH_DPSCALE_FIXED:-1}" = 1 ]; then
+        SERVE_TAG=_fixed scale_serve "$NG" "scale_w${NG}_fixed" --set server.stream_threads=2 --set http.io_threads=2
+      fi
+    fi
+    python3 bench/scaling_summary.py "$OUT" | tee "$OUT/scale_summary.txt" || failed=$((failed + 1))
     ;;
 esac
 exit "$failed"
