@@ -323,6 +323,22 @@ GenerateRequest ToEngineRequest(const v1::GenerateRequest& request, const VlmCon
                       "sampling.stop: this model has no tokenizer to match text with; use "
                       "stop_token_ids");
   }
+  // Ranges: Engine::Validate (field names "logprobs.top", "logprobs.prompt_top").
+  const v1::LogprobsParams& l = request.logprobs();
+  if (l.top() != 0 && !l.tokens()) {
+    throw InvalidArgument(
+        "logprobs.top: the most likely tokens come with each token's logprob; set "
+        "logprobs.tokens too");
+  }
+  if (l.prompt_top() != 0 && !l.prompt()) {
+    throw InvalidArgument(
+        "logprobs.prompt_top: the most likely tokens come with the prompt's logprobs; set "
+        "logprobs.prompt too");
+  }
+  out.logprobs.tokens = l.tokens();
+  out.logprobs.top = l.top();
+  out.logprobs.prompt = l.prompt();
+  out.logprobs.prompt_top = l.prompt_top();
   return out;
 }
 

@@ -12,7 +12,9 @@
 #include <grpcpp/security/server_credentials.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <functional>
 #include <future>
@@ -287,6 +289,117 @@ TEST_F(GrpcServiceTest, InvalidGenerateRequestIsRefusedFromThePrepareThread) {
   EXPECT_EQ(MetricValue(metrics_.Render(), "vlmgraph_requests_total",
                         {"rpc=\"Generate\"", "code=\"INVALID_ARGUMENT\""}),
             1);
+}
+
+
+// Log-probabilities over gRPC (v1::LogprobsParams): one per generated token, the prompt's from its
+// second token on in the first chunk, each equal to log_softmax of the Forward RPC's logits at the
+// position that predicted it; the top lists sorted, the greedy token first; the token's own
+// logprob in its top list. A top without its switch is refused.
+TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
+  gate_->Set(true);
+  constexpr int64_t kNew = 5, kTop = 3, kPromptTop = 2;
+  v1::GenerateRequest req = Request(3, kNew);
+  req.mutable_logprobs()->set_tokens(true);
+  req.mutable_logprobs()->set_top(kTop);
+  req.mutable_logprobs()->set_prompt(true);
+  req.mutable_logprobs()->set_prompt_top(kPromptTop);
+  std::vector<int64_t> ids(req.input_ids().begin(), req.input_ids().end());
+  const size_t prompt_len = ids.size();
+  std::vector<v1::TokenLogprob> token_logprobs, prompt_logprobs;
+  int prompt_chunks = 0;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
+    auto reader = stub_->Generate(&ctx, req);
+    for (v1::GenerateResponse m; reader->Read(&m);) {
+      if (!m.has_tokens()) continue;
+      ASSERT_EQ(m.tokens().logprobs_size(), m.tokens().token_ids_size());
+      ids.insert(ids.end(), m.tokens().token_ids().begin(), m.tokens().token_ids().end());
+      token_logprobs.insert(token_logprobs.end(), m.tokens().logprobs().begin(),
+                            m.tokens().logprobs().end());
+      if (m.tokens().prompt_logprobs_size() > 0) {
+        ++prompt_chunks;
+        prompt_logprobs.assign(m.tokens().prompt_logprobs().begin(),
+                               m.tokens().prompt_logprobs().end());
+      }
+    }
+    const grpc::Status status = reader->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_EQ(token_logprobs.size(), static_cast<size_t>(kNew));
+  EXPECT_EQ(prompt_chunks, 1);
+  ASSERT_EQ(prompt_logprobs.size(), prompt_len - 1);
+
+  // The reference: the logits of the whole sequence but its last token, from the Forward RPC.
+  v1::ForwardRequest fwd;
+  for (size_t i = 0; i + 1 < ids.size(); ++i) {
+    fwd.add_input_ids(ids[i]);
+    fwd.add_logits_positions(static_cast<int64_t>(i));
+  }
+  v1::ForwardResponse logits;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + seconds(60));
+    const grpc::Status status = stub_->Forward(&ctx, fwd, &logits);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_EQ(logits.logits_size(), static_cast<int>(ids.size() - 1));
+  auto check = [&](const v1::TokenLogprob& got, size_t position, int64_t top,
+                   const char* what) -> bool {
+    const auto& row = logits.logits(static_cast<int>(position)).logits();
+    double max_logit = -1e30;
+    for (float v : row) max_logit = std::max<double>(max_logit, v);
+    double sum = 0;
+    for (float v : row) sum += std::exp(v - max_logit);
+    auto log_softmax = [&](int64_t id) { return row[static_cast<int>(id)] - max_logit - std::log(sum); };
+    const int64_t token = ids[position + 1];
+    EXPECT_NEAR(got.logprob(), log_softmax(token), 1e-4) << what << " at position " << position;
+    EXPECT_EQ(got.top_size(), top) << what;
+    bool has_token = false;
+    for (int k = 0; k < got.top_size(); ++k) {
+      EXPECT_NEAR(got.top(k).logprob(), log_softmax(got.top(k).token_id()), 1e-4) << what;
+      if (k > 0) EXPECT_GE(got.top(k - 1).logprob(), got.top(k).logprob()) << what;
+      has_token = has_token || got.top(k).token_id() == token;
+    }
+    return has_token;
+  };
+  for (size_t i = 0; i < prompt_logprobs.size(); ++i) check(prompt_logprobs[i], i, kPromptTop, "prompt");
+  for (size_t i = 0; i < token_logprobs.size(); ++i) {
+    // Greedy: the generated token is the most likely one, first in its top list.
+    EXPECT_TRUE(check(token_logprobs[i], prompt_len - 1 + i, kTop, "token"));
+    EXPECT_EQ(token_logprobs[i].top(0).token_id(), ids[prompt_len + i]);
+  }
+
+  // A top without its switch.
+  for (const bool prompt : {false, true}) {
+    v1::GenerateRequest bad = Request(3, 2);
+    if (prompt) {
+      bad.mutable_logprobs()->set_prompt_top(2);
+    } else {
+      bad.mutable_logprobs()->set_top(2);
+    }
+    grpc::ClientContext ctx;
+    auto reader = stub_->Generate(&ctx, bad);
+    v1::GenerateResponse m;
+    EXPECT_FALSE(reader->Read(&m));
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find(prompt ? "logprobs.prompt_top" : "logprobs.top"),
+              std::string::npos)
+        << status.error_message();
+  }
+  // Out of range: the engine's check, with the field's name.
+  v1::GenerateRequest big = Request(3, 2);
+  big.mutable_logprobs()->set_tokens(true);
+  big.mutable_logprobs()->set_top(kMaxTopLogprobs + 1);
+  grpc::ClientContext ctx;
+  auto reader = stub_->Generate(&ctx, big);
+  v1::GenerateResponse m;
+  EXPECT_FALSE(reader->Read(&m));
+  const grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("logprobs.top"), std::string::npos) << status.error_message();
 }
 
 }  // namespace

@@ -36,6 +36,15 @@ v1::FinishReason ToProto(FinishReason r) {
   }
 }
 
+void ToProto(const TokenLogprob& in, v1::TokenLogprob* out) {
+  out->set_logprob(in.logprob);
+  for (const auto& [id, logprob] : in.top) {
+    v1::TopLogprob* top = out->add_top();
+    top->set_token_id(id);
+    top->set_logprob(logprob);
+  }
+}
+
 }  // namespace
 
 struct VlmGraphService::GenerateThreads {
@@ -203,6 +212,11 @@ class VlmGraphService::GenerateCall final : public grpc::ServerWriteReactor<v1::
       v1::TokenChunk* chunk = pending_.mutable_tokens();
       chunk->mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
       chunk->mutable_text()->append(d.text);
+      // One per token id when asked (LogprobsParams::tokens); the prompt's once, with the first.
+      for (const TokenLogprob& l : d.logprobs) ToProto(l, chunk->add_logprobs());
+      if (d.prompt_logprobs) {
+        for (const TokenLogprob& l : *d.prompt_logprobs) ToProto(l, chunk->add_prompt_logprobs());
+      }
       has_pending_ = true;
     }
     if (t.finished) {

@@ -144,6 +144,30 @@ class GenerateTest(unittest.TestCase):
         self.assertGreater(r.loss, 0)
         self.assertTrue(r.bucket.startswith("b1xs"), r.bucket)
 
+    def test_logprobs_stream_with_the_tokens(self):
+        # The client's logprobs switches reach the server and come back: one TokenLogprob per new
+        # token (the greedy token first in its top list), the prompt's once, before the tokens.
+        ids = self.prompt((7, 8, 9))
+        events = list(self.client.generate(ids, [self.image], max_new_tokens=3, logprobs=True, top_logprobs=2,
+                                           prompt_logprobs=True))
+        kinds = [k for k, _ in events]
+        self.assertEqual(kinds[0], "prompt_logprobs")
+        prompt = events[0][1]
+        self.assertEqual(len(prompt), len(ids) - 1)
+        tokens = [t for k, v in events if k == "tokens" for t in v]
+        logprobs = [l for k, v in events if k == "logprobs" for l in v]
+        self.assertEqual(len(tokens), 3)
+        self.assertEqual(len(logprobs), 3)
+        for token, l in zip(tokens, logprobs):
+            self.assertEqual(len(l.top), 2)
+            self.assertEqual(l.top[0].token_id, token)
+            self.assertAlmostEqual(l.top[0].logprob, l.logprob, places=5)
+            self.assertLessEqual(l.logprob, 0)
+        # Without the switches, none: the stream is as before.
+        plain = [k for k, _ in self.client.generate(ids, [self.image], max_new_tokens=3)]
+        self.assertNotIn("logprobs", plain)
+        self.assertNotIn("prompt_logprobs", plain)
+
     def test_health_and_reflection(self):
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         with grpc.insecure_channel(self.server.address) as ch:

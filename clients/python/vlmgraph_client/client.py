@@ -126,8 +126,12 @@ class VlmGraphClient:
 
     def generate_request(self, input_ids=(), images=None, max_new_tokens=None, sample=False, temperature=None,
                          top_k=0, top_p=None, seed=0, stop_token_ids=(), request_id="", text="", messages=None,
-                         stop=(), ignore_eos=False, add_generation_prompt=None):
-        """A GenerateRequest: a prompt of `input_ids`, `text` or chat `messages` (chat_messages())."""
+                         stop=(), ignore_eos=False, add_generation_prompt=None, logprobs=False, top_logprobs=0,
+                         prompt_logprobs=False, prompt_top_logprobs=0):
+        """A GenerateRequest: a prompt of `input_ids`, `text` or chat `messages` (chat_messages()).
+        `logprobs` / `top_logprobs` (0-20): each new token's log-probability and the most likely
+        tokens there; `prompt_logprobs` / `prompt_top_logprobs`: the same for the prompt's tokens
+        from the second on (LogprobsParams in generate.proto)."""
         g = self.pb.generate_pb2
         sampling = g.SamplingParams(sample=sample, top_k=top_k, seed=seed, stop_token_ids=list(stop_token_ids),
                                     stop=list(stop), ignore_eos=ignore_eos)
@@ -141,6 +145,10 @@ class VlmGraphClient:
                                 request_id=request_id, text=text, messages=chat_messages(messages or []))
         if add_generation_prompt is not None:
             req.add_generation_prompt = add_generation_prompt
+        req.logprobs.tokens = bool(logprobs)
+        req.logprobs.top = top_logprobs
+        req.logprobs.prompt = bool(prompt_logprobs)
+        req.logprobs.prompt_top = prompt_top_logprobs
         return req
 
     def generate_stream(self, request, timeout=None):
@@ -150,14 +158,20 @@ class VlmGraphClient:
     def generate(self, input_ids=(), images=None, timeout=None, **sampling):
         """Yields ("tokens", [ids]) as they stream, then ("summary", GenerateSummary). With text=...
         or messages=... (and a model with a tokenizer) it yields ("text", str) after each chunk's
-        tokens too."""
+        tokens too; with logprobs=True ("logprobs", [TokenLogprob]) after them, one per token, and
+        with prompt_logprobs=True ("prompt_logprobs", [TokenLogprob]) once, before the first
+        tokens."""
         with_text = bool(sampling.get("text") or sampling.get("messages"))
         for msg in self.generate_stream(self.generate_request(input_ids, images, **sampling), timeout):
             if msg.HasField("tokens"):
+                if msg.tokens.prompt_logprobs:
+                    yield "prompt_logprobs", list(msg.tokens.prompt_logprobs)
                 if msg.tokens.token_ids:
                     yield "tokens", list(msg.tokens.token_ids)
                 if with_text and msg.tokens.text:
                     yield "text", msg.tokens.text
+                if msg.tokens.logprobs:
+                    yield "logprobs", list(msg.tokens.logprobs)
             elif msg.HasField("summary"):
                 yield "summary", msg.summary
 
