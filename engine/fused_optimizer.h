@@ -55,6 +55,11 @@ struct AdamWTensors {
   std::vector<at::Tensor> steps;       // float32 scalars: the step count this update uses (the
                                        // caller advances them first, as for _fused_adamw_)
   std::vector<at::Tensor> lrs;         // float32 scalars: each parameter's learning rate
+  // Empty, or float64 scalars: the squared gradient norm of each parameter's group; a parameter
+  // whose group's is exactly 0 (no example of the step reached the group) is left alone, as
+  // torch.optim.AdamW skips a parameter whose gradient is None (Note [Unreached groups],
+  // engine/trainer.cc). The caller leaves such a group's step counters alone.
+  std::vector<at::Tensor> group_sq_sums;
 };
 
 struct AdamWHyperparameters {
@@ -66,8 +71,9 @@ struct AdamWHyperparameters {
   bool skip_non_finite = false;
 };
 
-// One AdamW step over every parameter of `t`, with the gradients clipped first when
-// h.max_grad_norm > 0 and skipped when h.skip_non_finite and they are not finite (grad_sq_sum,
+// One AdamW step over every parameter of `t` (but those whose t.group_sq_sums entry is 0), with
+// the gradients clipped first when h.max_grad_norm > 0 and skipped when h.skip_non_finite and they
+// are not finite (grad_sq_sum,
 // float64 scalar, must then hold their squared norm, as AccumulateGradients or AddSquaredNorm
 // leave it); zeroes float32 gradients.
 void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,

@@ -57,6 +57,7 @@ AdamWTensors OptimizerShards::Owned(const AdamWTensors& t) const {
   out.working = Owned(t.working);
   out.steps = Owned(t.steps);
   out.lrs = Owned(t.lrs);
+  out.group_sq_sums = Owned(t.group_sq_sums);
   return out;
 }
 

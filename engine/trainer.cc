@@ -364,6 +364,15 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   uploader_ = std::make_unique<DeviceUploader>(options_.device);
   dp_loss_sum_ = at::zeros({1}, f32);
   grad_sq_sum_ = at::zeros({}, f32.dtype(at::kDouble));
+  group_sq_sum_ = at::zeros({static_cast<int64_t>(groups_.size())}, f32.dtype(at::kDouble));
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+      all_indices_.push_back(param_group_.size());
+      if (shards_ && shards_->owns(param_group_.size())) owned_indices_.push_back(param_group_.size());
+      param_group_.push_back(g);
+      adamw_.group_sq_sums.push_back(group_sq_sum_.select(0, static_cast<int64_t>(g)));
+    }
+  }
   for (const auto& g : groups_) {
     auto append = [](std::vector<at::Tensor>& to, const std::vector<at::Tensor>& from) {
       to.insert(to.end(), from.begin(), from.end());
@@ -546,10 +555,19 @@ std::vector<at::Tensor> Trainer::RunMicro(MicroBuffers& buf, bool direct, bool r
     return {loss.detach(), opt[0], opt[1]};
   }
   if (fused_) {
-    // The kernel also leaves the squared norm of the accumulated gradients for the optimizer's
-    // clipping.
-    grad_sq_sum_.zero_();
-    AccumulateGradients(master_grads_, grads, grad_sq_sum_);
+    // The kernel also leaves the squared norm of the accumulated gradients, group by group, for
+    // the optimizer's clipping and Note [Unreached groups].
+    group_sq_sum_.zero_();
+    std::vector<std::vector<at::Tensor>> accumulators(groups_.size()), by_group(groups_.size());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      accumulators[param_group_[i]].push_back(master_grads_[i]);
+      by_group[param_group_[i]].push_back(grads[i]);
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      AccumulateGradients(accumulators[g], by_group[g],
+                          group_sq_sum_.select(0, static_cast<int64_t>(g)));
+    }
+    grad_sq_sum_.copy_(group_sq_sum_.sum());
   } else {
     std::vector<at::Tensor> accumulators, defined;
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -573,15 +591,17 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool dir
     // FinishStep summed it before the optimizer's graph (which holds no collective).
     if (direct) ShardedSquaredNorm(t.grads);
   } else if (direct) {  // the backward's bf16 gradients: their norm
-    grad_sq_sum_.zero_();
-    AddSquaredNorm(t.grads, grad_sq_sum_);
+    SquaredNormsByGroup(t.grads, all_indices_);
   } else if (!mixed_precision() || data_parallel_) {
     // float32: autograd filled the gradients; data parallel: the averaged ones
-    grad_sq_sum_.zero_();
-    AddSquaredNorm(master_grads_, grad_sq_sum_);
-  }  // else bf16 accumulation: AccumulateGradients left the norm in grad_sq_sum_
+    SquaredNormsByGroup(master_grads_, all_indices_);
+  }  // else bf16 accumulation: AccumulateGradients left the norms in group_sq_sum_, grad_sq_sum_
   at::Tensor finite = at::isfinite(grad_sq_sum_).to(at::kFloat);
-  for (auto& g : groups_) at::_foreach_add_(g.steps, finite);  // a skipped step keeps the count
+  // A skipped step, or a group no example reached (Note [Unreached groups]), keeps the count.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    at::_foreach_add_(groups_[g].steps,
+                      finite * group_sq_sum_.select(0, static_cast<int64_t>(g)).ne(0).to(at::kFloat));
+  }
   const AdamWHyperparameters h{options_.beta1,        options_.beta2, options_.eps,
                                options_.weight_decay, options_.max_grad_norm,
                                /*skip_non_finite=*/true};
@@ -599,6 +619,7 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool dir
         if (!all.working.empty()) part.working.push_back(all.working[k]);
         part.steps.push_back(all.steps[k]);
         part.lrs.push_back(all.lrs[k]);
+        part.group_sq_sums.push_back(all.group_sq_sums[k]);
       }
       if (!part.params.empty()) FusedAdamW(part, grad_sq_sum_, h);
       // Chunks from forward_chunk_ on go out in the next step's forward.
@@ -620,6 +641,18 @@ std::vector<at::Tensor> Trainer::RunFusedAdamW(const AdamWTensors& all, bool dir
 // check of the same squared norm), the step counters advance by 1 - found_inf, and the gradients
 // are zeroed as after any step. All of it stays on the device, so the decision is part of the
 // captured graph. Step() reports the step as skipped; the server counts consecutive skips.
+//
+// Note [Unreached groups]: torch.optim.AdamW leaves a parameter whose .grad is None alone: no
+// weight decay, no moment decay, no step count. A text-only step reaches neither the vision
+// encoder nor the projector, and a zero gradient is not None: AdamW would still decay their
+// weights and moments (a text-only run moved the vision tower by 3.8e-6 and the projector by
+// 4.5e-5). So the optimizer takes each parameter group's squared gradient norm (group_sq_sum_,
+// summed over every micro-batch and, through the averaged gradients or the sharded norm's
+// all-reduce, over every rank) and treats a group whose norm is exactly 0 as one no example of
+// the step reached: found_inf = 1 for that group (_fused_adamw_), or the fused kernel's own check,
+// and its step counters stay. On the device like Note [Skipped steps], so a captured graph decides
+// it on every replay. A group that examples reached but whose gradient is exactly zero (every
+// target masked) is skipped too; torch would decay it.
 std::vector<at::Tensor> Trainer::RunOptimizer() {
   RECORD_USER_SCOPE("vlmgraph::optimizer");
   at::NoGradGuard no_grad;
@@ -632,21 +665,35 @@ std::vector<at::Tensor> Trainer::RunOptimizer() {
   if (fused_) return RunFusedAdamW(adamw_, /*direct=*/false);
   // Sharded (Note [Sharded optimizer]): this rank's parameters, the norm FinishStep summed.
   std::vector<Group>& groups = shards_ ? owned_groups_ : groups_;
-  at::Tensor total =
-      shards_ ? grad_sq_sum_.sqrt().to(at::kFloat)
-              : at::linalg_vector_norm(at::stack(at::_foreach_norm(master_grads_, 2)), 2);
+  at::Tensor total;
+  if (shards_) {
+    total = grad_sq_sum_.sqrt().to(at::kFloat);  // FinishStep's, with group_sq_sum_
+  } else {
+    const std::vector<at::Tensor> norms = at::_foreach_norm(master_grads_, 2);
+    total = at::linalg_vector_norm(at::stack(norms), 2);
+    std::vector<std::vector<at::Tensor>> by_group(groups_.size());
+    for (size_t i = 0; i < norms.size(); ++i) by_group[param_group_[i]].push_back(norms[i]);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      group_sq_sum_.select(0, static_cast<int64_t>(g))
+          .copy_(at::stack(by_group[g]).to(at::kDouble).pow(2).sum());
+    }
+  }
   at::Tensor found_inf = at::isfinite(total).logical_not().to(at::kFloat);
   if (options_.max_grad_norm > 0) {
     at::Tensor coef = (max_grad_norm_ / (total + 1e-6)).clamp_max(1.0);
     at::_foreach_mul_(master_grads_, coef);
   }
-  // _fused_adamw_ reads but does not advance the step counters; a skipped step leaves them.
-  for (auto& g : groups_) at::_foreach_add_(g.steps, 1.0 - found_inf);
-  for (auto& g : groups) {
+  // _fused_adamw_ reads but does not advance the step counters; a skipped step leaves them, and
+  // so does a group no example reached (Note [Unreached groups]), which AdamW sees as found_inf.
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    const at::Tensor skip = at::maximum(
+        found_inf, group_sq_sum_.select(0, static_cast<int64_t>(k)).eq(0).to(at::kFloat));
+    at::_foreach_add_(groups_[k].steps, 1.0 - skip);
+    Group& g = groups[k];
     if (g.params.empty()) continue;
     at::_fused_adamw_(g.params, g.grads, g.exp_avg, g.exp_avg_sq, {}, g.steps, g.lr, options_.beta1,
                       options_.beta2, options_.weight_decay, options_.eps, /*amsgrad=*/false,
-                      /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
+                      /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
   }
   if (mixed_precision()) {  // round the masters to the bf16 working weights
     std::vector<at::Tensor> masters;
@@ -1180,6 +1227,7 @@ void Trainer::AbandonStep() {
     for (at::Tensor& p : params_) p.mutable_grad() = at::Tensor();
   }
   grad_sq_sum_.zero_();
+  group_sq_sum_.zero_();
 }
 
 TrainStepResult Trainer::Step(const std::vector<TrainExample>& examples) {
@@ -1288,16 +1336,30 @@ int64_t Trainer::checkpoint_bytes() const {
 // broadcast_in_forward = false keeps every chunk in its own step.
 void Trainer::ShardedSquaredNorm(const std::vector<at::Tensor>& owned_grads) {
   at::NoGradGuard no_grad;
-  grad_sq_sum_.zero_();
-  if (!owned_grads.empty()) {
+  SquaredNormsByGroup(owned_grads, owned_indices_);
+  options_.data_parallel->StartAllReduceSum(group_sq_sum_);
+  options_.data_parallel->FinishAllReduces();
+  grad_sq_sum_.copy_(group_sq_sum_.sum());
+}
+
+void Trainer::SquaredNormsByGroup(const std::vector<at::Tensor>& grads,
+                                  const std::vector<size_t>& indices) {
+  at::NoGradGuard no_grad;
+  std::vector<std::vector<at::Tensor>> by_group(groups_.size());
+  for (size_t i = 0; i < grads.size() && i < indices.size(); ++i) {
+    if (grads[i].defined()) by_group[param_group_[indices[i]]].push_back(grads[i]);
+  }
+  group_sq_sum_.zero_();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (by_group[g].empty()) continue;
+    at::Tensor sum = group_sq_sum_.select(0, static_cast<int64_t>(g));
     if (fused_) {
-      AddSquaredNorm(owned_grads, grad_sq_sum_);
+      AddSquaredNorm(by_group[g], sum);
     } else {
-      grad_sq_sum_.add_(at::stack(at::_foreach_norm(owned_grads, 2)).to(at::kDouble).pow(2).sum());
+      sum.add_(at::stack(at::_foreach_norm(by_group[g], 2)).to(at::kDouble).pow(2).sum());
     }
   }
-  options_.data_parallel->StartAllReduceSum(grad_sq_sum_);
-  options_.data_parallel->FinishAllReduces();
+  grad_sq_sum_.copy_(group_sq_sum_.sum());
 }
 
 void Trainer::StartBroadcastChunk(size_t c) {

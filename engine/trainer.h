@@ -366,9 +366,15 @@ class Trainer {
   // {gradient norm (float64 device scalar), found_inf (float32, 1 = skipped)}. `direct`: t.grads
   // are the backward's bf16 gradients (the norm is taken of them).
   std::vector<at::Tensor> RunFusedAdamW(const AdamWTensors& t, bool direct);
-  // Sharded optimizer (Note [Sharded optimizer]): grad_sq_sum_ = the squared norm of this rank's
-  // owned gradients `owned_grads`, summed over the ranks (an all-reduce, waited for).
+  // Sharded optimizer (Note [Sharded optimizer]): group_sq_sum_ and grad_sq_sum_ of this rank's
+  // owned gradients `owned_grads` (owned_indices_ order), summed over the ranks (an all-reduce,
+  // waited for).
   void ShardedSquaredNorm(const std::vector<at::Tensor>& owned_grads);
+  // Note [Unreached groups]: group_sq_sum_[g] = the sum of the squares of the gradients `grads`
+  // of group g's parameters among `indices` (params_ order, one per gradient; undefined = zero),
+  // and grad_sq_sum_ = their total.
+  void SquaredNormsByGroup(const std::vector<at::Tensor>& grads,
+                           const std::vector<size_t>& indices);
   // Sharded optimizer: every working weight (params_) takes its owner's updated values, chunk by
   // chunk (broadcast_chunks_), then the stream waits for them.
   void BroadcastUpdatedWeights();
@@ -423,6 +429,10 @@ class Trainer {
   std::unique_ptr<DeviceUploader> uploader_;
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;
+  // Note [Unreached groups]: float64 [groups], each group's squared gradient norm; each
+  // parameter's group (params_ order); all parameter indices, and those this rank owns.
+  at::Tensor group_sq_sum_;
+  std::vector<size_t> param_group_, all_indices_, owned_indices_;
   bool warmed_up_ = false;
   int64_t steps_ = 0, skipped_steps_ = 0, captures_ = 0, replays_ = 0;
   LearningRates learning_rates_;  // configured: options_.learning_rates or a checkpoint's

@@ -1434,6 +1434,61 @@ TEST(DataParallel, SubmittedGlooStepsChangeNoResult) {
   ExpectSubmittedRanksEqualSteppedRanks("gloo", RankSetup{});
 }
 
+// Note [Unreached groups] across ranks: with no image on any rank, the vision encoder and the
+// projector stay exactly as loaded on every rank (unsharded and sharded optimizer) while the
+// language model learns; with images on rank 1 only, rank 0's zero local gradient does not stop
+// them: both ranks equal one rank accumulating the same two micro-batches.
+TEST(DataParallel, GroupsNoRankReachesStayAsTheyWere) {
+  SKIP_WITHOUT_GLOO();
+  VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
+  auto text_only = [&](int64_t r) {
+    TrainExample e = FixtureBatch().at(r);
+    for (auto& id : e.input_ids) {
+      if (id >= m->cfg.lm_base_vocab_size) id = 17;
+    }
+    for (auto& id : e.targets) {
+      if (id >= m->cfg.lm_base_vocab_size) id = -100;
+    }
+    e.tiles = at::Tensor();
+    return e;
+  };
+  std::map<std::string, at::Tensor> loaded;
+  for (const auto& p : m->named_parameters()) loaded[p.key()] = p.value().detach().clone();
+  for (const bool shard : {false, true}) {
+    const std::vector<RankRun> got = RunTwoGlooRanks(
+        {text_only(0), text_only(1), text_only(1), text_only(0)}, 2,
+        [&](int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions& dp) {
+          dp.shard_optimizer = shard;
+        });
+    int moved = 0;
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      for (const auto& [name, w] : got[rank].masters) {
+        if (name.rfind("vision_encoder.", 0) == 0 || name.rfind("MP.", 0) == 0) {
+          EXPECT_TRUE(at::equal(w, loaded.at(name))) << "shard " << shard << " rank " << rank << ": " << name;
+        } else if (!at::equal(w, loaded.at(name))) {
+          ++moved;
+        }
+      }
+    }
+    EXPECT_GT(moved, 0) << "shard " << shard;
+  }
+  // Images on rank 1 only, against one rank taking both halves as two micro-batches.
+  const std::vector<TrainExample> mixed = {text_only(0), text_only(1), FixtureBatch()[0],
+                                           FixtureBatch()[1]};
+  TrainOptions single_options = FixtureOptions(at::kCPU, false);
+  single_options.grad_accum_steps = 2;
+  Trainer single(m, single_options);
+  for (int s = 0; s < 2; ++s) single.Step(mixed);
+  for (const bool shard : {false, true}) {
+    const std::vector<RankRun> got = RunTwoGlooRanks(
+        mixed, 2, [&](int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions& dp) {
+          dp.shard_optimizer = shard;
+        });
+    ExpectMastersMatchOneRank(got, single, 1e-6);
+    EXPECT_FALSE(at::equal(got[0].masters.at("MP.proj.weight"), loaded.at("MP.proj.weight")));
+  }
+}
+
 // The same with gloo ranks as separate CPU processes (eager steps).
 TEST(DataParallel, TwoGlooProcessesMatchOneRank) {
   SKIP_WITHOUT_GLOO();

@@ -101,7 +101,8 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
   if (n == 0) return;
   TORCH_CHECK(t.grads.size() == n && t.exp_avg.size() == n && t.exp_avg_sq.size() == n &&
                   t.steps.size() == n && t.lrs.size() == n &&
-                  (t.working.empty() || t.working.size() == n),
+                  (t.working.empty() || t.working.size() == n) &&
+                  (t.group_sq_sums.empty() || t.group_sq_sums.size() == n),
               "FusedAdamW: every list needs one tensor per parameter");
   const at::Device device = t.params[0].device();
   const bool reads_norm = h.max_grad_norm > 0 || h.skip_non_finite;
@@ -141,9 +142,22 @@ void FusedAdamW(const AdamWTensors& t, const at::Tensor& grad_sq_sum,
                   "working weights must be contiguous bfloat16 tensors of the params' sizes");
       working = w.data_ptr();
     }
-    table[i] = {t.params[i].data_ptr<float>(),     grad,    t.exp_avg[i].data_ptr<float>(),
-                t.exp_avg_sq[i].data_ptr<float>(), working, t.steps[i].data_ptr<float>(),
-                t.lrs[i].data_ptr<float>(),        numel};
+    const double* group_sq_sum = nullptr;
+    if (!t.group_sq_sums.empty()) {
+      const at::Tensor& q = t.group_sq_sums[i];
+      TORCH_CHECK(q.device() == device && q.scalar_type() == at::kDouble && q.numel() == 1,
+                  "FusedAdamW: group_sq_sums must be float64 scalars on the params' device");
+      group_sq_sum = q.data_ptr<double>();
+    }
+    table[i] = {t.params[i].data_ptr<float>(),
+                grad,
+                t.exp_avg[i].data_ptr<float>(),
+                t.exp_avg_sq[i].data_ptr<float>(),
+                working,
+                t.steps[i].data_ptr<float>(),
+                t.lrs[i].data_ptr<float>(),
+                numel,
+                group_sq_sum};
   }
   const cuda::AdamWScalars s{h.beta1,        h.beta2,         h.eps,
                              h.weight_decay, h.max_grad_norm, h.skip_non_finite};

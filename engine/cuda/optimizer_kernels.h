@@ -33,6 +33,8 @@ struct AdamWTensor {
   const float* step;  // already advanced
   const float* lr;
   int64_t numel;
+  const double* group_sq_sum;  // nullptr, or: *group_sq_sum == 0 leaves the tensor alone (a float32
+                               // gradient is still zeroed)
 };
 
 struct AdamWScalars {
