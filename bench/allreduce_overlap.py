@@ -16,6 +16,8 @@ number of report copies less one."""
 import argparse
 import json
 
+import chrome_trace  # bench/chrome_trace.py, beside this script
+
 
 def union(intervals):
     out = []
@@ -52,9 +54,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steady", action="store_true")
     a = ap.parse_args()
-    with open(a.trace) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = chrome_trace.load_events(a.trace)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         raise SystemExit("no kernels in the trace")

@@ -25,6 +25,8 @@ import argparse
 import collections
 import json
 
+import chrome_trace  # bench/chrome_trace.py, beside this script
+
 REGIONS = ["attention", "gemm", "lm_head", "norms_activations", "sampling", "copies", "other"]
 
 
@@ -71,9 +73,7 @@ def main():
     ap.add_argument("--lm-head-max", type=float, default=1.5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    with open(a.trace) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = chrome_trace.load_events(a.trace)
     per, busy, span, kernels = regions(events, a.steps, a.lm_head_max)
     if a.json:
         print(json.dumps({"regions_us": per, "busy_us": busy, "span_us": span,

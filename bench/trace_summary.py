@@ -8,7 +8,8 @@ autograd node (forward op or `XBackward0`) and the innermost ATen op around the 
 import argparse
 import bisect
 import collections
-import json
+
+import chrome_trace  # bench/chrome_trace.py, beside this script
 
 
 def host_op_chains(events):
@@ -62,8 +63,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--by-op", action="store_true")
     a = ap.parse_args()
-    with open(a.trace) as fh:
-        events = json.load(fh)["traceEvents"]
+    events = chrome_trace.load_events(a.trace)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         print("no device kernels in the trace")

@@ -22,6 +22,8 @@ import bisect
 import collections
 import json
 
+import chrome_trace  # bench/chrome_trace.py, beside this script
+
 
 PREFIX = "vlmgraph::"
 
@@ -117,9 +119,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    with open(a.trace) as fh:
-        events = json.load(fh)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = chrome_trace.load_events(a.trace)
     out = split(events, a.steps)
     if a.json:
         print(json.dumps(out))
