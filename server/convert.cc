@@ -605,9 +605,9 @@ CheckpointDir OpenCheckpointDir(const std::string& root, const std::string& name
   out.path = WeaklyCanonical(AbsoluteNormal(root));
   // What the file system refused, for FAILED_PRECONDITION: the checkpoint's path, then why.
   const std::string target = out.path + (out.path.back() == '/' ? "" : "/") + name;
-  const std::string refused = field + (create ? ": cannot write the checkpoint to "
-                                              : ": cannot read the checkpoint in ") +
-                              target + ": ";
+  const std::string refused =
+      field + (create ? ": cannot write the checkpoint to " : ": cannot read the checkpoint in ") +
+      target + ": ";
   auto owned = [](int fd) {
     return std::shared_ptr<int>(new int(fd), [](int* p) {
       ::close(*p);

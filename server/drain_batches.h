@@ -11,9 +11,9 @@
 // for it (0.70 of a core each against 1.00 with 2 stream threads) and gRPC served 342k tokens/s
 // against 498k (docs/benchmarks.md, "Scaling"). DrainBatches gathers the notified streams in
 // shards (by address) and posts one task per shard when the shard has none queued or running;
-// that task drains every stream gathered until it finds its shard empty. A notification costs a shard's lock and a
-// vector push; a pool task serves a step's worth of streams, and the shards keep the stream
-// threads busy in parallel.
+// that task drains every stream gathered until it finds its shard empty. A notification costs a
+// shard's lock and a vector push; a pool task serves a step's worth of streams, and the shards keep
+// the stream threads busy in parallel.
 //
 // Thread rules: Schedule from any thread. T::Drain() runs on a pool thread, never on the caller's
 // thread, at most once per Schedule; a T gone by then (its last shared_ptr released) is skipped,

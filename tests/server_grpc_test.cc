@@ -291,7 +291,6 @@ TEST_F(GrpcServiceTest, InvalidGenerateRequestIsRefusedFromThePrepareThread) {
             1);
 }
 
-
 // Log-probabilities over gRPC (v1::LogprobsParams): one per generated token, the prompt's from its
 // second token on in the first chunk, each equal to log_softmax of the Forward RPC's logits at the
 // position that predicted it; the top lists sorted, the greedy token first; the token's own
@@ -352,7 +351,9 @@ TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
     for (float v : row) max_logit = std::max<double>(max_logit, v);
     double sum = 0;
     for (float v : row) sum += std::exp(v - max_logit);
-    auto log_softmax = [&](int64_t id) { return row[static_cast<int>(id)] - max_logit - std::log(sum); };
+    auto log_softmax = [&](int64_t id) {
+      return row[static_cast<int>(id)] - max_logit - std::log(sum);
+    };
     const int64_t token = ids[position + 1];
     EXPECT_NEAR(got.logprob(), log_softmax(token), 1e-4) << what << " at position " << position;
     EXPECT_EQ(got.top_size(), top) << what;
@@ -364,7 +365,8 @@ TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
     }
     return has_token;
   };
-  for (size_t i = 0; i < prompt_logprobs.size(); ++i) check(prompt_logprobs[i], i, kPromptTop, "prompt");
+  for (size_t i = 0; i < prompt_logprobs.size(); ++i)
+    check(prompt_logprobs[i], i, kPromptTop, "prompt");
   for (size_t i = 0; i < token_logprobs.size(); ++i) {
     // Greedy: the generated token is the most likely one, first in its top list.
     EXPECT_TRUE(check(token_logprobs[i], prompt_len - 1 + i, kTop, "token"));
@@ -399,7 +401,8 @@ TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
   EXPECT_FALSE(reader->Read(&m));
   const grpc::Status status = reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(status.error_message().find("logprobs.top"), std::string::npos) << status.error_message();
+  EXPECT_NE(status.error_message().find("logprobs.top"), std::string::npos)
+      << status.error_message();
 }
 
 }  // namespace

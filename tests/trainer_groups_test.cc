@@ -7,13 +7,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "base/safetensors.h"
 #include "engine/trainer.h"
