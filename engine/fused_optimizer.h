@@ -58,7 +58,7 @@ struct AdamWTensors {
   // Empty, or float64 scalars: the squared gradient norm of each parameter's group; a parameter
   // whose group's is exactly 0 (no example of the step reached the group) is left alone, as
   // torch.optim.AdamW skips a parameter whose gradient is None (Note [Unreached groups],
-  // engine/trainer.cc). The caller leaves such a group's step counters alone.
+  // engine/trainer_optimizer.cc). The caller leaves such a group's step counters alone.
   std::vector<at::Tensor> group_sq_sums;
 };
 
@@ -67,7 +67,8 @@ struct AdamWHyperparameters {
   double max_grad_norm = 0;  // > 0: clip with the norm from grad_sq_sum
   // true: when grad_sq_sum is NaN or inf the step changes no parameter, moment or working weight
   // (float32 gradients are still zeroed), as _fused_adamw_ does with found_inf = 1. The caller
-  // leaves the step counters alone for such a step (Note [Skipped steps], engine/trainer.cc).
+  // leaves the step counters alone for such a step (Note [Skipped steps],
+  // engine/trainer_optimizer.cc).
   bool skip_non_finite = false;
 };
 

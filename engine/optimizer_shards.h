@@ -1,6 +1,6 @@
 // engine/optimizer_shards.h: which rank owns the optimizer work of each trained parameter under
 // ZeRO stage 1 (DataParallelOptions::shard_optimizer; Note [Sharded optimizer] in
-// engine/trainer.cc).
+// engine/trainer_optimizer.cc).
 //
 // The unit of ownership is a whole parameter, as PyTorch's ZeroRedundancyOptimizer partitions
 // (torch/distributed/optim/zero_redundancy_optimizer.py, _partition_parameters): the largest

@@ -69,10 +69,11 @@
 // Thread rules: one thread drives a Trainer (the engine's GPU thread in the server).
 // Errors: EngineError(kInvalidArgument) at construction for a model whose config asks for dropout
 // (vit_dropout or lm_dropout not 0: the model has no dropout layers), for a learning rate out of
-// range (naming the field, LearningRates::Validate) or every rate 0; for bad examples (ids out of range, image-token count not
-// matching tiles, targets length) and for a batch that no trained parameter can learn from (the
-// language model is not trained and no example has an image); std::runtime_error for I/O
-// (std::system_error naming the file and errno when a checkpoint cannot be written).
+// range (naming the field, LearningRates::Validate) or every rate 0; for bad examples (ids out of
+// range, image-token count not matching tiles, targets length) and for a batch that no trained
+// parameter can learn from (the language model is not trained and no example has an image);
+// std::runtime_error for I/O (std::system_error naming the file and errno when a checkpoint cannot
+// be written).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -180,7 +181,7 @@ struct TrainStepResult {
   double loss = 0;       // as nanoVLM logs it: sum over micro-batches of mean loss / accum
   double grad_norm = 0;  // global L2 norm of the gradients before clipping (NaN / inf: skipped)
   // True when the gradients were not all finite: no weight or optimizer state changed (Note
-  // [Skipped steps] in trainer.cc); `step` still counts it.
+  // [Skipped steps] in trainer_optimizer.cc); `step` still counts it.
   bool skipped = false;
   // The learning rate each group took this step (its rate x the schedule's factor); 0 for a
   // frozen group.
@@ -280,9 +281,9 @@ class Trainer {
   // group's rate to set to 0 when the checkpoint froze a group this trainer trains.
   void LoadOptimizerState(const std::string& path);
   // The sharded optimizer (DataParallelOptions::shard_optimizer, Note [Sharded optimizer] in
-  // trainer.cc) leaves each rank's master weights and AdamW moments of the parameters it does not
-  // own stale after a step, and the working weights of the decoder's later blocks current on
-  // their owners only (DataParallelOptions::broadcast_in_forward). Every rank must call this (a
+  // trainer_optimizer.cc) leaves each rank's master weights and AdamW moments of the parameters it
+  // does not own stale after a step, and the working weights of the decoder's later blocks current
+  // on their owners only (DataParallelOptions::broadcast_in_forward). Every rank must call this (a
   // collective: each tensor broadcast from its owner, blocking) before SaveCheckpoint or a read of
   // master_weights() or of model()'s weights; afterwards every rank holds what one rank would,
   // until the next step. A no-op when the optimizer is not
@@ -293,8 +294,8 @@ class Trainer {
   bool optimizer_sharded() const { return shards_ != nullptr; }
   // DataParallelOptions::broadcast_in_forward in effect: the decoder block before which each
   // step's forward waits for the weights the previous step's AdamW left on their owners (Note
-  // [Weights broadcast in the forward] in trainer.cc); -1 when every weight is broadcast in its
-  // own step.
+  // [Weights broadcast in the forward] in trainer_optimizer.cc); -1 when every weight is broadcast
+  // in its own step.
   int64_t forward_broadcast_wait_block() const {
     return forward_wait_blocks_.empty() ? -1 : forward_wait_blocks_.front();
   }

@@ -135,7 +135,8 @@ class LanguageModelImpl : public torch::nn::Module {
 
   // Called with i before block i runs, and with blocks->size() before the final norm: a caller's
   // point to order its own work against the pass (the trainer makes the device wait there for
-  // weights still in flight; Note [Weights broadcast in the forward] in engine/trainer.cc).
+  // weights still in flight; Note [Weights broadcast in the forward] in
+  // engine/trainer_optimizer.cc).
   using BlockHook = std::function<void(int64_t block)>;
   at::Tensor Forward(const at::Tensor& x, const BlockHook& before_block = nullptr);
   // Writes rows' keys/values for positions [0, T) into cache rows `slots` (B) int64.

@@ -157,8 +157,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t end = ::min(begin + kTile, x.numel);
   if ((b.skip_non_finite && !isfinite(*grad_sq_sum)) ||
       (x.group_sq_sum != nullptr && *x.group_sq_sum == 0)) {
-    // A skipped step (Note [Skipped steps], engine/trainer.cc) or a group no example reached
-    // (Note [Unreached groups]): only the accumulator is reset.
+    // A skipped step (Note [Skipped steps], engine/trainer_optimizer.cc) or a group no example
+    // reached (Note [Unreached groups]): only the accumulator is reset.
     if (kZeroGrad && x.grad != nullptr) {
       for (int64_t i = begin + threadIdx.x; i < end; i += kThreads)
         static_cast<float*>(x.grad)[i] = 0.f;
