@@ -158,6 +158,15 @@ class GrpcServiceTest : public ::testing::Test {
     return req;
   }
 
+  // The status of a Generate call the server refuses before its first message.
+  grpc::Status Refused(const v1::GenerateRequest& req) {
+    grpc::ClientContext ctx;
+    auto reader = stub_->Generate(&ctx, req);
+    v1::GenerateResponse m;
+    EXPECT_FALSE(reader->Read(&m));
+    return reader->Finish();
+  }
+
   // A whole Generate stream of `max_new` tokens (60 s deadline).
   StreamResult Generate(int64_t first, int64_t max_new) {
     grpc::ClientContext ctx;
@@ -277,11 +286,7 @@ TEST_F(GrpcServiceTest, ShutdownCutsAStreamWhoseEngineIsBusy) {
 TEST_F(GrpcServiceTest, InvalidGenerateRequestIsRefusedFromThePrepareThread) {
   v1::GenerateRequest req = Request(1, 4);
   req.mutable_sampling()->set_max_new_tokens(0);
-  grpc::ClientContext ctx;
-  auto reader = stub_->Generate(&ctx, req);
-  v1::GenerateResponse m;
-  EXPECT_FALSE(reader->Read(&m));
-  const grpc::Status status = reader->Finish();
+  const grpc::Status status = Refused(req);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("sampling.max_new_tokens"), std::string::npos)
       << status.error_message();
@@ -381,11 +386,7 @@ TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
     } else {
       bad.mutable_logprobs()->set_top(2);
     }
-    grpc::ClientContext ctx;
-    auto reader = stub_->Generate(&ctx, bad);
-    v1::GenerateResponse m;
-    EXPECT_FALSE(reader->Read(&m));
-    const grpc::Status status = reader->Finish();
+    const grpc::Status status = Refused(bad);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_NE(status.error_message().find(prompt ? "logprobs.prompt_top" : "logprobs.top"),
               std::string::npos)
@@ -395,11 +396,7 @@ TEST_F(GrpcServiceTest, GenerateReturnsLogprobsOfTheForwardLogits) {
   v1::GenerateRequest big = Request(3, 2);
   big.mutable_logprobs()->set_tokens(true);
   big.mutable_logprobs()->set_top(kMaxTopLogprobs + 1);
-  grpc::ClientContext ctx;
-  auto reader = stub_->Generate(&ctx, big);
-  v1::GenerateResponse m;
-  EXPECT_FALSE(reader->Read(&m));
-  const grpc::Status status = reader->Finish();
+  const grpc::Status status = Refused(big);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("logprobs.top"), std::string::npos)
       << status.error_message();

@@ -83,6 +83,18 @@ inline std::map<std::string, at::Tensor> Masters(Trainer& t) {
   return out;
 }
 
+// The fixture row `r` without its image: image tokens (and their targets) dropped, no tiles.
+inline TrainExample TextOnly(const VlmConfig& cfg, int64_t r) {
+  const TrainExample e = FixtureBatch().at(r);
+  TrainExample out;
+  for (size_t i = 0; i < e.input_ids.size(); ++i) {
+    if (e.input_ids[i] == cfg.image_token_id) continue;
+    out.input_ids.push_back(e.input_ids[i]);
+    out.targets.push_back(e.targets[i]);
+  }
+  return out;
+}
+
 // The fixture row `r` with every text token id (and its target) mapped to another text id: the
 // same image, the same number of counted targets, a different gradient.
 inline TrainExample Variant(const VlmConfig& cfg, int64_t r) {

@@ -25,19 +25,6 @@ namespace {
 
 using namespace trainer_fixtures;
 
-// The fixture row `r` without its image: image tokens become a text id, no tiles.
-TrainExample TextOnly(const VlmConfig& cfg, int64_t r) {
-  TrainExample e = FixtureBatch().at(r);
-  for (auto& id : e.input_ids) {
-    if (id >= cfg.lm_base_vocab_size) id = 17;
-  }
-  for (auto& id : e.targets) {
-    if (id >= cfg.lm_base_vocab_size) id = -100;
-  }
-  e.tiles = at::Tensor();
-  return e;
-}
-
 // exp_avg.*, exp_avg_sq.* and step.* of every trained parameter, through SaveCheckpoint.
 std::map<std::string, at::Tensor> OptimizerState(Trainer& t, const std::string& dir) {
   testing::RemoveFlatDirectory(dir);

@@ -275,18 +275,6 @@ TEST(Trainer, BFloat16GradientAccumulationMatchesOneBigBatch) {
   EXPECT_LT(whole_vs_float32, 0.05);
 }
 
-// The fixture row `r` without its image: image tokens (and their targets) dropped, no tiles.
-TrainExample TextOnly(const VlmConfig& cfg, int64_t r) {
-  const TrainExample e = FixtureBatch().at(r);
-  TrainExample out;
-  for (size_t i = 0; i < e.input_ids.size(); ++i) {
-    if (e.input_ids[i] == cfg.image_token_id) continue;
-    out.input_ids.push_back(e.input_ids[i]);
-    out.targets.push_back(e.targets[i]);
-  }
-  return out;
-}
-
 // A text-only example of `len` tokens with next-token targets; `seed` varies the ids.
 TrainExample TextExample(int64_t len, int64_t seed) {
   TrainExample e;
@@ -1441,17 +1429,7 @@ TEST(DataParallel, SubmittedGlooStepsChangeNoResult) {
 TEST(DataParallel, GroupsNoRankReachesStayAsTheyWere) {
   SKIP_WITHOUT_GLOO();
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
-  auto text_only = [&](int64_t r) {
-    TrainExample e = FixtureBatch().at(r);
-    for (auto& id : e.input_ids) {
-      if (id >= m->cfg.lm_base_vocab_size) id = 17;
-    }
-    for (auto& id : e.targets) {
-      if (id >= m->cfg.lm_base_vocab_size) id = -100;
-    }
-    e.tiles = at::Tensor();
-    return e;
-  };
+  auto text_only = [&](int64_t r) { return TextOnly(m->cfg, r); };
   std::map<std::string, at::Tensor> loaded;
   for (const auto& p : m->named_parameters()) loaded[p.key()] = p.value().detach().clone();
   for (const bool shard : {false, true}) {
