@@ -182,12 +182,14 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
   using Case = DecodeAttentionCase;
   // 460m heads (15 / 5, D 64), tiny-like heads (D 16), D 128 with 16 query heads per KV head;
   // windows of one split (48) up to 16 splits of 64 keys (1024) and a window shorter than the
-  // cache (positions past kv_len are clipped).
-  const Case cases[] = {{15, 5, 64, 3, 48, 64},
-                        {15, 5, 64, 9, 1024, 1024},
-                        {4, 2, 16, 2, 512, 600},
-                        {16, 1, 128, 2, 256, 256},
-                        {15, 5, 64, 1, 512, 1024}};
+  // cache (positions past kv_len are clipped). The last four have enough (row, KV head) pairs for
+  // the long splits of large batches (DecodeAttentionSplitLen): several tiles per split, rows of
+  // one split written directly, rows of several combined, a last split of a partial tile.
+  const Case cases[] = {{15, 5, 64, 3, 48, 64},       {15, 5, 64, 9, 1024, 1024},
+                        {4, 2, 16, 2, 512, 600},      {16, 1, 128, 2, 256, 256},
+                        {15, 5, 64, 1, 512, 1024},    {15, 5, 64, 40, 1024, 1024},
+                        {9, 3, 64, 64, 300, 320},     {4, 2, 16, 80, 512, 600},
+                        {16, 1, 128, 160, 200, 256}};
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (const Case& c : cases) {
       SCOPED_TRACE(::testing::Message()

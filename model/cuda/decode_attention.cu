@@ -1,5 +1,6 @@
 // model/cuda/decode_attention.cu: one decode token per row, RoPE + KV-cache write + split-key
-// grouped-query attention in one kernel (LaunchRopeDecodeAttention in fused_kernels.h).
+// grouped-query attention in one kernel (LaunchRopeDecodeAttention in fused_kernels.h): a kernel
+// that stages its keys in shared memory for few rows, one whose warps stream them for more.
 #include <cuda_pipeline.h>
 
 #include <algorithm>
@@ -31,6 +32,135 @@ constexpr int kAttnMaxSplitLen = 64;
 // Splits whose partial outputs the one-round combine (256 threads) loads at once.
 constexpr int kCombineChunk = 8;
 
+// The decode attention's prologue, by the kThreads threads of a block of (row b, KV head kh),
+// after WaitForPrerequisites: RoPE at position pos on the g = n_heads / n_kv query heads of kh
+// into q_s (g, D) and on the new key into kv_new[0, D), the new value into kv_new[D, 2D), float32
+// rounded to T as the cache stores them. The caller synchronises the block before reading them.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void RotateQueryAndKey(const T* qkv, const float* inv_freq,
+                                                  float scaling, int64_t pos, int b, int kh,
+                                                  int n_heads, int n_kv, float* q_s,
+                                                  float* kv_new) {
+  constexpr int kHalf = D / 2;
+  const int g = n_heads / n_kv;
+  const T* src = qkv + int64_t(b) * (n_heads + 2 * n_kv) * D;
+  for (int i = threadIdx.x; i < (g + 1) * kHalf; i += kThreads) {
+    const int h = i / kHalf, p = i - h * kHalf;
+    const T* x = h < g ? src + (kh * g + h) * D : src + (n_heads + kh) * D;
+    float r1, r2;
+    Rotate(ToFloat(x[p]), ToFloat(x[p + kHalf]), pos, inv_freq[p], scaling, &r1, &r2);
+    float* dst = h < g ? q_s + h * D : kv_new;
+    dst[p] = ToFloat(FromFloat<T>(r1));  // rounded as the cache stores it
+    dst[p + kHalf] = ToFloat(FromFloat<T>(r2));
+  }
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    kv_new[D + d] = ToFloat(src[(n_heads + n_kv + kh) * D + d]);
+  }
+}
+
+// The block of split s whose keys hold pos (the last split when pos is past the window) stores the
+// new key and value of cache row `row` (= (b * n_kv + kh) * max_seq); when pos < kv_len that split
+// holds pos, else it is the last split, active too. kv_new as RotateQueryAndKey leaves it.
+template <typename T, int D, int kThreads>
+__device__ __forceinline__ void StoreNewKeyValue(const float* kv_new, T* cache_k, T* cache_v,
+                                                 int64_t row, int64_t pos, int s, int kv_len,
+                                                 int split_len, int64_t max_seq) {
+  const int64_t writer = (pos < kv_len ? pos : kv_len - 1) / split_len;
+  if (s == writer && pos < max_seq) {
+    for (int d = threadIdx.x; d < D; d += kThreads) {
+      cache_k[(row + pos) * D + d] = FromFloat<T>(kv_new[d]);
+      cache_v[(row + pos) * D + d] = FromFloat<T>(kv_new[D + d]);
+    }
+  }
+}
+
+// The end of a split block of the decode attention, after it wrote its partial state (m, l, o per
+// head) to `partials`: counts the split in on semaphores[b * n_kv + kh] and, in the last of the
+// `active` blocks of (b, kh), combines the splits' partial states into out[b, kh * g .. (kh + 1) *
+// g) and resets the semaphore. scratch: >= 2 * splits * g floats of shared memory; w_s: >= g.
+template <typename T, int D, int kThreads>
+__device__ void CountInAndCombine(const float* partials, int* semaphores, T* out, int b, int kh,
+                                  int n_kv, int n_heads, int splits, int active, float* scratch,
+                                  float* w_s) {
+  const int g = n_heads / n_kv;
+  __shared__ bool is_last;
+  // Publish the partials, then count this split in: the barrier orders every thread's partial
+  // stores before thread 0's release fence, which orders them before its increment (the
+  // threadfence-reduction pattern with one fence per block); the block that makes the count
+  // `active` acquires the others' partials with a fence after its increment, and its barrier
+  // passes that on to its threads. One thread's acq_rel fence (MEMBAR.ALL) on each side, not
+  // __threadfence (fence.sc, MEMBAR.SC) in every thread, is the cheaper fence on the step's
+  // critical path (`vlmgraph-decode-ops-bench`, whole decoder; docs/design/decode-kernels.md,
+  // "Where the attention kernel's 6 us go").
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    is_last = atomicAdd(&semaphores[b * n_kv + kh], 1) == active - 1;
+    if (is_last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
+  __syncthreads();
+  if (!is_last) return;
+  // Combine: weights w_(s,h) = e^(m_s - M) / L per (split, head) in shared memory (M = max_s m_s,
+  // L = sum_s e^(m_s - M) l_s), then out = sum_s w_(s,h) o_s.
+  const float* base = partials + (int64_t(b) * n_kv + kh) * splits * g * (D + 2);
+  const int64_t split_stride = int64_t(g) * (D + 2);
+  float* wgt = scratch;                // (active, g): m, then e^(m_s - M)
+  float* lsum = scratch + active * g;  // (active, g): l
+  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
+  // With 256 threads (few (row, KV head) pairs, see DecodeAttentionThreads) the last block's
+  // combine is on the step's critical path, so it issues its global loads in one round: each
+  // thread's first output element's o for up to kCombineChunk splits together with the (m, l)
+  // pairs. Otherwise it loads m, then l, then o (about five dependent L2 round trips), which
+  // measures faster with 128 threads. Bench: `vlmgraph-decode-ops-bench --batch 1`, `--batch 8`
+  // and `--context 1024 --length 700` (whole decoder); figures in docs/design/decode-kernels.md,
+  // "Where the attention kernel's 6 us go".
+  constexpr bool kOneRound = kThreads == 256;
+  const int i0 = threadIdx.x;
+  float o_first[kOneRound ? kCombineChunk : 1];
+  if constexpr (kOneRound) {
+#pragma unroll
+    for (int u = 0; u < kCombineChunk; ++u) {
+      o_first[u] = i0 < g * D && u < active ? __ldcg(base + u * split_stride + 2 * g + i0) : 0.f;
+    }
+  }
+  for (int i = threadIdx.x; i < active * g; i += kThreads) {
+    wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
+    if constexpr (kOneRound) lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
+  }
+  __syncthreads();
+  if (threadIdx.x < g) {
+    const int h = threadIdx.x;
+    float mx = -INFINITY;
+    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
+    float l = 0.f;
+    for (int t = 0; t < active; ++t) {
+      const float e = __expf(wgt[t * g + h] - mx);
+      wgt[t * g + h] = e;
+      l += e * (kOneRound ? lsum[t * g + h] : __ldcg(base + t * split_stride + g + h));
+    }
+    w_s[h] = 1.f / l;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < g * D; i += kThreads) {
+    const int h = i / D;
+    float o = 0.f;
+    int t = 0;
+    if constexpr (kOneRound) {
+      if (i == i0) {
+#pragma unroll
+        for (int u = 0; u < kCombineChunk; ++u) {
+          if (u < active) o += wgt[u * g + h] * o_first[u];
+        }
+        t = kCombineChunk;
+      }
+    }
+#pragma unroll 4
+    for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
+    ob[i] = FromFloat<T>(o * w_s[h]);
+  }
+  if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
+}
+
 template <typename T, int D, int kAttnThreads>
 __global__ void __launch_bounds__(kAttnThreads)
     RopeDecodeAttentionKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
@@ -42,7 +172,6 @@ __global__ void __launch_bounds__(kAttnThreads)
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = D / kVec;               // lanes per key row
   constexpr int kSlots = kAttnThreads / kLanes;  // keys in flight per block
-  constexpr int kHalf = D / 2;
   extern __shared__ __align__(16) unsigned char attn_smem_raw[];
   const int s = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
   const int g = n_heads / n_kv;
@@ -62,7 +191,6 @@ __global__ void __launch_bounds__(kAttnThreads)
   float* p_s = kv_new + 2 * D;               // (g, p_stride); the combine's (m, l) after the scores
   float* red = p_s + g * p_stride;           // (warps, g, D)
   __shared__ float w_s[2 * kAttnMaxGroups];  // per head: m, l; then 1 / L
-  __shared__ bool is_last;
   const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
   for (int i = threadIdx.x; i < n * kLanes; i += kAttnThreads) {
     const int j = i / kLanes, c = (i % kLanes) * kVec;
@@ -72,30 +200,12 @@ __global__ void __launch_bounds__(kAttnThreads)
   __pipeline_commit();
   WaitForPrerequisites();
   AllowDependentsToLaunch();
-  const T* src = qkv + int64_t(b) * (n_heads + 2 * n_kv) * D;
-  for (int i = threadIdx.x; i < (g + 1) * kHalf; i += kAttnThreads) {
-    const int h = i / kHalf, p = i - h * kHalf;
-    const T* x = h < g ? src + (kh * g + h) * D : src + (n_heads + kh) * D;
-    float r1, r2;
-    Rotate(ToFloat(x[p]), ToFloat(x[p + kHalf]), pos, inv_freq[p], scaling, &r1, &r2);
-    float* dst = h < g ? q_s + h * D : kv_new;
-    dst[p] = ToFloat(FromFloat<T>(r1));  // rounded as the cache stores it
-    dst[p + kHalf] = ToFloat(FromFloat<T>(r2));
-  }
-  for (int d = threadIdx.x; d < D; d += kAttnThreads) {
-    kv_new[D + d] = ToFloat(src[(n_heads + n_kv + kh) * D + d]);
-  }
+  RotateQueryAndKey<T, D, kAttnThreads>(qkv, inv_freq, scaling, pos, b, kh, n_heads, n_kv, q_s,
+                                        kv_new);
   __pipeline_wait_prior(0);
   __syncthreads();
-  // The block whose split holds pos (the last one when pos is past the window) stores the new key
-  // and value; when pos < kv_len that split holds pos, else it is the last split, active too.
-  const int64_t writer = (pos < kv_len ? pos : kv_len - 1) / split_len;
-  if (s == writer && pos < max_seq) {
-    for (int d = threadIdx.x; d < D; d += kAttnThreads) {
-      cache_k[(row + pos) * D + d] = FromFloat<T>(kv_new[d]);
-      cache_v[(row + pos) * D + d] = FromFloat<T>(kv_new[D + d]);
-    }
-  }
+  StoreNewKeyValue<T, D, kAttnThreads>(kv_new, cache_k, cache_v, row, pos, s, kv_len, split_len,
+                                       max_seq);
   const int slot = threadIdx.x / kLanes, c = (threadIdx.x % kLanes) * kVec;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // Scores: kLanes lanes per key, partial dot products reduced with shuffles.
@@ -180,81 +290,188 @@ __global__ void __launch_bounds__(kAttnThreads)
     part[g + threadIdx.x] = w_s[kAttnMaxGroups + threadIdx.x];
   }
   if (!combine) return;  // the next kernel combines the partial states (LaunchGemvAttnCombine)
-  // Publish the partials, then count this split in: the barrier orders every thread's partial
-  // stores before thread 0's release fence, which orders them before its increment (the
-  // threadfence-reduction pattern with one fence per block); the block that makes the count
-  // `active` acquires the others' partials with a fence after its increment, and its barrier
-  // passes that on to its threads. One thread's acq_rel fence (MEMBAR.ALL) on each side, not
-  // __threadfence (fence.sc, MEMBAR.SC) in every thread, is the cheaper fence on the step's
-  // critical path (`vlmgraph-decode-ops-bench`, whole decoder; docs/design/decode-kernels.md,
-  // "Where the attention kernel's 6 us go").
+  CountInAndCombine<T, D, kAttnThreads>(partials, semaphores, out, b, kh, n_kv, n_heads, gridDim.x,
+                                        active, p_s, w_s);
+}
+
+// ---- Decode attention for large batches: warps over keys ------------------------------------
+// Same grid, partial states, combine and results as RopeDecodeAttentionKernel, for launches with
+// many (row, KV head) pairs and kG = n_heads / n_kv <= kWarpAttnMaxGroups. There each block's
+// chain of dependent phases (shared-memory copy, barrier, scores, barrier, softmax, barrier,
+// weighted sum, barrier) and its few warps, not the bytes, bound the kernel. Here no barrier
+// separates keys: lane group grp = lane / kLanes of warp w holds key (r * kWarps + w) * kGroups
+// + grp of the split in round r, one 16-byte slice of its key and value row per lane, read from
+// global memory into registers a round ahead of use (the first two rounds before the dependency
+// wait). Each group keeps its own running maximum m, sum l and unnormalised output slice o per
+// head, updated key by key (the online softmax of Milakov & Gimelshein 2018); at the end the
+// groups of a warp merge through shuffles and the warps through shared memory, with the same
+// rescaling. A row whose keys fit one split writes its output directly.
+constexpr int kWarpAttnThreads = 128;
+constexpr int kWarpAttnMaxGroups = 4;
+constexpr int kWarpAttnMaxSplitLen = 512;
+
+template <typename T, int D, int kG>
+__global__ void __launch_bounds__(kWarpAttnThreads)
+    RopeDecodeAttentionWarpsKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
+                                   float scaling, const int64_t* __restrict__ positions, T* cache_k,
+                                   T* cache_v, T* __restrict__ out, float* partials,
+                                   int* semaphores, int n_heads, int n_kv, int64_t max_seq,
+                                   int kv_len, int split_len, float scale, bool combine) {
+  constexpr int kWarps = kWarpAttnThreads / 32;
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kLanes = D / kVec;      // lanes per key row
+  constexpr int kGroups = 32 / kLanes;  // keys per warp and round
+  extern __shared__ __align__(16) unsigned char attn_smem_raw[];
+  const int s = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+  const int64_t pos = positions[b];  // written before the previous kernel started
+  const int len = DecodeKeys(pos, kv_len);
+  const int active = DecodeActiveSplits(pos, kv_len, split_len);
+  if (s >= active) return;  // the block storing the new key is always active
+  const int j0 = s * split_len;
+  const int n = min(split_len, len - j0);
+  const int rounds = (n + kWarps * kGroups - 1) / (kWarps * kGroups);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int grp = lane / kLanes, c = (lane % kLanes) * kVec;
+  float* q_s = reinterpret_cast<float*>(attn_smem_raw);  // (kG, D)
+  float* kv_new = q_s + kG * D;                          // (2, D)
+  float* merge = kv_new + 2 * D;                         // (warps, kG, D + 2): m, l, o
+  float* scratch = merge + kWarps * kG * (D + 2);        // (2 * splits, kG): the combine's
+  __shared__ float w_s[kG];
+  const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
+  // Key and value slices of round r (slot u of the two in flight); keys past n are not read.
+  uint4 k_in[2], v_in[2];
+  auto load = [&](int r, uint4& kd, uint4& vd) {
+    const int j = (r * kWarps + warp) * kGroups + grp;
+    if (j < n) {
+      kd = *reinterpret_cast<const uint4*>(cache_k + (row + j0 + j) * D + c);
+      vd = *reinterpret_cast<const uint4*>(cache_v + (row + j0 + j) * D + c);
+    }
+  };
+  load(0, k_in[0], v_in[0]);
+  load(1, k_in[1], v_in[1]);
+  WaitForPrerequisites();
+  AllowDependentsToLaunch();
+  RotateQueryAndKey<T, D, kWarpAttnThreads>(qkv, inv_freq, scaling, pos, b, kh, n_heads, n_kv, q_s,
+                                            kv_new);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    is_last = atomicAdd(&semaphores[b * n_kv + kh], 1) == active - 1;
-    if (is_last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  }
-  __syncthreads();
-  if (!is_last) return;
-  // Combine: weights w_(s,h) = e^(m_s - M) / L per (split, head) in shared memory (M = max_s m_s,
-  // L = sum_s e^(m_s - M) l_s), then out = sum_s w_(s,h) o_s.
-  const float* base = partials + (int64_t(b) * n_kv + kh) * splits * g * (D + 2);
-  const int64_t split_stride = int64_t(g) * (D + 2);
-  float* wgt = p_s;                // (active, g): m, then e^(m_s - M)
-  float* lsum = p_s + active * g;  // (active, g): l (p_stride >= 2 * splits)
-  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  // With 256 threads (few (row, KV head) pairs, see DecodeAttentionThreads) the last block's
-  // combine is on the step's critical path, so it issues its global loads in one round: each
-  // thread's first output element's o for up to kCombineChunk splits together with the (m, l)
-  // pairs. Otherwise it loads m, then l, then o (about five dependent L2 round trips), which
-  // measures faster with 128 threads. Bench: `vlmgraph-decode-ops-bench --batch 1`, `--batch 8`
-  // and `--context 1024 --length 700` (whole decoder); figures in docs/design/decode-kernels.md,
-  // "Where the attention kernel's 6 us go".
-  constexpr bool kOneRound = kAttnThreads == 256;
-  const int i0 = threadIdx.x;
-  float o_first[kOneRound ? kCombineChunk : 1];
-  if constexpr (kOneRound) {
+  StoreNewKeyValue<T, D, kWarpAttnThreads>(kv_new, cache_k, cache_v, row, pos, s, kv_len, split_len,
+                                           max_seq);
+  float q[kG][kVec], m[kG], l[kG], o[kG][kVec];
 #pragma unroll
-    for (int u = 0; u < kCombineChunk; ++u) {
-      o_first[u] = i0 < g * D && u < active ? __ldcg(base + u * split_stride + 2 * g + i0) : 0.f;
+  for (int h = 0; h < kG; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      q[h][e] = q_s[h * D + c + e] * scale;
+      o[h][e] = 0.f;
     }
   }
-  for (int i = threadIdx.x; i < active * g; i += kAttnThreads) {
-    wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
-    if constexpr (kOneRound) lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
-  }
-  __syncthreads();
-  if (threadIdx.x < g) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
-    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
-    float l = 0.f;
-    for (int t = 0; t < active; ++t) {
-      const float e = __expf(wgt[t * g + h] - mx);
-      wgt[t * g + h] = e;
-      l += e * (kOneRound ? lsum[t * g + h] : __ldcg(base + t * split_stride + g + h));
-    }
-    w_s[h] = 1.f / l;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < g * D; i += kAttnThreads) {
-    const int h = i / D;
-    float o = 0.f;
-    int t = 0;
-    if constexpr (kOneRound) {
-      if (i == i0) {
+  for (int r0 = 0; r0 < rounds; r0 += 2) {
 #pragma unroll
-        for (int u = 0; u < kCombineChunk; ++u) {
-          if (u < active) o += wgt[u * g + h] * o_first[u];
+    for (int u = 0; u < 2; ++u) {
+      const int r = r0 + u;
+      const int j = (r * kWarps + warp) * kGroups + grp;
+      const bool valid = r < rounds && j < n;  // the same in every lane of a group
+      float k[kVec], v[kVec];
+      if (j0 + j == pos) {  // this step's key and value, not yet in the cache
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          k[e] = kv_new[c + e];
+          v[e] = kv_new[D + c + e];
         }
-        t = kCombineChunk;
+      } else {
+        const T* ke = reinterpret_cast<const T*>(&k_in[u]);
+        const T* ve = reinterpret_cast<const T*>(&v_in[u]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          k[e] = valid ? ToFloat(ke[e]) : 0.f;
+          v[e] = valid ? ToFloat(ve[e]) : 0.f;
+        }
+      }
+      load(r + 2, k_in[u], v_in[u]);
+#pragma unroll
+      for (int h = 0; h < kG; ++h) {
+        float score = 0.f;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) score += q[h][e] * k[e];
+#pragma unroll
+        for (int off = kLanes / 2; off > 0; off >>= 1) {
+          score += __shfl_xor_sync(0xffffffffu, score, off);
+        }
+        if (valid) {
+          const float mx = fmaxf(m[h], score);
+          const float rescale = __expf(m[h] - mx), p = __expf(score - mx);
+          l[h] = l[h] * rescale + p;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) o[h][e] = o[h][e] * rescale + p * v[e];
+          m[h] = mx;
+        }
       }
     }
-#pragma unroll 4
-    for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
-    ob[i] = FromFloat<T>(o * w_s[h]);
   }
-  if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
+  // Merge the groups of the warp (a group without keys has m = -inf, l = 0, o = 0).
+#pragma unroll
+  for (int off = kLanes; off < 32; off <<= 1) {
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[h], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[h], off);
+      const float mx = fmaxf(m[h], mo);
+      const float ra = m[h] == -INFINITY ? 0.f : __expf(m[h] - mx);
+      const float rb = mo == -INFINITY ? 0.f : __expf(mo - mx);
+      l[h] = l[h] * ra + lo * rb;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        o[h][e] = o[h][e] * ra + __shfl_xor_sync(0xffffffffu, o[h][e], off) * rb;
+      }
+      m[h] = mx;
+    }
+  }
+  if (lane < kLanes) {
+#pragma unroll
+    for (int h = 0; h < kG; ++h) {
+      float* w = merge + (warp * kG + h) * (D + 2);
+      if (lane == 0) {
+        w[0] = m[h];
+        w[1] = l[h];
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) w[2 + c + e] = o[h][e];
+    }
+  }
+  __syncthreads();
+  // Merge the warps: each thread takes output elements i = (h, d) of the block.
+  const int splits = gridDim.x;
+  float* part = partials + ((int64_t(b) * n_kv + kh) * splits + s) * kG * (D + 2);
+  const bool direct = combine && active == 1;  // the row's keys are all in this split
+  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * kG) * D;
+  for (int i = threadIdx.x; i < kG * D; i += kWarpAttnThreads) {
+    const int h = i / D, d = i - h * D;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kG + h) * (D + 2)]);
+    float sum_l = 0.f, sum_o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float* ws = merge + (w * kG + h) * (D + 2);
+      const float f = ws[0] == -INFINITY ? 0.f : __expf(ws[0] - mx);
+      sum_l += ws[1] * f;
+      sum_o += ws[2 + d] * f;
+    }
+    if (direct) {
+      ob[i] = FromFloat<T>(sum_o * (1.f / sum_l));  // as CountInAndCombine's one split
+    } else {
+      part[2 * kG + i] = sum_o;
+      if (d == 0) {
+        part[h] = mx;
+        part[kG + h] = sum_l;
+      }
+    }
+  }
+  if (direct || !combine) return;
+  CountInAndCombine<T, D, kWarpAttnThreads>(partials, semaphores, out, b, kh, n_kv, n_heads, splits,
+                                            active, scratch, w_s);
 }
 
 // Threads per block: 256 when the launch has few (row, KV head) pairs, so that the extra warps
@@ -263,6 +480,17 @@ __global__ void __launch_bounds__(kAttnThreads)
 // decoder); figures in docs/design/decode-kernels.md, "Threads per block".
 int DecodeAttentionThreads(int64_t batch, int64_t n_kv) { return batch * n_kv <= 8 ? 256 : 128; }
 
+// Whether a launch takes RopeDecodeAttentionWarpsKernel: from 4 rows (1 and 2 rows keep the
+// split-key kernel, whose partial states the out projection combines) when the GQA group fits.
+// H200, SmolLM2-135M shape (`vlmgraph-bench --decode-only 1 --batch-buckets derived
+// --max-decode-batch 256`): the decode step 0.824 -> 0.814 ms at batch 4, 0.819 -> 0.796 at 8,
+// 1.095 -> 1.012 at 32, 1.907 -> 1.515 at 256; figures in docs/design/decode-kernels.md,
+// "Attention at large batch".
+constexpr int64_t kWarpAttnMinRows = 4;
+bool UsesWarpsKernel(int64_t batch, int64_t n_heads, int64_t n_kv) {
+  return batch >= kWarpAttnMinRows && n_heads / n_kv <= kWarpAttnMaxGroups;
+}
+
 template <typename T, int D>
 cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float scaling,
                                    const int64_t* positions, void* ck, void* cv, void* out,
@@ -270,8 +498,26 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
                                    int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
                                    bool combine, cudaStream_t stream) {
   const int g = static_cast<int>(n_heads / n_kv);
-  const int split_len = DecodeAttentionSplitLen(kv_len);
-  const int splits = DecodeAttentionSplits(kv_len);
+  const int split_len = DecodeAttentionSplitLen(batch, n_heads, n_kv, kv_len);
+  const int splits = DecodeAttentionSplits(batch, n_heads, n_kv, kv_len);
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(batch));
+  if (UsesWarpsKernel(batch, n_heads, n_kv)) {
+    constexpr int kWarps = kWarpAttnThreads / 32;
+    const size_t smem = sizeof(float) * (size_t(g) * D + 2 * D + size_t(kWarps) * g * (D + 2) +
+                                         2 * size_t(splits) * g);
+    auto kernel = g == 1   ? RopeDecodeAttentionWarpsKernel<T, D, 1>
+                  : g == 2 ? RopeDecodeAttentionWarpsKernel<T, D, 2>
+                  : g == 3 ? RopeDecodeAttentionWarpsKernel<T, D, 3>
+                           : RopeDecodeAttentionWarpsKernel<T, D, 4>;
+    cudaError_t e = AllowSharedMemory(kernel, smem);
+    if (e != cudaSuccess) return e;
+    return LaunchMaybePdl(kernel, grid, dim3(kWarpAttnThreads), smem, stream,
+                          static_cast<const T*>(qkv), inv_freq, scaling, positions,
+                          static_cast<T*>(ck), static_cast<T*>(cv), static_cast<T*>(out), partials,
+                          semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv), max_seq,
+                          static_cast<int>(kv_len), split_len, scale, combine);
+  }
   const int threads = DecodeAttentionThreads(batch, n_kv);
   const size_t p_stride = std::max(split_len, 2 * splits);  // as in the kernel
   const size_t smem =
@@ -281,13 +527,11 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
       threads == 256 ? RopeDecodeAttentionKernel<T, D, 256> : RopeDecodeAttentionKernel<T, D, 128>;
   cudaError_t e = AllowSharedMemory(kernel, smem);
   if (e != cudaSuccess) return e;
-  return LaunchMaybePdl(kernel,
-                        dim3(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
-                             static_cast<unsigned>(batch)),
-                        dim3(threads), smem, stream, static_cast<const T*>(qkv), inv_freq, scaling,
-                        positions, static_cast<T*>(ck), static_cast<T*>(cv), static_cast<T*>(out),
-                        partials, semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv),
-                        max_seq, static_cast<int>(kv_len), split_len, scale, combine);
+  return LaunchMaybePdl(kernel, grid, dim3(threads), smem, stream, static_cast<const T*>(qkv),
+                        inv_freq, scaling, positions, static_cast<T*>(ck), static_cast<T*>(cv),
+                        static_cast<T*>(out), partials, semaphores, static_cast<int>(n_heads),
+                        static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), split_len, scale,
+                        combine);
 }
 
 template <typename T>
@@ -315,19 +559,25 @@ cudaError_t RopeDecodeAttentionTyped(const void* qkv, const float* inv_freq, flo
 
 }  // namespace
 
-int DecodeAttentionSplitLen(int64_t kv_len) {
+int DecodeAttentionSplitLen(int64_t batch, int64_t n_heads, int64_t n_kv, int64_t kv_len) {
+  if (UsesWarpsKernel(batch, n_heads, n_kv)) {
+    // Up to 512 keys per block (a row of a 512-key window in one block, which writes its output
+    // without a combine; 256 measured 0.5-1% slower at batch 64-256).
+    return static_cast<int>(std::min<int64_t>((kv_len + 63) / 64 * 64, kWarpAttnMaxSplitLen));
+  }
   // About 16 splits per (row, KV head), 32 or 64 keys each (more splits for longer windows).
   return kv_len > 16 * 32 ? kAttnMaxSplitLen : 32;
 }
 
-int DecodeAttentionSplits(int64_t kv_len) {
-  return static_cast<int>((kv_len + DecodeAttentionSplitLen(kv_len) - 1) /
-                          DecodeAttentionSplitLen(kv_len));
+int DecodeAttentionSplits(int64_t batch, int64_t n_heads, int64_t n_kv, int64_t kv_len) {
+  const int split_len = DecodeAttentionSplitLen(batch, n_heads, n_kv, kv_len);
+  return static_cast<int>((kv_len + split_len - 1) / split_len);
 }
 
-int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
-                                         int64_t kv_len) {
-  return batch * DecodeAttentionSplits(kv_len) * (n_heads * head_dim + 2 * n_heads);
+int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t n_kv,
+                                         int64_t head_dim, int64_t kv_len) {
+  return batch * DecodeAttentionSplits(batch, n_heads, n_kv, kv_len) *
+         (n_heads * head_dim + 2 * n_heads);
 }
 
 cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,

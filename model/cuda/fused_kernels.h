@@ -48,27 +48,31 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
 // 0..len_b) with len_b = min(positions[b] + 1, kv_len), g = n_heads / n_kv <= 16. qkv: (batch,
 // (n_heads + 2 n_kv) * head_dim) contiguous, unrotated (the fused projection); cache_k, cache_v:
 // (rows >= batch, n_kv, max_seq, head_dim); out: (batch, n_heads * head_dim). The keys are split
-// into chunks of DecodeAttentionSplitLen(kv_len) attended by separate thread blocks
+// into chunks of DecodeAttentionSplitLen(...) attended by separate thread blocks
 // (flash-decoding) whose partial softmax states go to `partials` (at least
 // RopeDecodeAttentionPartialFloats(...) floats, scratch) and are combined by the last block of
 // each (row, KV head), counted on `semaphores` (rows >= batch, n_kv) int32, which must be zero
-// before the launch and are zero again after it. head_dim in {16, 32, 64, 128}; returns
-// cudaErrorInvalidValue otherwise. Launched with programmatic dependent launch where supported.
-// combine = false: the blocks only write their partial states and `out` and `semaphores` are
-// untouched; the out projection combines them (LaunchGemvAttnCombine).
+// before the launch and are zero again after it; a row whose keys fit one chunk is written
+// directly by the warps kernel. Below 4 rows, or with more than 4 query heads per KV head, each
+// block stages a chunk of 32 or 64 keys in shared memory; otherwise the warps of a block stream
+// chunks of up to 512 keys through registers (decode_attention.cu has both kernels). head_dim in
+// {16, 32, 64, 128}; returns cudaErrorInvalidValue otherwise. Launched with programmatic dependent
+// launch where supported. combine = false: the blocks only write their partial states and `out` and
+// `semaphores` are untouched; the out projection combines them (LaunchGemvAttnCombine).
 cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* inv_freq,
                                       float scaling, const int64_t* positions, void* cache_k,
                                       void* cache_v, void* out, float* partials, int* semaphores,
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
                                       int64_t head_dim, int64_t max_seq, int64_t kv_len,
                                       float scale, bool combine, cudaStream_t stream);
-// Keys per split of LaunchRopeDecodeAttention for a kv_len window (32 or 64), and the splits
+// Keys per split of LaunchRopeDecodeAttention for a launch of `batch` rows over a kv_len window
+// (32 or 64 keys with the shared-memory kernel, up to 512 with the warps kernel), and the splits
 // (thread blocks per (row, KV head)): ceil(kv_len / split length).
-int DecodeAttentionSplitLen(int64_t kv_len);
-int DecodeAttentionSplits(int64_t kv_len);
+int DecodeAttentionSplitLen(int64_t batch, int64_t n_heads, int64_t n_kv, int64_t kv_len);
+int DecodeAttentionSplits(int64_t batch, int64_t n_heads, int64_t n_kv, int64_t kv_len);
 // Floats of scratch LaunchRopeDecodeAttention needs.
-int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t head_dim,
-                                         int64_t kv_len);
+int64_t RopeDecodeAttentionPartialFloats(int64_t batch, int64_t n_heads, int64_t n_kv,
+                                         int64_t head_dim, int64_t kv_len);
 
 // What LaunchGemv applies to its input rows before the product (see GemvKernel in the .cu).
 enum class GemvInput {
@@ -102,8 +106,8 @@ cudaError_t LaunchGemv(bool bf16, GemvInput input, const void* x, const void* no
 // The partial softmax states a LaunchRopeDecodeAttention(combine = false) left, for
 // LaunchGemvAttnCombine: partials (rows, n_kv, splits, groups * (head_dim + 2)) float32 as that
 // kernel lays them out (m, l, o per split), positions (rows) int64 and kv_len as it was given.
-// split_len and splits follow from kv_len (DecodeAttentionSplitLen, DecodeAttentionSplits):
-// LaunchGemvAttnCombine sets them, whatever the caller left there.
+// split_len and splits follow from the rows, heads and kv_len (DecodeAttentionSplitLen,
+// DecodeAttentionSplits): LaunchGemvAttnCombine sets them, whatever the caller left there.
 struct AttnCombineArgs {
   const float* partials = nullptr;
   const int64_t* positions = nullptr;

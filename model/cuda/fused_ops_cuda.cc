@@ -117,8 +117,9 @@ std::pair<at::Tensor, at::Tensor> DecodeAttention(const at::Tensor& qkv, const a
   TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == d / 2,
               "inv_freq must be (D/2) float32");
   at::Tensor out = combine ? at::empty({b, n_heads * d}, qkv.options()) : at::Tensor();
-  at::Tensor partials = at::empty({cuda::RopeDecodeAttentionPartialFloats(b, n_heads, d, kv_len)},
-                                  qkv.options().dtype(at::kFloat));
+  at::Tensor partials =
+      at::empty({cuda::RopeDecodeAttentionPartialFloats(b, n_heads, n_kv, d, kv_len)},
+                qkv.options().dtype(at::kFloat));
   at::Tensor freq = inv_freq.contiguous();
   c10::cuda::CUDAGuard guard(qkv.device());
   Check(cuda::LaunchRopeDecodeAttention(

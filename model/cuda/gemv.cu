@@ -575,8 +575,10 @@ cudaError_t LaunchGemvAttnCombine(bool bf16, const AttnCombineArgs& args, const 
     return cudaErrorInvalidValue;
   }
   AttnCombineArgs comb = args;
-  comb.split_len = DecodeAttentionSplitLen(args.kv_len);
-  comb.splits = DecodeAttentionSplits(args.kv_len);
+  comb.split_len =
+      DecodeAttentionSplitLen(rows, int64_t(args.groups) * args.n_kv, args.n_kv, args.kv_len);
+  comb.splits =
+      DecodeAttentionSplits(rows, int64_t(args.groups) * args.n_kv, args.n_kv, args.kv_len);
   if (rows == 0 || n == 0) return cudaSuccess;
   return bf16 ? GemvTyped<__nv_bfloat16, kGemvAttnCombine>(nullptr, nullptr, 0.f, w, residual, y,
                                                            rows, n, k, stream, comb)
