@@ -32,13 +32,13 @@ at::Tensor AttentionCombineLinear(const DecodeAttentionPartials&, const at::Tens
                                   const at::Tensor&) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
-at::Tensor Linear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor Linear(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 at::Tensor RmsNormLinear(const at::Tensor&, const at::Tensor&, double, const at::Tensor&) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
-at::Tensor SiluMulLinear(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor SiluMulLinear(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 

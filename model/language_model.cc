@@ -171,7 +171,7 @@ at::Tensor DecoderBlockImpl::forward(const at::Tensor& x, const at::Tensor& cos,
 
 at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq,
                                           double scaling, const AttentionContext& ctx,
-                                          int64_t layer) {
+                                          int64_t layer, bool overwrite_x) {
   const int64_t b = x.size(0), t = x.size(1), hidden = x.size(2);
   at::Tensor x2 = x.reshape({b * t, hidden});
   // qkv = norm1(x) W_qkv^T; attention; h = x + out_proj(a); x' = h + down(silu_mul(norm2(h)
@@ -185,10 +185,11 @@ at::Tensor DecoderBlockImpl::ForwardFused(const at::Tensor& x, const at::Tensor&
   } else {
     at::Tensor a =
         attn->ForwardFused(qkv.view({b, t, qkv.size(-1)}), inv_freq, scaling, ctx, layer);
-    h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2);
+    h = ops::Linear(a.reshape({b * t, hidden}), attn->out_proj->weight, x2, overwrite_x);
   }
   at::Tensor gu = ops::RmsNormLinear(h, norm2->weight, norm2->eps, mlp->w_gate_up);
-  return ops::SiluMulLinear(gu, mlp->down_proj->weight, h).view({b, t, hidden});
+  return ops::SiluMulLinear(gu, mlp->down_proj->weight, h, /*add_into_residual=*/true)
+      .view({b, t, hidden});
 }
 
 LanguageModelImpl::LanguageModelImpl(const VlmConfig& config) : cfg(config) {
@@ -212,10 +213,16 @@ at::Tensor LanguageModelImpl::Run(const at::Tensor& x, const at::Tensor& positio
   };
   if (UsesFusedPath(x)) {
     at::Tensor h = x.contiguous();
+    // The blocks may add into the residual stream in place once it is this forward's own (from
+    // the first block's output on, or a contiguous copy of x): copying x just for that cost more
+    // at batch 1 (a kernel in the chain, ~3 us per step) than the one in-place add saves.
+    bool owned = !h.is_same(x);
     for (size_t i = 0; i < blocks->size(); ++i) {
       hook(i);
-      h = blocks[i]->as<DecoderBlock>()->ForwardFused(
-          h, rotary_embd->inv_freq, rotary_embd->attention_scaling, ctx, static_cast<int64_t>(i));
+      h = blocks[i]->as<DecoderBlock>()->ForwardFused(h, rotary_embd->inv_freq,
+                                                      rotary_embd->attention_scaling, ctx,
+                                                      static_cast<int64_t>(i), owned);
+      owned = true;
     }
     hook(blocks->size());
     return ops::RmsNorm(h, norm->weight, norm->eps);

@@ -123,9 +123,11 @@ class DecoderBlockImpl : public torch::nn::Module {
 
   // x + attn(norm1(x)), then + mlp(norm2(.)), with fused kernels: the norms inside the qkv and
   // gate/up GEMVs, SiLU-mul inside the down GEMV and the residual adds folded into the output
-  // projections (GEMV epilogue or addmm) — 5 kernels per block at decode.
+  // projections (GEMV epilogue, or cuBLAS adding into the residual in place) — 5 kernels per
+  // block at decode. Inference only. overwrite_x: x (contiguous) is the caller's own residual
+  // stream, which the out projection may add into in place (the block's own sums always are).
   at::Tensor ForwardFused(const at::Tensor& x, const at::Tensor& inv_freq, double scaling,
-                          const AttentionContext& ctx, int64_t layer);
+                          const AttentionContext& ctx, int64_t layer, bool overwrite_x);
 };
 TORCH_MODULE(DecoderBlock);
 

@@ -226,32 +226,38 @@ at::Tensor TryGemv(cuda::GemvInput input, const at::Tensor& x, const at::Tensor&
   return {};
 }
 
-at::Tensor CublasLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
+at::Tensor CublasLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual,
+                        bool add_into_residual) {
   const int64_t k = x.size(-1), n = weight.size(0);
   if (!residual.defined()) return at::linear(x, weight);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = n;
+  if (add_into_residual && residual.is_contiguous()) {
+    at::Tensor c = residual.view({-1, n});
+    return at::addmm_out(c, c, x.reshape({-1, k}), weight.t()).view(out_sizes);
+  }
   return at::addmm(residual.reshape({-1, n}), x.reshape({-1, k}), weight.t()).view(out_sizes);
 }
 
 }  // namespace
 
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual) {
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& residual,
+                  bool add_into_residual) {
   at::Tensor y = TryGemv(cuda::GemvInput::kPlain, x, {}, 0.0, weight, residual);
-  return y.defined() ? y : CublasLinear(x, weight, residual);
+  return y.defined() ? y : CublasLinear(x, weight, residual, add_into_residual);
 }
 
 at::Tensor RmsNormLinear(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                          const at::Tensor& weight) {
   at::Tensor y =
       TryGemv(cuda::GemvInput::kRmsNorm, x, norm_weight.to(x.scalar_type()), eps, weight, {});
-  return y.defined() ? y : CublasLinear(RmsNorm(x, norm_weight, eps), weight, {});
+  return y.defined() ? y : CublasLinear(RmsNorm(x, norm_weight, eps), weight, {}, false);
 }
 
 at::Tensor SiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
-                         const at::Tensor& residual) {
+                         const at::Tensor& residual, bool add_into_residual) {
   at::Tensor y = TryGemv(cuda::GemvInput::kSiluMul, gate_up, {}, 0.0, weight, residual);
-  return y.defined() ? y : CublasLinear(SiluMul(gate_up), weight, residual);
+  return y.defined() ? y : CublasLinear(SiluMul(gate_up), weight, residual, add_into_residual);
 }
 
 // ---- Training: autograd functions -------------------------------------------------------------
