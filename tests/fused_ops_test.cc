@@ -135,6 +135,36 @@ TEST(FusedOps, GemvAndItsProloguesMatchTheUnfusedOps_CUDA) {
   }
 }
 
+// add_into_residual: with cuBLAS (more rows than the GEMV takes) the output is the residual's
+// memory, the same sums as a new output; with the CUDA-core GEMV (4 rows) a new tensor, the
+// residual left as it was. Both ops, float32 and bf16.
+TEST(FusedOps, LinearAddsIntoTheResidualInPlaceAboveTheGemvRows_CUDA) {
+  VLMGRAPH_REQUIRE_CUDA();
+  constexpr int64_t kMaxGemvRowsForTest = 8;  // cuda::kMaxGemvRows
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto opt = at::dtype(dtype).device(at::kCUDA);
+    for (int64_t rows : {4, 16, 256}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(dtype) << " rows " << rows);
+      at::Tensor x = at::randn({rows, 576}, opt), w = at::randn({960, 576}, opt) * 0.05;
+      at::Tensor gu = at::randn({rows, 2 * 576}, opt);
+      at::Tensor r = at::randn({rows, 960}, opt);
+      for (bool silu : {false, true}) {
+        at::Tensor want = silu ? ops::SiluMulLinear(gu, w, r) : ops::Linear(x, w, r);
+        at::Tensor residual = r.clone();
+        at::Tensor got = silu ? ops::SiluMulLinear(gu, w, residual, /*add_into_residual=*/true)
+                              : ops::Linear(x, w, residual, /*add_into_residual=*/true);
+        EXPECT_LT(MaxAbsDiff(got, want), dtype == at::kFloat ? 1e-5 : 1e-2) << "silu " << silu;
+        if (rows > kMaxGemvRowsForTest) {
+          EXPECT_EQ(got.data_ptr(), residual.data_ptr()) << "silu " << silu;
+        } else {
+          EXPECT_NE(got.data_ptr(), residual.data_ptr()) << "silu " << silu;
+          EXPECT_TRUE(at::equal(residual, r)) << "silu " << silu;
+        }
+      }
+    }
+  }
+}
+
 // A decode attention shape: query and KV heads, head_dim, rows, window, cache positions per row.
 struct DecodeAttentionCase {
   int64_t nh, nkv, d, batch, kv_len, max_seq;
@@ -182,14 +212,14 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
   using Case = DecodeAttentionCase;
   // 460m heads (15 / 5, D 64), tiny-like heads (D 16), D 128 with 16 query heads per KV head;
   // windows of one split (48) up to 16 splits of 64 keys (1024) and a window shorter than the
-  // cache (positions past kv_len are clipped). The last four have enough (row, KV head) pairs for
-  // the long splits of large batches (DecodeAttentionSplitLen): several tiles per split, rows of
-  // one split written directly, rows of several combined, a last split of a partial tile.
-  const Case cases[] = {{15, 5, 64, 3, 48, 64},       {15, 5, 64, 9, 1024, 1024},
-                        {4, 2, 16, 2, 512, 600},      {16, 1, 128, 2, 256, 256},
-                        {15, 5, 64, 1, 512, 1024},    {15, 5, 64, 40, 1024, 1024},
-                        {9, 3, 64, 64, 300, 320},     {4, 2, 16, 80, 512, 600},
-                        {16, 1, 128, 160, 200, 256}};
+  // cache (positions past kv_len are clipped). From 4 rows with at most 4 query heads per KV head
+  // the warps kernel runs (9, 40, 64 and 80 rows: rows of one block written directly, rows of
+  // several blocks combined, a last block of a partial round); 160 rows with 16 query heads per KV
+  // head keep the split-key kernel.
+  const Case cases[] = {
+      {15, 5, 64, 3, 48, 64},    {15, 5, 64, 9, 1024, 1024}, {4, 2, 16, 2, 512, 600},
+      {16, 1, 128, 2, 256, 256}, {15, 5, 64, 1, 512, 1024},  {15, 5, 64, 40, 1024, 1024},
+      {9, 3, 64, 64, 300, 320},  {4, 2, 16, 80, 512, 600},   {16, 1, 128, 160, 200, 256}};
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (const Case& c : cases) {
       SCOPED_TRACE(::testing::Message()
