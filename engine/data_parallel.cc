@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -18,6 +19,7 @@
 #endif
 #if VLMGRAPH_HAVE_NCCL
 #include <c10/cuda/CUDAFunctions.h>
+
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -35,10 +37,6 @@
 
 namespace vlmgraph {
 namespace {
-
-EngineError Invalid(const std::string& message) {
-  return EngineError(EngineError::Code::kInvalidArgument, message);
-}
 
 std::string LogSeconds(double seconds) {
   char buf[32];
@@ -212,30 +210,35 @@ void DataParallelGroup::DisarmStepWatchdog() {
 }
 
 std::shared_ptr<DataParallelGroup> DataParallelGroup::Join(const DataParallelOptions& options) {
-  if (options.world_size < 1) throw Invalid("data parallel: world_size must be >= 1");
+  if (options.world_size < 1)
+    throw EngineError::InvalidArgument("data parallel: world_size must be >= 1");
   if (options.rank < 0 || options.rank >= options.world_size) {
-    throw Invalid("data parallel: rank " + std::to_string(options.rank) + " outside [0, " +
-                  std::to_string(options.world_size) + ")");
+    throw EngineError::InvalidArgument("data parallel: rank " + std::to_string(options.rank) +
+                                       " outside [0, " + std::to_string(options.world_size) + ")");
   }
-  if (!(options.timeout_seconds > 0)) throw Invalid("data parallel: timeout_seconds must be > 0");
-  if (options.bucket_bytes <= 0) throw Invalid("data parallel: bucket_bytes must be > 0");
+  if (!(options.timeout_seconds > 0))
+    throw EngineError::InvalidArgument("data parallel: timeout_seconds must be > 0");
+  if (options.bucket_bytes <= 0)
+    throw EngineError::InvalidArgument("data parallel: bucket_bytes must be > 0");
   if (options.reduce_dtype && *options.reduce_dtype != at::kFloat &&
       *options.reduce_dtype != at::kBFloat16) {
-    throw Invalid("data parallel: reduce_dtype must be float32 or bfloat16");
+    throw EngineError::InvalidArgument("data parallel: reduce_dtype must be float32 or bfloat16");
   }
   if (options.store_port < 0 || options.store_port > 65535 ||
       (options.store_port == 0 && (options.rank != 0 || options.launcher_store))) {
-    throw Invalid("data parallel: store_port must lie in [1, 65535] (0 only on rank 0)");
+    throw EngineError::InvalidArgument(
+        "data parallel: store_port must lie in [1, 65535] (0 only on rank 0)");
   }
   if (options.backend != "gloo" && options.backend != "nccl")
-    throw Invalid("data parallel: backend must be \"gloo\" or \"nccl\", not \"" + options.backend +
-                  "\"");
+    throw EngineError::InvalidArgument(
+        "data parallel: backend must be \"gloo\" or \"nccl\", not \"" + options.backend + "\"");
   if (!BackendAvailable(options.backend)) {
-    throw Invalid("data parallel: this build has no " + options.backend + " backend (" +
-                  (options.backend == "gloo"
-                       ? std::string("install Debian's libgloo-dev and rebuild")
-                       : std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")) +
-                  ")");
+    throw EngineError::InvalidArgument(
+        "data parallel: this build has no " + options.backend + " backend (" +
+        (options.backend == "gloo"
+             ? std::string("install Debian's libgloo-dev and rebuild")
+             : std::string("a CUDA build with the nccl.h of the nvidia-nccl wheel")) +
+        ")");
   }
   std::shared_ptr<DataParallelGroup> group(new DataParallelGroup(options));
   const std::string where = "data parallel rank " + std::to_string(options.rank) + " of " +
@@ -351,7 +354,8 @@ void ForEachBucket(const std::vector<at::Tensor>& tensors, int64_t cap,
   };
   for (const auto& t : tensors) {
     if (!t.defined() || !t.is_contiguous())
-      throw Invalid("data parallel: collectives take defined, contiguous tensors");
+      throw EngineError::InvalidArgument(
+          "data parallel: collectives take defined, contiguous tensors");
     const int64_t bytes = static_cast<int64_t>(t.nbytes());
     if (!bucket.empty() && (bucket[0].scalar_type() != t.scalar_type() ||
                             bucket[0].device() != t.device() || bucket_bytes + bytes > cap)) {
@@ -394,7 +398,8 @@ void DataParallelGroup::StartAllReduceSum(const std::vector<at::Tensor>& tensors
   if (options_.world_size == 1 || tensors.empty()) return;
   for (const at::Tensor& t : tensors) {
     if (!t.defined() || !t.is_contiguous())
-      throw Invalid("data parallel: collectives take defined, contiguous tensors");
+      throw EngineError::InvalidArgument(
+          "data parallel: collectives take defined, contiguous tensors");
   }
   std::vector<at::Tensor> list = tensors;
   try {
@@ -419,13 +424,14 @@ namespace {
 void CheckRooted(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& roots,
                  int64_t world_size) {
   if (tensors.size() != roots.size())
-    throw Invalid("data parallel: one root per tensor");
+    throw EngineError::InvalidArgument("data parallel: one root per tensor");
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i].defined() || !tensors[i].is_contiguous())
-      throw Invalid("data parallel: collectives take defined, contiguous tensors");
+      throw EngineError::InvalidArgument(
+          "data parallel: collectives take defined, contiguous tensors");
     if (roots[i] < 0 || roots[i] >= world_size)
-      throw Invalid("data parallel: root rank " + std::to_string(roots[i]) + " outside 0 .. " +
-                    std::to_string(world_size - 1));
+      throw EngineError::InvalidArgument("data parallel: root rank " + std::to_string(roots[i]) +
+                                         " outside 0 .. " + std::to_string(world_size - 1));
   }
 }
 

@@ -14,7 +14,6 @@ namespace vlmgraph {
 
 using engine_internal::DecodeInputs;
 using engine_internal::DecodeInputViews;
-using engine_internal::SecondsSince;
 
 std::unique_ptr<Engine::QueuedStep> Engine::QueueDecode(bool carry) {
   const auto dispatch_start = Clock::now();

@@ -10,13 +10,13 @@
 #include <numeric>
 #include <sstream>
 
+#include "base/log.h"
 #include "engine/bucket_sizing.h"
 #include "engine/device.h"
 #include "engine/engine_internal.h"
 #include "engine/sampler.h"
-#include "model/fused_ops.h"
 #include "image/image_processor.h"
-#include "base/log.h"
+#include "model/fused_ops.h"
 #include "model/prompt_check.h"
 
 namespace vlmgraph {
@@ -24,11 +24,6 @@ namespace {
 using engine_internal::DecodeInputBytes;
 using engine_internal::DecodeInputs;
 using engine_internal::DecodeInputViews;
-using engine_internal::SecondsSince;
-
-EngineError Invalid(const std::string& msg) {
-  return EngineError(EngineError::Code::kInvalidArgument, msg);
-}
 
 std::string CounterKey(const BucketKey& k) {
   return std::string(RegionName(k.region)) + "/" + k.Label();
@@ -42,18 +37,19 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   try {
     options_.buckets.Validate();
   } catch (const std::invalid_argument& e) {
-    throw Invalid(e.what());
+    throw EngineError::InvalidArgument(e.what());
   }
   const VlmConfig& cfg = model_->cfg;
   if (options_.dtype != at::kFloat && options_.dtype != at::kBFloat16) {
-    throw Invalid("dtype must be float32 or bfloat16");
+    throw EngineError::InvalidArgument("dtype must be float32 or bfloat16");
   }
   if (options_.max_tiles_per_request <= 0) options_.max_tiles_per_request = MaxTilesPerImage(cfg);
   const auto& b = options_.buckets;
   if (b.max_context() > cfg.lm_max_position_embeddings) {
-    throw Invalid("buckets.context_lens max (" + std::to_string(b.max_context()) +
-                  ") exceeds the model's lm_max_position_embeddings (" +
-                  std::to_string(cfg.lm_max_position_embeddings) + ")");
+    throw EngineError::InvalidArgument("buckets.context_lens max (" +
+                                       std::to_string(b.max_context()) +
+                                       ") exceeds the model's lm_max_position_embeddings (" +
+                                       std::to_string(cfg.lm_max_position_embeddings) + ")");
   }
   model_->to(options_.device, options_.dtype);
   // RoPE frequencies stay float32 whatever the weights' dtype.
@@ -79,8 +75,8 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
     std::vector<at::Tensor> inputs = model_->parameters();
     for (const at::Tensor& t : model_->buffers()) inputs.push_back(t);
     const Buffers& bf = *buffers_;
-    for (const at::Tensor& t : {bf.ids, bf.slots, bf.last, bf.tiles, bf.image_rows, bf.dec_in,
-                                bf.dec_carry}) {
+    for (const at::Tensor& t :
+         {bf.ids, bf.slots, bf.last, bf.tiles, bf.image_rows, bf.dec_in, bf.dec_carry}) {
       inputs.push_back(t);
     }
     inputs.insert(inputs.end(), bf.cache.key.begin(), bf.cache.key.end());
@@ -121,7 +117,7 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
 void Engine::DeriveBatchSizes() {
   BucketSpec& b = options_.buckets;
   if (!options_.device.is_cuda()) {
-    throw Invalid(
+    throw EngineError::InvalidArgument(
         "buckets.batch_sizes is empty: it is derived from device memory on CUDA devices only; "
         "give the list on " +
         options_.device.str());
@@ -142,7 +138,7 @@ void Engine::DeriveBatchSizes() {
   try {
     b.Validate();
   } catch (const std::invalid_argument& e) {
-    throw Invalid(e.what());
+    throw EngineError::InvalidArgument(e.what());
   }
   derived_graph_pool_estimate_bytes_ = sizing.graph_pool_bytes;
   LogInfo(sizing.Summary(b.gpu_memory_utilization, b.max_decode_batch));

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 
+#include "base/clock.h"
 #include "engine/device.h"
 #include "engine/engine.h"
 #include "engine/logprobs.h"
@@ -15,10 +16,6 @@
 
 namespace vlmgraph {
 namespace engine_internal {
-
-inline double SecondsSince(Engine::Clock::time_point t0) {
-  return std::chrono::duration<double>(Engine::Clock::now() - t0).count();
-}
 
 // dec_in's layout: tokens (int64), positions (int64), carry flags (bool), max_batch of each,
 // padded to whole int64s so that every row of the host staging (2, bytes) starts aligned.

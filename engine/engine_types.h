@@ -39,6 +39,10 @@ class EngineError : public std::runtime_error {
     kInternal
   };
   EngineError(Code code, const std::string& message) : std::runtime_error(message), code_(code) {}
+  // An invalid request or option (kInvalidArgument); `message` says what to change.
+  static EngineError InvalidArgument(const std::string& message) {
+    return EngineError(Code::kInvalidArgument, message);
+  }
   // An invalid request (kInvalidArgument) about one of its fields: `message` starts with `field`.
   EngineError(std::string field, const std::string& message,
               std::optional<ContextOverflow> overflow = std::nullopt)

@@ -14,10 +14,6 @@
 namespace vlmgraph {
 namespace {
 
-EngineError Invalid(const std::string& m) {
-  return EngineError(EngineError::Code::kInvalidArgument, m);
-}
-
 void CheckExample(const VlmConfig& cfg, const TrainExample& e, size_t index) {
   const std::string field = "validation example " + std::to_string(index) + ": ";
   std::string error = CheckTiles(cfg, e.tiles, "tiles");
@@ -25,8 +21,8 @@ void CheckExample(const VlmConfig& cfg, const TrainExample& e, size_t index) {
     error = CheckPromptIds(cfg, e.input_ids.data(), e.input_ids.size(), TileCount(e.tiles),
                            "input_ids");
   if (error.empty()) error = CheckTargetIds(cfg, e.targets, e.input_ids.size(), "targets");
-  if (!error.empty()) throw Invalid(field + error);
-  if (e.input_ids.empty()) throw Invalid(field + "input_ids: empty");
+  if (!error.empty()) throw EngineError::InvalidArgument(field + error);
+  if (e.input_ids.empty()) throw EngineError::InvalidArgument(field + "input_ids: empty");
 }
 
 }  // namespace
@@ -41,15 +37,17 @@ EvalLoss EvaluateLoss(VisionLanguageModel& model, const std::vector<TrainExample
 EvalLoss EvaluateLoss(VisionLanguageModel& model, int64_t count,
                       const std::function<TrainExample(int64_t index)>& example,
                       const EvalOptions& options) {
-  if (options.micro_batch_size < 1) throw Invalid("micro_batch_size must be >= 1");
-  if (count < 0) throw Invalid("count must be >= 0");
+  if (options.micro_batch_size < 1)
+    throw EngineError::InvalidArgument("micro_batch_size must be >= 1");
+  if (count < 0) throw EngineError::InvalidArgument("count must be >= 0");
   const auto started = std::chrono::steady_clock::now();
   const VlmConfig& cfg = model->cfg;
   at::NoGradGuard no_grad;
   const at::ScalarType dtype = model->decoder->token_embedding->weight.scalar_type();
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   // Summed on the device, read once: no host synchronisation per micro-batch.
-  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(options.device));
+  at::Tensor loss_sum =
+      at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(options.device));
   int64_t target_tokens = 0;
   for (int64_t begin = 0; begin < count; begin += options.micro_batch_size) {
     const int64_t end = std::min(count, begin + options.micro_batch_size);
@@ -78,15 +76,16 @@ EvalLoss EvaluateLoss(VisionLanguageModel& model, int64_t count,
     if (!tiles.empty()) {
       rows_embedded = model->EncodeImages(at::cat(tiles).to(options.device, dtype));
     }
-    at::Tensor hidden = model->decoder->Forward(model->Embed(ids.to(options.device), rows_embedded));
+    at::Tensor hidden =
+        model->decoder->Forward(model->Embed(ids.to(options.device), rows_embedded));
     loss_sum.add_(
         model->decoder->CrossEntropySum(hidden, targets.reshape({-1}).to(options.device), -100)
             .to(at::kDouble));
   }
   // {loss sum, targets, examples}: float64 holds integers exactly up to 2^53.
-  at::Tensor sums = at::stack({loss_sum, at::full({}, static_cast<double>(target_tokens),
-                                                  loss_sum.options()),
-                               at::full({}, static_cast<double>(count), loss_sum.options())});
+  at::Tensor sums =
+      at::stack({loss_sum, at::full({}, static_cast<double>(target_tokens), loss_sum.options()),
+                 at::full({}, static_cast<double>(count), loss_sum.options())});
   const std::shared_ptr<DataParallelGroup>& group = options.data_parallel;
   if (group && group->world_size() > 1) {
     const std::string lost = group->LostPeer();
@@ -110,8 +109,7 @@ EvalLoss EvaluateLoss(VisionLanguageModel& model, int64_t count,
   out.examples = static_cast<int64_t>(sums[2].item<double>());
   out.loss = out.target_tokens > 0 ? out.loss_sum / static_cast<double>(out.target_tokens)
                                    : std::numeric_limits<double>::quiet_NaN();
-  out.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return out;
 }
 

@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "base/clock.h"
 #include "base/log.h"
 #include "base/safetensors.h"
 #include "engine/device.h"
@@ -28,10 +29,6 @@ namespace vlmgraph {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-EngineError Invalid(const std::string& m) {
-  return EngineError(EngineError::Code::kInvalidArgument, m);
-}
 
 // The optimizer part's graph key (no batch or sequence shape).
 const BucketKey kOptimizerKey{Region::kTrain, 0, 0, 0};
@@ -47,10 +44,6 @@ BucketKey AccumulatingGraph(BucketKey bucket) {
 BucketKey PlainBucket(BucketKey key) {
   key.tiles = 0;
   return key;
-}
-
-double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 }  // namespace
@@ -98,23 +91,25 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
   try {
     options_.buckets.Validate();
   } catch (const std::invalid_argument& e) {
-    throw Invalid(e.what());
+    throw EngineError::InvalidArgument(e.what());
   }
-  if (options_.grad_accum_steps < 1) throw Invalid("grad_accum_steps must be >= 1");
+  if (options_.grad_accum_steps < 1)
+    throw EngineError::InvalidArgument("grad_accum_steps must be >= 1");
   // Any finite rate >= 0: the APIs' [0, 1] is theirs (Note [Learning rates]).
   options_.learning_rates.Validate(std::numeric_limits<double>::infinity());
   learning_rates_ = options_.learning_rates;
   // The model has no dropout layers (upstream nanoVLM's configs set both rates to 0): a checkpoint
   // asking for dropout would silently train without it.
   if (source->cfg.vit_dropout != 0 || source->cfg.lm_dropout != 0) {
-    throw Invalid("the model's config.json asks for dropout (vit_dropout " +
-                  LogFormat("%g", source->cfg.vit_dropout) + ", lm_dropout " +
-                  LogFormat("%g", source->cfg.lm_dropout) +
-                  "), which the trainer does not apply: set both to 0 in config.json to train "
-                  "this checkpoint (serving ignores them, as evaluation mode does)");
+    throw EngineError::InvalidArgument(
+        "the model's config.json asks for dropout (vit_dropout " +
+        LogFormat("%g", source->cfg.vit_dropout) + ", lm_dropout " +
+        LogFormat("%g", source->cfg.lm_dropout) +
+        "), which the trainer does not apply: set both to 0 in config.json to train "
+        "this checkpoint (serving ignores them, as evaluation mode does)");
   }
   if (options_.compute_dtype != at::kFloat && options_.compute_dtype != at::kBFloat16)
-    throw Invalid("compute_dtype must be float32 or bfloat16");
+    throw EngineError::InvalidArgument("compute_dtype must be float32 or bfloat16");
   model_->vision_encoder->recompute_blocks = options_.recompute_vision;
   model_->decoder->recompute_blocks = options_.recompute_language;
   {
@@ -211,7 +206,7 @@ Trainer::Trainer(VisionLanguageModel& source, TrainOptions options)
     if (!g.params.empty()) groups_.push_back(std::move(g));
   }
   if (params_.empty())
-    throw Invalid(
+    throw EngineError::InvalidArgument(
         "nothing to train: every learning rate is 0 (a part whose rate is 0 is frozen); set "
         "language_learning_rate, vision_learning_rate or projector_learning_rate above 0");
   if (data_parallel_) {
@@ -373,16 +368,17 @@ void Trainer::ValidateExample(const TrainExample& e) const {
     error = CheckPromptIds(cfg, e.input_ids.data(), e.input_ids.size(), TileCount(e.tiles),
                            "input_ids");
   if (error.empty()) error = CheckTargetIds(cfg, e.targets, e.input_ids.size(), "targets");
-  if (!error.empty()) throw Invalid("a training example's " + error);
+  if (!error.empty()) throw EngineError::InvalidArgument("a training example's " + error);
   if (TileCount(e.tiles) > options_.max_tiles_per_example) {
-    throw Invalid("an example has " + std::to_string(TileCount(e.tiles)) +
-                  " image tiles; the trainer allows " +
-                  std::to_string(options_.max_tiles_per_example) + " (max_tiles_per_example)");
+    throw EngineError::InvalidArgument("an example has " + std::to_string(TileCount(e.tiles)) +
+                                       " image tiles; the trainer allows " +
+                                       std::to_string(options_.max_tiles_per_example) +
+                                       " (max_tiles_per_example)");
   }
   if (static_cast<int64_t>(e.input_ids.size()) > cfg.lm_max_position_embeddings) {
-    throw Invalid("an example of " + std::to_string(e.input_ids.size()) +
-                  " tokens is longer than lm_max_position_embeddings (" +
-                  std::to_string(cfg.lm_max_position_embeddings) + ")");
+    throw EngineError::InvalidArgument("an example of " + std::to_string(e.input_ids.size()) +
+                                       " tokens is longer than lm_max_position_embeddings (" +
+                                       std::to_string(cfg.lm_max_position_embeddings) + ")");
   }
 }
 
@@ -722,10 +718,10 @@ void Trainer::CheckSomethingLearns(const std::vector<TrainExample>& examples) co
   for (const auto& e : examples) {
     if (TileCount(e.tiles) > 0) return;
   }
-  throw Invalid("no trained parameter can learn from this batch: the job trains only the " +
-                trained +
-                ", which see images only, and no example has an image; send examples with "
-                "images, or train the language model too (with a learning rate above 0)");
+  throw EngineError::InvalidArgument(
+      "no trained parameter can learn from this batch: the job trains only the " + trained +
+      ", which see images only, and no example has an image; send examples with "
+      "images, or train the language model too (with a learning rate above 0)");
 }
 
 // Note [Micro-batches]: a step's examples are split in order into contiguous micro-batches (as
@@ -760,7 +756,8 @@ void Trainer::BeginStep(std::vector<TrainExample> examples) {
 void Trainer::BeginStepAt(std::vector<TrainExample> examples, Clock::time_point t0) {
   AbandonStep();
   finished_.reset();
-  if (examples.empty()) throw Invalid("a training step needs at least one example");
+  if (examples.empty())
+    throw EngineError::InvalidArgument("a training step needs at least one example");
   for (const auto& e : examples) ValidateExample(e);
   // With data parallelism a rank whose shard has no image still takes part (its micro-batches
   // add zero gradients); only a single rank refuses such a step.

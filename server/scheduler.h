@@ -86,17 +86,13 @@
 #include <thread>
 #include <vector>
 
+#include "base/clock.h"
 #include "engine/engine.h"
 #include "server/metrics.h"
 
 namespace vlmgraph::server {
 
 using Clock = std::chrono::steady_clock;
-
-// Seconds from `t0` to now on Clock (request latencies, queue and step times).
-inline double SecondsSince(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 struct SchedulerOptions {
   int64_t max_queue_delay_us = 2000;

@@ -22,6 +22,7 @@
 
 #include "engine/cuda/sampler_kernels.h"
 #include "engine/sampler_formulas.h"
+#include "model/cuda/kernel_util.cuh"
 
 namespace vlmgraph::cuda {
 namespace {
@@ -84,16 +85,12 @@ __global__ void __launch_bounds__(kNucleusThreads) NucleusKernel(SamplerArgs a, 
   if (threadIdx.x == 0) kept[r] = cut;
 }
 
-__device__ __forceinline__ void WarpBest(float& score, int64_t& id) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const float s = __shfl_xor_sync(0xffffffffu, score, o);
-    const int64_t i = __shfl_xor_sync(0xffffffffu, id, o);
-    if (SamplingBeats(s, i, score, id)) {
-      score = s;
-      id = i;
-    }
+// The draw's order (SamplingBeats) for WarpReduceBest.
+struct SamplingOrder {
+  static __device__ __forceinline__ bool Beats(float s, int64_t i, float best, int64_t best_i) {
+    return SamplingBeats(s, i, best, best_i);
   }
-}
+};
 
 template <typename T>
 __global__ void __launch_bounds__(kDrawThreads)
@@ -116,7 +113,7 @@ __global__ void __launch_bounds__(kDrawThreads)
       best_id = t;
     }
   }
-  WarpBest(best, best_id);
+  WarpReduceBest<SamplingOrder>(best, best_id);
   __shared__ float warp_score[kDrawThreads / 32];
   __shared__ int64_t warp_id[kDrawThreads / 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -128,7 +125,7 @@ __global__ void __launch_bounds__(kDrawThreads)
   if (warp == 0) {
     best = lane < kDrawThreads / 32 ? warp_score[lane] : -INFINITY;
     best_id = lane < kDrawThreads / 32 ? warp_id[lane] : kNoId;
-    WarpBest(best, best_id);
+    WarpReduceBest<SamplingOrder>(best, best_id);
     if (lane == 0) {
       partial_scores[r * gridDim.x + chunk] = best;
       partial_ids[r * gridDim.x + chunk] = best_id;
@@ -149,7 +146,7 @@ __global__ void DrawReduceKernel(const int64_t* ids, int64_t cols, const float* 
       best_id = t;
     }
   }
-  WarpBest(best, best_id);
+  WarpReduceBest<SamplingOrder>(best, best_id);
   // Only NaN scores lose to the initial value: fall back to the first candidate.
   if (threadIdx.x == 0) out[r] = best_id != kNoId ? best_id : (ids ? ids[r * cols] : 0);
 }

@@ -279,16 +279,18 @@ __global__ void __launch_bounds__(kCrossEntropyThreads)
 // compares any (a decode step's ~49k bf16 logits: 6 loads per thread, one round trip), keeps its
 // best (value, index), then the warps and the block reduce. A row need not start 16-byte aligned
 // (49218 bf16 logits per row): the elements before its first aligned address and after its last
-// whole vector are read one by one. ArgmaxBetter is torch.argmax's order:
+// whole vector are read one by one. ArgmaxOrder is torch.argmax's order:
 // the larger value wins, NaN above every number, ties to the lower index.
 constexpr int kArgmaxThreads = 1024;
 constexpr int kArgmaxBatch = 8;
 
-__device__ __forceinline__ bool ArgmaxBetter(float v, int i, float best, int best_i) {
-  const bool v_nan = v != v, best_nan = best != best;
-  if (v_nan || best_nan) return v_nan && (!best_nan || i < best_i);
-  return v > best || (v == best && i < best_i);
-}
+struct ArgmaxOrder {
+  static __device__ __forceinline__ bool Beats(float v, int i, float best, int best_i) {
+    const bool v_nan = v != v, best_nan = best != best;
+    if (v_nan || best_nan) return v_nan && (!best_nan || i < best_i);
+    return v > best || (v == best && i < best_i);
+  }
+};
 
 template <typename T>
 __global__ void __launch_bounds__(kArgmaxThreads)
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
       for (int k = 0; k < kVec; ++k) {
         const float v = ToFloat(e[k]);
         const int i = head + c * kVec + k;
-        if (ArgmaxBetter(v, i, best, best_i)) {
+        if (ArgmaxOrder::Beats(v, i, best, best_i)) {
           best = v;
           best_i = i;
         }
@@ -330,7 +332,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   for (int t = threadIdx.x; t < head + (n - tail); t += kArgmaxThreads) {
     const int i = t < head ? t : tail + (t - head);
     const float v = ToFloat(row[i]);
-    if (ArgmaxBetter(v, i, best, best_i)) {
+    if (ArgmaxOrder::Beats(v, i, best, best_i)) {
       best = v;
       best_i = i;
     }
@@ -339,14 +341,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   __shared__ int warp_best_i[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int round = 0; round < 2; ++round) {
-    for (int o = 16; o > 0; o >>= 1) {
-      const float v = __shfl_xor_sync(0xffffffffu, best, o);
-      const int i = __shfl_xor_sync(0xffffffffu, best_i, o);
-      if (ArgmaxBetter(v, i, best, best_i)) {
-        best = v;
-        best_i = i;
-      }
-    }
+    WarpReduceBest<ArgmaxOrder>(best, best_i);
     if (round == 1) break;
     if (lane == 0) {
       warp_best[warp] = best;

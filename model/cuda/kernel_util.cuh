@@ -1,7 +1,7 @@
 // model/cuda/kernel_util.cuh: what the fused kernels' .cu files share: element conversion, block
-// reductions, 16-byte vector loads, the formulas that the separate and the fused kernels must
-// round alike, and programmatic dependent launch. Device code and launch helpers only; included
-// by model/cuda/*.cu, never by host-only sources.
+// and warp reductions, 16-byte vector loads, the formulas that the separate and the fused kernels
+// must round alike, and programmatic dependent launch. Device code and launch helpers only;
+// included by model/cuda/*.cu and engine/cuda/*.cu, never by host-only sources.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +49,22 @@ __device__ float BlockReduce(float v, float* scratch) {
     v = kMax ? fmaxf(v, other) : v + other;
   }
   return v;
+}
+
+// Every lane's (value, index) pair reduced over the warp in an order: Order::Beats(v, i, best,
+// best_i) says whether the candidate (v, i) replaces the best so far. Every lane ends with the
+// warp's best. The greedy argmax (torch.argmax's order, fused_kernels.cu) and the sampler's
+// Gumbel-max draw (engine/cuda/sampler_kernels.cu) use it.
+template <typename Order, typename Index>
+__device__ __forceinline__ void WarpReduceBest(float& best, Index& best_i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best, o);
+    const Index i = __shfl_xor_sync(0xffffffffu, best_i, o);
+    if (Order::Beats(v, i, best, best_i)) {
+      best = v;
+      best_i = i;
+    }
+  }
 }
 
 template <typename T>
