@@ -27,7 +27,7 @@
 //                                    takes the same steps; off: each rank its own copy)
 //
 // Data parallel: started by torchrun (or anything that sets its RANK, WORLD_SIZE, LOCAL_RANK,
-// MASTER_ADDR, MASTER_PORT; read as vlmgraph-train reads them, tools/train/launch.h), each rank trains its own batch x seq on cuda:LOCAL_RANK with NCCL
+// MASTER_ADDR, MASTER_PORT; read as vlmgraph-train reads them, launch/launch.h), each rank trains its own batch x seq on cuda:LOCAL_RANK with NCCL
 // (the per-GPU batch is fixed, as upstream's DDP runs); rank 0 prints and writes the figures,
 // with tokens/s per GPU:
 //   torchrun --nproc_per_node=2 --no-python vlmgraph-train-bench --mode graph --batch 8 --seq 1024
@@ -63,14 +63,14 @@
 #include "engine/device.h"
 #include "engine/trainer.h"
 #include "model/flops.h"
-#include "tools/train/launch.h"
+#include "launch/launch.h"
 
 namespace {
 using Clock = std::chrono::steady_clock;
 
 nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_t seq, int steps,
                    const std::string& profile_trace, const std::string& recompute,
-                   bool fused_optimizer, const vlmgraph::train::RankEnv& env,
+                   bool fused_optimizer, const vlmgraph::launch::RankEnv& env,
                    int64_t bucket_bytes, double timeout_seconds, const std::string& reduce_dtype,
                    bool stage_tiles, bool global_batch, const std::string& shard_optimizer,
                    const std::string& broadcast_in_forward, double peak_tflops, bool submit) {
@@ -289,7 +289,7 @@ int Main(int argc, char** argv) {
                  reduce_dtype.c_str());
     return 2;
   }
-  const vlmgraph::train::RankEnv env = vlmgraph::train::RankEnvFromEnvironment();
+  const vlmgraph::launch::RankEnv env = vlmgraph::launch::RankEnvFromEnvironment();
   if (env.world_size > 1) c10::cuda::set_device(static_cast<c10::DeviceIndex>(env.local_rank));
   if (!torch::cuda::is_available()) {
     std::fprintf(stderr, "needs a CUDA device\n");

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "image/data_url.h"
 #include "image/image_processor.h"
 #include "server/convert.h"
 #include "server/image_workers.h"
@@ -65,6 +66,30 @@ at::Tensor Gradient(int64_t h, int64_t w) {
 std::pair<int64_t, int64_t> HW(int64_t h, int64_t w) { return {h, w}; }
 
 VlmConfig Tiny() { return VlmConfig::Preset("nanovlm-tiny"); }  // 64 px tiles, max 256 px
+
+// image/data_url.h: base64 data URLs decode (padding optional), and each refusal says what to send.
+TEST(ServerImage, DataUrlsDecodeAndRefuseWithWhatToSend) {
+  EXPECT_EQ(DecodeImageDataUrl("data:image/png;base64,aGVsbG8=", 100, "lim"), "hello");
+  EXPECT_EQ(DecodeImageDataUrl("DATA:image/PNG;BASE64,aGVsbG8", 100, "lim"), "hello");
+  auto refusal = [](const std::string& url, int64_t max_bytes) {
+    try {
+      DecodeImageDataUrl(url, max_bytes, "the.limit");
+    } catch (const ImageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(decoded)");
+  };
+  EXPECT_NE(refusal("https://example.com/cat.png", 100).find("fetches nothing"), std::string::npos);
+  EXPECT_NE(refusal("cat.png", 100).find("must be a data URL"), std::string::npos);
+  EXPECT_NE(refusal("data:image/png;base64", 100).find("no ','"), std::string::npos);
+  EXPECT_NE(refusal("data:text/plain;base64,aGk=", 100).find("media type must be image/"),
+            std::string::npos);
+  EXPECT_NE(refusal("data:image/png,aGk=", 100).find("base64-encoded"), std::string::npos);
+  EXPECT_NE(refusal("data:image/png;base64,@@@@", 100).find("not valid base64"), std::string::npos);
+  EXPECT_NE(refusal("data:image/png;base64,", 100).find("empty"), std::string::npos);
+  const std::string big = refusal("data:image/png;base64,aGVsbG8gd29ybGQ=", 4);
+  EXPECT_NE(big.find("at most 4 are allowed (the.limit)"), std::string::npos) << big;
+}
 
 TEST(ServerImage, ResizedSizeFollowsNanoVlm) {
   VlmConfig cfg = Tiny();

@@ -162,10 +162,9 @@ CompletionRequest ParseCompletionRequest(const std::string& body, const RequestC
 TokenizeRequest ParseTokenizeRequest(const std::string& body, const RequestContext& ctx);
 DetokenizeRequest ParseDetokenizeRequest(const std::string& body, const RequestContext& ctx);
 
-// The bytes of a `data:image/<type>;base64,<data>` URL (RFC 2397; base64 through Abseil, which
-// accepts missing padding and skips whitespace). Throws a 400 ApiError naming `param` for a remote
-// (http, https) or other non-data URL, a non-image media type, data that is not base64, and
-// more than limits.max_image_bytes bytes.
+// The bytes of a `data:image/<type>;base64,<data>` URL (image/data_url.h). Throws a 400 ApiError
+// naming `param` for a remote (http, https) or other non-data URL, a non-image media type, data
+// that is not base64, and more than limits.max_image_bytes bytes.
 std::string DecodeImageUrl(const std::string& url, const Limits& limits, const std::string& param);
 
 // --- engine requests

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Tests for scripts/check_layering.py: it passes includes that go down a layer and fails one that
-goes up or across to a sibling room (text/ and image/, server/grpc/ and server/openai/).
+goes up or across to a sibling room (text/ and image/, server/grpc/ and server/openai/), a
+benchmark that includes a tool, and the training entry point on a serving front.
 
 Each case writes a tiny fake repository (model/, engine/, server/, tests/, and rooms as a case
 needs them) into a temporary folder and runs the checker on it with --root. CTest runs this as `layering_check_selftest`.
@@ -107,6 +108,28 @@ class CheckLayeringTest(unittest.TestCase):
             "(layer server/grpc)",
             "server/openai/errors.cc:1: server/openai/errors.cc (layer server/openai) includes "
             "server/grpc/service.h (layer server/grpc)"])
+
+    def test_benchmarks_below_the_tools_and_training_off_the_fronts(self):
+        self.write("launch/launch.h", "#pragma once\n")
+        self.write("bench/synthetic.h", '#pragma once\n#include "launch/launch.h"\n')
+        self.write("tools/diagnose/diagnose.cc", '#include "bench/synthetic.h"\n')
+        self.write("server/text_prompt.h", '#pragma once\n#include "engine/bucket.h"\n')
+        self.write("server/openai/requests.h", '#pragma once\n#include "server/text_prompt.h"\n')
+        self.write("tools/train/dataset.cc", '#include "server/text_prompt.h"\n')
+        self.write("tools/generate_main.cc", '#include "server/openai/requests.h"\n')
+        self.assertEqual(self.check()[0], 0, self.check()[1])
+        self.write("bench/train_bench.cc", '#include "tools/train/launch.h"\n')
+        self.write("tools/train/launch.h", "#pragma once\n")
+        self.write("tools/train/run.cc", '#include "server/openai/requests.h"\n')
+        self.write("engine/trainer.cc", '#include "launch/launch.h"\n')
+        rc, out = self.check()
+        self.assertEqual(rc, 1, out)
+        self.assertEqual(sorted(out.splitlines()), [
+            "bench/train_bench.cc:1: bench/train_bench.cc (layer bench) includes tools/train/launch.h "
+            "(layer tools)",
+            "engine/trainer.cc:1: engine/trainer.cc (layer engine) includes launch/launch.h (layer launch)",
+            "tools/train/run.cc:1: tools/train/run.cc (layer tools) includes server/openai/requests.h "
+            "(layer server/openai)"])
 
     def test_root_without_layers_is_an_error(self):
         empty = tempfile.mkdtemp(prefix="layering-empty-")

@@ -9,7 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "server/openai/requests.h"
+#include "image/data_url.h"
+#include "image/image_processor.h"
 
 namespace vlmgraph::train {
 namespace {
@@ -38,11 +39,9 @@ std::string ImageBytes(const std::string& url, const std::string& base_dir,
   const std::string head = StartOf(url, 8);
   if (head.rfind("data:", 0) == 0) {
     try {
-      server::openai::Limits limits;
-      limits.max_image_bytes = int64_t{64} << 20;
-      return server::openai::DecodeImageUrl(url, limits, "url");
-    } catch (const std::exception& e) {
-      throw DatasetError(where + ": " + e.what());
+      return DecodeImageDataUrl(url, int64_t{64} << 20, "64 MiB per image in a dataset");
+    } catch (const ImageError& e) {
+      throw DatasetError(where + ": url: " + e.what());
     }
   }
   if (head.rfind("http://", 0) == 0 || head.rfind("https://", 0) == 0) {

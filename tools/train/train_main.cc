@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "tools/train/launch.h"
+#include "launch/launch.h"
 #include "tools/train/train_config.h"
 #include "tools/train/train_run.h"
 
@@ -149,15 +149,15 @@ int main(int argc, char** argv) {
   if (dump) return DumpExamples(config, std::cout);
   if (nproc > 0) {
     try {
-      return LaunchLocalRanks(child_args, nproc);
+      return vlmgraph::launch::LaunchLocalRanks(child_args, nproc);
     } catch (const std::exception& e) {
       std::cerr << "vlmgraph-train: " << e.what() << std::endl;
       return kExitBadConfig;
     }
   }
-  RankEnv env;
+  vlmgraph::launch::RankEnv env;
   try {
-    env = RankEnvFromEnvironment();
+    env = vlmgraph::launch::RankEnvFromEnvironment();
   } catch (const std::exception& e) {
     std::cerr << "vlmgraph-train: " << e.what() << std::endl;
     return kExitBadConfig;

@@ -213,7 +213,7 @@ int DumpExamples(const TrainRunConfig& c, std::ostream& out) {
   }
 }
 
-int RunTrainingRank(const TrainRunConfig& c, const RankEnv& env) {
+int RunTrainingRank(const TrainRunConfig& c, const launch::RankEnv& env) {
   const std::string who = "vlmgraph-train: rank " + std::to_string(env.rank) + ": ";
   const bool main_rank = env.rank == 0;
   auto fail = [&who](int status, const std::string& code, const std::string& message) {

@@ -20,7 +20,7 @@
 
 #include <iosfwd>
 
-#include "tools/train/launch.h"
+#include "launch/launch.h"
 #include "tools/train/train_config.h"
 
 namespace vlmgraph::train {
@@ -30,7 +30,7 @@ inline constexpr int kExitFailed = 1;
 inline constexpr int kExitBadConfig = 2;
 inline constexpr int kExitUnavailable = 3;
 
-int RunTrainingRank(const TrainRunConfig& config, const RankEnv& env);
+int RunTrainingRank(const TrainRunConfig& config, const launch::RankEnv& env);
 
 // Prints every example of the dataset as built for training, one JSON object per line
 // ({"line", "input_ids", "targets", "tiles"}), for checking data (--dump-examples).

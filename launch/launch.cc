@@ -1,4 +1,4 @@
-#include "tools/train/launch.h"
+#include "launch/launch.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -7,14 +7,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <iostream>
+#include <memory>
 #include <stdexcept>
 #include <thread>
-
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-namespace vlmgraph::train {
+namespace vlmgraph::launch {
 namespace {
 
 const char* Get(const char* name) {
@@ -86,8 +85,8 @@ int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double
   // MASTER_PORT names one, so that no other process can take the port between choosing and
   // binding it. It outlives every rank, so a rank that dies takes nothing of the others' with it.
   c10d::TCPStoreOptions so;
-  so.port = Get("MASTER_PORT") ? static_cast<uint16_t>(IntVar("MASTER_PORT", Get("MASTER_PORT"), 0))
-                               : 0;
+  so.port =
+      Get("MASTER_PORT") ? static_cast<uint16_t>(IntVar("MASTER_PORT", Get("MASTER_PORT"), 0)) : 0;
   so.isServer = true;
   so.waitWorkers = false;
   so.numWorkers = static_cast<int>(nproc) + 1;
@@ -112,13 +111,18 @@ int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double
   args.push_back(const_cast<char*>(program.c_str()));
   for (size_t k = 1; k < argv.size(); ++k) args.push_back(const_cast<char*>(argv[k].c_str()));
   args.push_back(nullptr);
-  const char* const set_here[] = {"RANK=",        "LOCAL_RANK=",  "WORLD_SIZE=",
-                                  "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
+  const char* const set_here[] = {"RANK=",
+                                  "LOCAL_RANK=",
+                                  "WORLD_SIZE=",
+                                  "LOCAL_WORLD_SIZE=",
+                                  "MASTER_ADDR=",
+                                  "MASTER_PORT=",
                                   "TORCHELASTIC_USE_AGENT_STORE="};
   std::vector<std::string> inherited;
   for (char** e = environ; *e != nullptr; ++e) {
     bool replaced = false;
-    for (const char* prefix : set_here) replaced |= std::strncmp(*e, prefix, std::strlen(prefix)) == 0;
+    for (const char* prefix : set_here)
+      replaced |= std::strncmp(*e, prefix, std::strlen(prefix)) == 0;
     if (!replaced) inherited.emplace_back(*e);
   }
   // As torchrun does: with several ranks on one host and OMP_NUM_THREADS unset, each rank gets
@@ -222,4 +226,4 @@ int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc, double
   return status_out;
 }
 
-}  // namespace vlmgraph::train
+}  // namespace vlmgraph::launch

@@ -1,14 +1,16 @@
-// tools/train/launch.h: where a vlmgraph-train process stands in its job (its rank), and the
-// built-in launcher that starts N local ranks without torchrun.
+// launch/launch.h: where a process stands in its distributed job (its rank), and the built-in
+// launcher that starts N local ranks without torchrun (vlmgraph-train and vlmgraph-train-bench use
+// both).
 //
 // Rank environment (torchrun's, which srun and Kubernetes' PyTorchJob also set or can set):
 //   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. Under Slurm without those,
 //   SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID stand for RANK, WORLD_SIZE and LOCAL_RANK
 //   (MASTER_ADDR and MASTER_PORT must still be exported). None set: one rank (rank 0 of 1).
 // The store (engine/data_parallel.h's TCPStore) lives on MASTER_ADDR:MASTER_PORT, served by
-// rank 0. Under torchrun, whose agent already serves that store (TORCHELASTIC_USE_AGENT_STORE=True),
-// every rank joins the agent's store as a client, as torch.distributed's env:// init does, and
-// its keys carry TORCHELASTIC_RESTART_COUNT so a restarted job does not read the old one's.
+// rank 0. Under torchrun, whose agent already serves that store
+// (TORCHELASTIC_USE_AGENT_STORE=True), every rank joins the agent's store as a client, as
+// torch.distributed's env:// init does, and its keys carry TORCHELASTIC_RESTART_COUNT so a
+// restarted job does not read the old one's.
 //
 //   RankEnv env = RankEnvFromEnvironment();
 //   int status = LaunchLocalRanks(argv_without_the_flag, 4);  // forks 4 ranks, waits for them
@@ -29,7 +31,7 @@
 #include <string>
 #include <vector>
 
-namespace vlmgraph::train {
+namespace vlmgraph::launch {
 
 struct RankEnv {
   int64_t rank = 0;
@@ -50,4 +52,4 @@ RankEnv RankEnvFromEnvironment();
 int LaunchLocalRanks(const std::vector<std::string>& argv, int64_t nproc,
                      double grace_seconds = 10);
 
-}  // namespace vlmgraph::train
+}  // namespace vlmgraph::launch
