@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 #include <stdexcept>
 
 #include "base/log.h"
@@ -96,6 +97,38 @@ void EngineRouter::ThrowNoEngine() const {
                         "); the server is restarting: retry on another replica");
 }
 
+std::vector<size_t> EngineRouter::ForGenerate() {
+  // (rank, rotated position). When every engine runs at least one prefill batch's worth, an
+  // engine whose last prefill group is still filling comes first, the fullest first; then load.
+  struct Candidate {
+    size_t k;
+    Scheduler::LoadView view;
+  };
+  std::vector<Candidate> serving;
+  const size_t n = size();
+  const size_t start = static_cast<size_t>(next_.fetch_add(1) % n);
+  int64_t least = INT64_MAX;
+  for (size_t k = 0; k < n; ++k) {
+    const size_t i = (start + k) % n;
+    if (!schedulers_[i]->serving()) continue;
+    serving.push_back({k, schedulers_[i]->View()});
+    least = std::min(least, serving.back().view.load());
+  }
+  std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranked;
+  for (const Candidate& c : serving) {
+    const Scheduler::LoadView& v = c.view;
+    const int64_t partial = v.prefill_batch > 0 ? v.waiting % v.prefill_batch : 0;
+    const bool filling = least >= v.prefill_batch && partial > 0 && v.waiting < v.slots - v.running;
+    ranked.push_back({filling ? std::make_pair(int64_t{0}, -partial)
+                              : std::make_pair(int64_t{1}, v.load()),
+                      c.k});
+  }
+  std::sort(ranked.begin(), ranked.end());
+  std::vector<size_t> order;
+  for (const auto& [rank, k] : ranked) order.push_back((start + k) % n);
+  return order;
+}
+
 Scheduler& EngineRouter::Pick() {
   const std::vector<size_t> order = ByLoad();
   if (order.empty()) ThrowNoEngine();
@@ -105,7 +138,7 @@ Scheduler& EngineRouter::Pick() {
 std::shared_ptr<GenerationStream> EngineRouter::SubmitGenerate(ValidatedRequest request,
                                                                Clock::time_point accepted,
                                                                Scheduler** chosen) {
-  for (size_t i : ByLoad()) {
+  for (size_t i : ForGenerate()) {
     Scheduler& s = *schedulers_[i];
     // A copy per try (ids and a tensor handle): a refused submission consumed its argument. Only
     // a scheduler that failed after ByLoad saw it serving is passed over; other refusals (a full

@@ -273,6 +273,20 @@ int64_t Scheduler::QueueDepth() const {
 
 int64_t Scheduler::Load() const { return QueueDepth() + running_count_.load(); }
 
+Scheduler::LoadView Scheduler::View() const {
+  LoadView v;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    v.waiting = static_cast<int64_t>(pending_.size());
+    v.work = static_cast<int64_t>(work_.size());
+    // Under mu_: the GPU thread moves requests from pending_ into running_count_ under it too.
+    v.running = running_count_.load();
+  }
+  v.slots = slots_.load();
+  v.prefill_batch = prefill_batch_.load();
+  return v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scheduler: the GPU thread
 
@@ -280,7 +294,10 @@ bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
   if (pending_.empty()) return false;
   const int64_t free = engine_->FreeSlots();
   if (free == 0) return false;
-  if (static_cast<int64_t>(pending_.size()) >= free) return true;
+  // A full admission (every free slot, or one whole prefill batch) gains nothing by waiting.
+  const int64_t batch = prefill_batch_.load();
+  const int64_t full = batch > 0 ? std::min(free, batch) : free;
+  if (static_cast<int64_t>(pending_.size()) >= full) return true;
   return now - pending_.front()->accepted() >=
          std::chrono::microseconds(options_.max_queue_delay_us);
 }
@@ -293,6 +310,8 @@ void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready
     if (!options_.device.empty()) BindThreadToDevice(at::Device(options_.device));
     owned_engine_ = make_engine();
     engine_ = owned_engine_.get();
+    slots_ = engine_->options().buckets.max_batch();
+    prefill_batch_ = engine_->options().buckets.max_prefill();
   } catch (...) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -25,9 +25,10 @@
 //      in pieces (RunPiecesOnGpuThread: a Train step, one micro-batch per piece) runs one piece
 //      and, unless that was its last, goes back to the end of the queue for the next iteration,
 //   3. admission: waiting Generate requests are admitted (vision + prefill in bucket-sized groups,
-//      first token) when the engine has free slots and either as many requests wait as slots are
-//      free or the oldest has waited max_queue_delay_us, so a burst of requests lands in one
-//      prefill bucket (Triton's max_queue_delay);
+//      first token) when the engine has free slots and either as many requests wait as one
+//      admission can take (the free slots, or the largest prefill batch when fewer) or the
+//      oldest has waited max_queue_delay_us, so a burst of requests lands in full prefill buckets
+//      (Triton's max_queue_delay) and a full bucket never waits for more;
 //   4. one decode step for every active sequence (continuous batching: a finished sequence frees
 //      its slot, and the next iteration's admission refills it, so long generations never block
 //      short ones).
@@ -71,6 +72,7 @@
 // RPC guard converts them.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -235,6 +237,18 @@ class Scheduler {
   // Sequences running in the engine (as of the GPU thread's last change). Any thread.
   int64_t Running() const { return running_count_.load(); }
 
+  // The queue as the router weighs it for a Generate request (Note [Data-parallel routing] in
+  // server/engine_router.h): one consistent reading of the counts. Any thread.
+  struct LoadView {
+    int64_t running = 0;        // Running()
+    int64_t waiting = 0;        // Generate requests waiting for admission
+    int64_t work = 0;           // work items waiting
+    int64_t slots = 0;          // the engine's sequence slots (decode rows); 0 before Start
+    int64_t prefill_batch = 0;  // the most requests one prefill takes; 0 before Start
+    int64_t load() const { return running + waiting + work; }
+  };
+  LoadView View() const;
+
  private:
   struct WorkItem {
     std::string rpc;
@@ -280,6 +294,9 @@ class Scheduler {
   bool started_ = false;      // mu_: the engine is ready
   std::string device_fault_;  // mu_; set once by the GPU thread
   std::atomic<int64_t> running_count_{0};  // running_.size(), for Load from any thread
+  // The engine's options().buckets.max_batch() and max_prefill(), for View (set once at Start).
+  std::atomic<int64_t> slots_{0};
+  std::atomic<int64_t> prefill_batch_{0};
 
   // GPU thread only.
   std::map<SequenceId, std::shared_ptr<GenerationStream>> running_;

@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -118,6 +119,7 @@ class DataParallelTest : public ::testing::Test {
     config_.server.metrics_address =
         ListenAddress::Parse("127.0.0.1:0");  // validated only: metrics_ has no endpoint
     config_.batching.max_queue_delay_us = 0;
+    if (max_prefill_batch_ > 0) config_.buckets.max_prefill_batch = max_prefill_batch_;
     ValidateConfig(config_);
     text_ = TextModel::Load(config_, BuildModelConfig(config_));
 
@@ -200,6 +202,7 @@ class DataParallelTest : public ::testing::Test {
     return false;
   }
 
+  int64_t max_prefill_batch_ = 0;  // buckets.max_prefill_batch when > 0 (set before SetUp)
   fs::path dir_;
   ServerConfig config_;
   std::unique_ptr<TextModel> text_;
@@ -214,34 +217,92 @@ class DataParallelTest : public ::testing::Test {
   std::unique_ptr<v1::VlmGraph::Stub> stub_;
 };
 
-TEST_F(DataParallelTest, RequestsGoToTheLeastLoadedEngine) {
+// Prefill batches of at most 4 requests, below the engines' slots.
+class DataParallelRoutingTest : public DataParallelTest {
+ protected:
+  void SetUp() override {
+    max_prefill_batch_ = 4;
+    DataParallelTest::SetUp();
+  }
+};
+
+TEST_F(DataParallelRoutingTest, RequestsGoToTheLeastLoadedEngineOrJoinAFillingPrefillGroup) {
   for (auto& injector : injectors_) injector->step_delay_ms = 5;
-  // Four long requests submitted at once: each goes to the engine with less running + waiting,
-  // so two land on each.
+  // Both GPU threads are held in a work item while requests are routed, so nothing is admitted
+  // in between and every choice below is the router's alone (released on every way out).
+  std::promise<void> release;
+  const std::shared_future<void> released = release.get_future().share();
+  std::promise<void> entered[2];
+  std::vector<std::future<void>> holds;  // destroyed (joined) after release_once has run
+  struct Release {
+    std::promise<void>* p;
+    bool done = false;
+    void operator()() {
+      if (!done) p->set_value();
+      done = true;
+    }
+    ~Release() { (*this)(); }
+  } release_once{&release};
+  for (size_t i = 0; i < 2; ++i) {
+    holds.push_back(std::async(std::launch::async, [&, i] {
+      router_->scheduler(i).RunOnGpuThread("Forward", [&, i](Engine&) {
+        entered[i].set_value();
+        released.wait();
+      });
+    }));
+  }
+  for (auto& e : entered) e.get_future().wait();
+  const Scheduler::LoadView view = router_->scheduler(0).View();
+  const int64_t batch = view.prefill_batch;  // the most requests one prefill takes
+  ASSERT_GE(batch, 2);
+  ASSERT_GT(view.slots, batch + 3);
   std::vector<std::shared_ptr<GenerationStream>> streams;
   std::vector<Scheduler*> chosen;
   GenerateRequest r;
   r.input_ids = {1, 2, 3, 4};
   r.sampling.max_new_tokens = 100;
-  for (int i = 0; i < 4; ++i) {
+  auto submit = [&] {
     Scheduler* s = nullptr;
     streams.push_back(router_->SubmitGenerate(router_->engine().Validate(r), Clock::now(), &s));
     chosen.push_back(s);
-  }
-  EXPECT_EQ(std::count(chosen.begin(), chosen.end(), &router_->scheduler(0)), 2);
-  EXPECT_EQ(std::count(chosen.begin(), chosen.end(), &router_->scheduler(1)), 2);
-  EXPECT_EQ(router_->scheduler(0).Load(), 2);
-  EXPECT_EQ(router_->scheduler(1).Load(), 2);
-  // The next one goes to the engine with less load.
-  router_->scheduler(1).Cancel(streams[std::find(chosen.begin(), chosen.end(),
-                                                 &router_->scheduler(1)) -
-                                       chosen.begin()]);
-  for (int i = 0; i < 500 && router_->scheduler(1).Load() != 1; ++i)
+    return s;
+  };
+  // A light load spreads: each request goes to the engine with less running + waiting.
+  for (int64_t i = 0; i < 2 * batch; ++i) submit();
+  EXPECT_EQ(router_->scheduler(0).Load(), batch);
+  EXPECT_EQ(router_->scheduler(1).Load(), batch);
+  // Both engines hold a prefill batch's worth: a request that starts a new prefill group on one
+  // engine is followed there by the next ones, until that group is full.
+  Scheduler* filling = submit();
+  EXPECT_EQ(submit(), filling);
+  // Forward (Pick) goes by load alone.
+  Scheduler* other = &router_->scheduler(&router_->scheduler(0) == filling ? 1 : 0);
+  EXPECT_EQ(&router_->Pick(), other);
+  EXPECT_EQ(submit(), filling);
+  EXPECT_EQ(filling->View().waiting, batch + 3);
+  EXPECT_EQ(other->View().waiting, batch);
+  release_once();
+  for (auto& h : holds) h.get();
+  // Each request runs where it was routed.
+  const int64_t on_filling = std::count(chosen.begin(), chosen.end(), filling);
+  const int64_t on_other = std::count(chosen.begin(), chosen.end(), other);
+  for (int i = 0; i < 2000 && (filling->Running() != on_filling || other->Running() != on_other); ++i)
     std::this_thread::sleep_for(milliseconds(2));
-  EXPECT_EQ(&router_->Pick(), &router_->scheduler(1));
+  EXPECT_EQ(filling->Running(), batch + 3);
+  EXPECT_EQ(other->Running(), batch);
+  // Both decode (each engine's series carry its label, checked below).
+  auto decode_steps = [this](const char* gpu) {
+    const std::string text = metrics_.Render();
+    const std::string series =
+        std::string("vlmgraph_batch_size_count{gpu=\"") + gpu + "\",region=\"decode\"} ";
+    const size_t at = text.find(series);
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + series.size()));
+  };
+  for (int i = 0; i < 2000 && (decode_steps("0") == 0 || decode_steps("1") == 0); ++i)
+    std::this_thread::sleep_for(milliseconds(2));
   for (size_t i = 0; i < streams.size(); ++i) chosen[i]->Cancel(streams[i]);
 
-  // Over gRPC and HTTP at once: both engines serve, and each engine's series carry its label.
+  // Over gRPC and HTTP at once; each engine's series carry its label.
   for (auto& injector : injectors_) injector->step_delay_ms = 2;
   std::vector<std::future<grpc::Status>> grpc_calls;
   std::vector<std::future<int>> http_calls;

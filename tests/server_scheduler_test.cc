@@ -123,6 +123,47 @@ TEST(ServerScheduler, GroupsWaitingRequestsIntoOnePrefill) {
   scheduler.Stop();
 }
 
+TEST(ServerScheduler, AFullPrefillBatchIsAdmittedWithoutWaitingForTheDelay) {
+  BatchRecorder recorder;
+  // Eight slots, prefill batches of at most four, and a batching delay of an hour: four waiting
+  // requests fill one prefill, so they are admitted at once; three wait for a fourth.
+  Scheduler scheduler(nullptr, SchedulerOptions{3600LL * 1000 * 1000, 16});
+  scheduler.Start([&] {
+    at::manual_seed(0);
+    EngineOptions o;
+    o.buckets.batch_sizes = {1, 2, 4, 8};
+    o.buckets.max_prefill_batch = 4;
+    o.buckets.seq_lens = {16, 32};
+    o.buckets.context_lens = {64, 128};
+    o.buckets.tile_counts = {1, 2};
+    o.buckets.train_batch_sizes = {2, 4};
+    o.buckets.train_seq_lens = {16, 32};
+    o.log_captures = false;
+    auto e = std::make_unique<Engine>(VisionLanguageModel(VlmConfig::Preset("nanovlm-tiny")), o);
+    e->SetObserver(&recorder);
+    return e;
+  });
+  const Scheduler::LoadView idle = scheduler.View();
+  EXPECT_EQ(idle.slots, 8);
+  EXPECT_EQ(idle.prefill_batch, 4);
+  auto submit = [&](int64_t i) {
+    return scheduler.SubmitGenerate(scheduler.engine().Validate(Prompt(i, 8, 3)), Clock::now());
+  };
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(submit(i));
+  for (auto& s : streams) EXPECT_FALSE(Drain(*s).second);
+  EXPECT_EQ(recorder.Prefill(), (std::vector<int64_t>{4}));
+  streams.clear();
+  for (int i = 0; i < 3; ++i) streams.push_back(submit(10 + i));
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(scheduler.View().waiting, 3);
+  EXPECT_EQ(recorder.Prefill(), (std::vector<int64_t>{4}));
+  streams.push_back(submit(13));
+  for (auto& s : streams) EXPECT_FALSE(Drain(*s).second);
+  EXPECT_EQ(recorder.Prefill(), (std::vector<int64_t>{4, 4}));
+  scheduler.Stop();
+}
+
 TEST(ServerScheduler, ShortRequestsPassLongOnes) {
   // Two slots: a long generation holds one; short requests take turns on the other.
   Scheduler scheduler(nullptr, SchedulerOptions{0, 16});

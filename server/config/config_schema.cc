@@ -551,8 +551,8 @@ std::vector<ConfigKey> BuildKeys() {
 
       Key("batching.max_queue_delay_us", &SC::batching, &SC::Batching::max_queue_delay_us)
           .Doc("Longest time a new request waits to be grouped with others into one prefill "
-               "batch, in microseconds. Requests also start as soon as enough arrive to fill the "
-               "free decode slots. Larger values batch better but delay the first token.")
+               "batch, in microseconds; a full batch (the free decode slots, or max_prefill_batch "
+               "requests) starts at once. Larger values batch better but delay the first token.")
           .Default(2000)
           .Range(0, 10000000),
       Key("batching.max_queue_size", &SC::batching, &SC::Batching::max_queue_size)
