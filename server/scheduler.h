@@ -26,9 +26,9 @@
 //      and, unless that was its last, goes back to the end of the queue for the next iteration,
 //   3. admission: waiting Generate requests are admitted (vision + prefill in bucket-sized groups,
 //      first token) when the engine has free slots and either as many requests wait as one
-//      admission can take (the free slots, or the largest prefill batch when fewer) or the
-//      oldest has waited max_queue_delay_us, so a burst of requests lands in full prefill buckets
-//      (Triton's max_queue_delay) and a full bucket never waits for more;
+//      admission can take (the free slots, or one largest prefill batch when more are free) or
+//      the oldest has waited max_queue_delay_us, so a burst of requests lands in full prefill
+//      buckets (Triton's max_queue_delay, which also starts a preferred batch size at once);
 //   4. one decode step for every active sequence (continuous batching: a finished sequence frees
 //      its slot, and the next iteration's admission refills it, so long generations never block
 //      short ones).
