@@ -127,7 +127,7 @@ nlohmann::json Run(const std::string& preset, bool graphs, int64_t batch, int64_
   const double construct_s = std::chrono::duration<double>(Clock::now() - t0).count();
   // A rank that died ends this one's step with kUnavailable while the device may still run the
   // hung collective: report and end the process at once (engine/trainer.h, Note [A rank that
-  // dies] in engine/trainer.cc), as vlmgraph-train does.
+  // dies] in engine/trainer_step.cc), as vlmgraph-train does.
   auto guarded = [&](auto&& call) {
     try {
       return call();

@@ -31,7 +31,7 @@
 // group is then unusable; EngineError(kInvalidArgument) for bad options or a backend not built.
 // NCCL: eager collectives (Join, Broadcast, Barrier) wait at most timeout_seconds;
 // a captured one that never completes (its peer died) is detected by the Trainer's deadline (Note
-// [A rank that dies] in engine/trainer.cc). Unless the environment sets it, Join sets
+// [A rank that dies] in engine/trainer_step.cc). Unless the environment sets it, Join sets
 // TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up, do not tear the process down), so the caller decides
 // how to end.
 #pragma once
@@ -90,8 +90,8 @@ struct DataParallelOptions {
   // start of the next step, behind the vision encoder's forward, and each rank's forward waits
   // for each chunk of them before the first block it holds: FSDP's forward prefetch of its
   // all-gathers (Note [Weights broadcast in the forward] in
-  // engine/trainer.cc). Between steps those weights are current on their owners only until
-  // Trainer::GatherOptimizerState (every rank) or the next step.
+  // engine/trainer_optimizer.cc). Between steps those weights are current on their owners only
+  // until Trainer::GatherOptimizerState (every rank) or the next step.
   bool broadcast_in_forward = true;
   // Prefix of every store key, so several groups (jobs) can share one store.
   std::string group_name = "vlmgraph";

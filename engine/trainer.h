@@ -8,8 +8,8 @@
 // counters and the number of micro-batches are device tensors), so a learning-rate schedule or
 // another batch size changes them without recapture. A batch with more examples than the largest
 // train batch bucket is split into micro-batches that fit it (Note [Micro-batches] in
-// trainer.cc), never run eagerly at its own size. CPU, graphs off, or a micro-batch longer than
-// every bucket run the same code eagerly. On CUDA an
+// trainer_step.cc), never run eagerly at its own size. CPU, graphs off, or a micro-batch longer
+// than every bucket run the same code eagerly. On CUDA an
 // eager run encodes the whole padded tile buffer as a graph does, so graphed and eager steps
 // compute the same values; on the CPU it encodes the real tiles only. On CUDA each micro-batch
 // (ids, targets, tiles in the compute dtype) is staged in pinned host memory and copied
@@ -111,7 +111,7 @@ struct TrainOptions {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
   double max_grad_norm = 0;  // 0 = no clipping
   // Micro-batches per optimizer step, at least: a step takes more when its examples do not fit
-  // the largest train batch bucket in this many (Note [Micro-batches] in trainer.cc).
+  // the largest train batch bucket in this many (Note [Micro-batches] in trainer_step.cc).
   int64_t grad_accum_steps = 1;
   int64_t max_tiles_per_example = 1;  // image tiles each example may carry (sizes the tile buffers)
   bool cuda_graphs = true;
@@ -214,10 +214,10 @@ class Trainer {
   void Warmup();
 
   // One optimizer step over `examples`, split in order into micro-batches (Note [Micro-batches]
-  // in trainer.cc): BeginStep, RunNextMicroBatch until it returns true, StepResult.
+  // in trainer_step.cc): BeginStep, RunNextMicroBatch until it returns true, StepResult.
   TrainStepResult Step(const std::vector<TrainExample>& examples);
 
-  // Step() in pieces (Note [Micro-steps] in trainer.cc). BeginStep checks every example and
+  // Step() in pieces (Note [Micro-steps] in trainer_step.cc). BeginStep checks every example and
   // plans the micro-batches (captures the trainer's graphs on its first call, Warmup); nothing
   // changes when it throws. A BeginStep while another step is unfinished abandons that one.
   void BeginStep(std::vector<TrainExample> examples);
@@ -232,7 +232,7 @@ class Trainer {
   void AbandonStep();
   bool step_in_progress() const { return pending_ != nullptr; }
 
-  // Steps without the host in the way (Note [Submitted steps] in trainer.cc): Submit queues a
+  // Steps without the host in the way (Note [Submitted steps] in trainer_step.cc): Submit queues a
   // whole step (BeginStep's checks, every micro-batch, the optimizer part) and returns without
   // waiting for the device; Wait waits for the oldest submitted step and returns its result, as
   // Step() would have. Submitting step i + 1 before waiting for step i keeps the device busy
@@ -426,7 +426,7 @@ class Trainer {
   // returned.
   std::deque<std::unique_ptr<PendingStep>> in_flight_;
   std::chrono::steady_clock::time_point last_submitted_end_{};
-  // The bucket buffers' uploads (Note [Uploads beside the step] in trainer.cc).
+  // The bucket buffers' uploads (Note [Uploads beside the step] in trainer_step.cc).
   std::unique_ptr<DeviceUploader> uploader_;
   AdamWTensors adamw_;
   at::Tensor grad_sq_sum_;

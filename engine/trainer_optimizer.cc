@@ -2,7 +2,7 @@
 // clipping, AdamW (the fused kernels or ATen's), skipped steps and unreached groups, and the
 // optimizer sharded over data-parallel ranks with its weights' broadcast (Notes [Skipped steps],
 // [Unreached groups], [Sharded optimizer], [Weights broadcast in the forward]). The step that
-// runs it: engine/trainer.cc.
+// runs it: engine/trainer_step.cc.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 

@@ -29,7 +29,7 @@
 //   the job's collectives, which every rank enters in the same order, so they cannot deadlock.
 // - The split: each global batch is split over the ranks by ShardForRank, vlmgraph-train's rule
 //   (the contiguous split gradient accumulation uses); each rank splits its shard into train-bucket
-//   micro-batches as one engine does (Note [Micro-batches] in engine/trainer.cc). N ranks thus
+//   micro-batches as one engine does (Note [Micro-batches] in engine/trainer_step.cc). N ranks thus
 //   take the step that one engine takes when it accumulates the N shards: the loss, the gradient
 //   norm and the weights are the global batch's (every rank holds the same weights after each
 //   step), and the token counts are summed over the ranks. A batch with fewer examples than
@@ -41,9 +41,9 @@
 //   died or timed out, INTERNAL for a bug, INVALID_ARGUMENT for a bad batch), its message naming
 //   the rank and its device. The engines keep serving and the next job creates its ranks afresh.
 //   On CUDA a collective whose peer never joins cannot be cancelled (Note [A rank that dies] in
-//   engine/trainer.cc): the other ranks' steps fail after the timeout, and their engines may stay
-//   blocked behind the collective on the device, or the NCCL heartbeat ends the process (status
-//   3), until the container's restart policy restarts it (not yet measured on GPUs).
+//   engine/trainer_step.cc): the other ranks' steps fail after the timeout, and their engines may
+//   stay blocked behind the collective on the device, or the NCCL heartbeat ends the process
+//   (status 3), until the container's restart policy restarts it (not yet measured on GPUs).
 // - Ending: every rank leaves the group (stops its heartbeats) before any is destroyed, so rank 0
 //   taking the store with it is not taken for a lost peer; after a failure they all leave at once,
 //   so the job's final autosave cannot be taken for a hang.

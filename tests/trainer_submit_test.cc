@@ -1,5 +1,5 @@
-// Submitted steps (Trainer::Submit / Wait, Note [Submitted steps] in engine/trainer.cc): a loop
-// that submits step i + 1 before waiting for step i computes what Step() computes, bit for bit
+// Submitted steps (Trainer::Submit / Wait, Note [Submitted steps] in engine/trainer_step.cc): a
+// loop that submits step i + 1 before waiting for step i computes what Step() computes, bit for bit
 // (losses, norms, weights), across buckets, learning-rate changes and gradient accumulation; the
 // calls that need the trainer at rest refuse while a submitted step is unfinished; a bad batch is
 // refused before anything is queued. *_CUDA: the same on graphed bf16 and float32 steps, whose

@@ -514,7 +514,7 @@ int RunTrainingRank(const TrainRunConfig& c, const launch::RankEnv& env) {
       }
     }
     // Steps are submitted one ahead (Trainer::Submit / Wait, Note [Submitted steps] in
-    // engine/trainer.cc): step k + 1 is queued before step k is waited for, so the device goes
+    // engine/trainer_step.cc): step k + 1 is queued before step k is waited for, so the device goes
     // from one step to the next without waiting for this loop; not past a step that ends in an
     // evaluation or a save, which need the trainer at rest.
     auto evaluates_after = [&](int64_t step) {
