@@ -149,7 +149,7 @@ class HttpExchange : public std::enable_shared_from_this<HttpExchange> {
   // (the client went away, a write timed out, the server stopped); at once if it already has.
   void OnClientGone(std::function<void()> fn);
 
-  // Used by the connection (http_server.cc). `body_reservation` holds the body's share of
+  // Used by the connection (http_connection.cc). `body_reservation` holds the body's share of
   // max_body_bytes_in_flight until the exchange is destroyed (may be null).
   HttpExchange(std::shared_ptr<HttpConnectionBase> connection, HttpRequest request,
                double started_monotonic_seconds, std::shared_ptr<void> body_reservation = nullptr);
