@@ -20,6 +20,32 @@ std::string GpuLabel(const std::string& device, size_t index) {
   return std::to_string(index);
 }
 
+namespace {
+
+// Indices of the serving schedulers, sorted by rank(view, the least load among them); ties keep
+// the order rotated to start at `start` (round robin).
+template <typename Rank>
+std::vector<size_t> RankServing(const std::vector<std::unique_ptr<Scheduler>>& schedulers,
+                                size_t start, Rank rank) {
+  const size_t n = schedulers.size();
+  std::vector<std::pair<size_t, Scheduler::LoadView>> serving;  // (rotated position, view)
+  int64_t least = INT64_MAX;
+  for (size_t k = 0; k < n; ++k) {
+    const Scheduler& s = *schedulers[(start + k) % n];
+    if (!s.serving()) continue;
+    serving.emplace_back(k, s.View());
+    least = std::min(least, serving.back().second.load());
+  }
+  std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranked;
+  for (const auto& [k, view] : serving) ranked.push_back({rank(view, least), k});
+  std::sort(ranked.begin(), ranked.end());
+  std::vector<size_t> order;
+  for (const auto& [key, k] : ranked) order.push_back((start + k) % n);
+  return order;
+}
+
+}  // namespace
+
 EngineRouter::EngineRouter(std::vector<EngineSlot> slots, Metrics* metrics,
                            SchedulerOptions options, std::function<void()> on_every_engine_failed)
     : slots_(std::move(slots)), on_every_engine_failed_(std::move(on_every_engine_failed)) {
@@ -69,17 +95,9 @@ int64_t EngineRouter::serving_engines() const {
 }
 
 std::vector<size_t> EngineRouter::ByLoad() {
-  std::vector<std::pair<int64_t, size_t>> candidates;  // (load, rotated position)
-  const size_t n = size();
-  const size_t start = static_cast<size_t>(next_.fetch_add(1) % n);
-  for (size_t k = 0; k < n; ++k) {
-    const size_t i = (start + k) % n;
-    if (schedulers_[i]->serving()) candidates.emplace_back(schedulers_[i]->Load(), k);
-  }
-  std::sort(candidates.begin(), candidates.end());
-  std::vector<size_t> order;
-  for (const auto& [load, k] : candidates) order.push_back((start + k) % n);
-  return order;
+  return RankServing(
+      schedulers_, static_cast<size_t>(next_.fetch_add(1) % size()),
+      [](const Scheduler::LoadView& v, int64_t) { return std::make_pair(v.load(), int64_t{0}); });
 }
 
 void EngineRouter::ThrowNoEngine() const {
@@ -98,35 +116,17 @@ void EngineRouter::ThrowNoEngine() const {
 }
 
 std::vector<size_t> EngineRouter::ForGenerate() {
-  // (rank, rotated position). When every engine runs at least one prefill batch's worth, an
-  // engine whose last prefill group is still filling comes first, the fullest first; then load.
-  struct Candidate {
-    size_t k;
-    Scheduler::LoadView view;
-  };
-  std::vector<Candidate> serving;
-  const size_t n = size();
-  const size_t start = static_cast<size_t>(next_.fetch_add(1) % n);
-  int64_t least = INT64_MAX;
-  for (size_t k = 0; k < n; ++k) {
-    const size_t i = (start + k) % n;
-    if (!schedulers_[i]->serving()) continue;
-    serving.push_back({k, schedulers_[i]->View()});
-    least = std::min(least, serving.back().view.load());
-  }
-  std::vector<std::pair<std::pair<int64_t, int64_t>, size_t>> ranked;
-  for (const Candidate& c : serving) {
-    const Scheduler::LoadView& v = c.view;
-    const int64_t partial = v.prefill_batch > 0 ? v.waiting % v.prefill_batch : 0;
-    const bool filling = least >= v.prefill_batch && partial > 0 && v.waiting < v.slots - v.running;
-    ranked.push_back({filling ? std::make_pair(int64_t{0}, -partial)
-                              : std::make_pair(int64_t{1}, v.load()),
-                      c.k});
-  }
-  std::sort(ranked.begin(), ranked.end());
-  std::vector<size_t> order;
-  for (const auto& [rank, k] : ranked) order.push_back((start + k) % n);
-  return order;
+  // When every engine runs at least one prefill batch's worth, an engine whose last prefill group
+  // is still filling comes first, the fullest first; then load.
+  return RankServing(schedulers_, static_cast<size_t>(next_.fetch_add(1) % size()),
+                     [](const Scheduler::LoadView& v, int64_t least) {
+                       const int64_t partial =
+                           v.prefill_batch > 0 ? v.waiting % v.prefill_batch : 0;
+                       const bool filling = least >= v.prefill_batch && partial > 0 &&
+                                            v.waiting < v.slots - v.running;
+                       return filling ? std::make_pair(int64_t{0}, -partial)
+                                      : std::make_pair(int64_t{1}, v.load());
+                     });
 }
 
 Scheduler& EngineRouter::Pick() {

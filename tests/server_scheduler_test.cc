@@ -46,11 +46,13 @@ class BatchRecorder : public EngineObserver {
 
 std::unique_ptr<Engine> TinyEngine(std::vector<int64_t> batch_sizes = {1, 2, 4},
                                    EngineObserver* observer = nullptr,
-                                   OversizePolicy oversize = OversizePolicy::kEager) {
+                                   OversizePolicy oversize = OversizePolicy::kEager,
+                                   int64_t max_prefill_batch = BucketSpec{}.max_prefill_batch) {
   at::manual_seed(0);
   EngineOptions o;
   o.buckets.oversize = oversize;
   o.buckets.batch_sizes = std::move(batch_sizes);
+  o.buckets.max_prefill_batch = max_prefill_batch;
   o.buckets.seq_lens = {16, 32};
   o.buckets.context_lens = {64, 128};
   o.buckets.tile_counts = {1, 2};
@@ -128,21 +130,7 @@ TEST(ServerScheduler, AFullPrefillBatchIsAdmittedWithoutWaitingForTheDelay) {
   // Eight slots, prefill batches of at most four, and a batching delay of an hour: four waiting
   // requests fill one prefill, so they are admitted at once; three wait for a fourth.
   Scheduler scheduler(nullptr, SchedulerOptions{3600LL * 1000 * 1000, 16});
-  scheduler.Start([&] {
-    at::manual_seed(0);
-    EngineOptions o;
-    o.buckets.batch_sizes = {1, 2, 4, 8};
-    o.buckets.max_prefill_batch = 4;
-    o.buckets.seq_lens = {16, 32};
-    o.buckets.context_lens = {64, 128};
-    o.buckets.tile_counts = {1, 2};
-    o.buckets.train_batch_sizes = {2, 4};
-    o.buckets.train_seq_lens = {16, 32};
-    o.log_captures = false;
-    auto e = std::make_unique<Engine>(VisionLanguageModel(VlmConfig::Preset("nanovlm-tiny")), o);
-    e->SetObserver(&recorder);
-    return e;
-  });
+  scheduler.Start([&] { return TinyEngine({1, 2, 4, 8}, &recorder, OversizePolicy::kEager, 4); });
   const Scheduler::LoadView idle = scheduler.View();
   EXPECT_EQ(idle.slots, 8);
   EXPECT_EQ(idle.prefill_batch, 4);
