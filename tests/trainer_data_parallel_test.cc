@@ -6,11 +6,8 @@
 #include "engine/trainer.h"
 
 #include <ATen/ATen.h>
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <torch/cuda.h>
 #include <unistd.h>
@@ -22,11 +19,14 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <thread>
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "model/checkpoint.h"
 #include "base/safetensors.h"
@@ -39,22 +39,28 @@ namespace {
 using testing::TinyReference;
 using namespace trainer_fixtures;
 
-// A free loopback TCP port (bound, read, released) for a test's TCPStore.
-int64_t FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    return 0;
+// The test's TCPStore on a port the system picks, handed from rank 0 to the other ranks: rank 0
+// serves it on port 0 and publishes the port it got (DataParallelOptions::on_store_serving); the
+// others wait for it. No port is probed ahead and left free for another process to take.
+class StoreRendezvous {
+ public:
+  // DataParallelOptions::store_port and on_store_serving of `rank`, the rest as `o` has them.
+  DataParallelOptions For(int64_t rank, DataParallelOptions o) {
+    if (rank == 0) {
+      o.store_port = 0;
+      o.on_store_serving = [this](int64_t port) { port_.set_value(port); };
+    } else {
+      if (known_.wait_for(std::chrono::seconds(120)) != std::future_status::ready)
+        throw std::runtime_error("rank 0 did not serve the test's store within 120 s");
+      o.store_port = known_.get();
+    }
+    return o;
   }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+
+ private:
+  std::promise<int64_t> port_;
+  std::shared_future<int64_t> known_ = port_.get_future().share();
+};
 
 DataParallelOptions GlooOptions(int64_t rank, int64_t world, int64_t port, double timeout_seconds) {
   DataParallelOptions o;
@@ -134,12 +140,12 @@ std::vector<RankRun> RunTwoGlooRanks(
     const std::vector<TrainExample>& batch, int steps,
     const std::function<void(int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions&)>&
         setup) {
-  const int64_t port = FreePort();
+  StoreRendezvous store;
   std::vector<RankRun> runs(2);
   RunRanks(2, [&](int64_t rank) {
     VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
     TrainOptions o = FixtureOptions(at::kCPU, false);
-    DataParallelOptions dp = GlooOptions(rank, 2, port, 60);
+    DataParallelOptions dp = store.For(rank, GlooOptions(rank, 2, 0, 60));
     setup(rank, source, o, dp);
     o.data_parallel = DataParallelGroup::Join(dp);
     Trainer t(source, o);
@@ -289,12 +295,12 @@ void ExpectCheckpointAtTwoRanksResumesAtOne(bool shard) {
                                                     "_" + std::to_string(::getpid()));
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
-  const int64_t port = FreePort();
+  StoreRendezvous store;
   double next_loss[2][2] = {{0, 0}, {0, 0}};
   RunRanks(2, [&](int64_t rank) {
     VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
     TrainOptions o = FixtureOptions(at::kCPU, false);
-    DataParallelOptions dp = GlooOptions(rank, 2, port, 60);
+    DataParallelOptions dp = store.For(rank, GlooOptions(rank, 2, 0, 60));
     dp.shard_optimizer = shard;
     o.data_parallel = DataParallelGroup::Join(dp);
     Trainer t(source, o);
@@ -335,7 +341,7 @@ TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
   SKIP_WITHOUT_GLOO();
   VisionLanguageModel m = LoadModel(testing::TinyCheckpointDir());
   const std::vector<TrainExample> batch = GlobalBatch(m->cfg);
-  const int64_t port = FreePort();
+  StoreRendezvous store;
   const double timeout_seconds = 5;
   EngineError::Code code = EngineError::Code::kInternal;
   std::string message;
@@ -343,7 +349,8 @@ TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
   RunRanks(2, [&](int64_t rank) {
     VisionLanguageModel source = LoadModel(testing::TinyCheckpointDir());
     TrainOptions o = FixtureOptions(at::kCPU, false);
-    o.data_parallel = DataParallelGroup::Join(GlooOptions(rank, 2, port, timeout_seconds));
+    o.data_parallel =
+        DataParallelGroup::Join(store.For(rank, GlooOptions(rank, 2, 0, timeout_seconds)));
     Trainer t(source, o);
     const std::vector<TrainExample> shard = ShardForRank(batch, rank, 2);
     t.Step(shard);
@@ -363,7 +370,7 @@ TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
 
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    DataParallelGroup::Join(GlooOptions(0, 2, FreePort(), 1.0));
+    DataParallelGroup::Join(GlooOptions(0, 2, /*port=*/0, 1.0));
     FAIL() << "joined a group of 2 alone";
   } catch (const EngineError& e) {
     EXPECT_EQ(e.code(), EngineError::Code::kUnavailable) << e.what();
@@ -376,12 +383,12 @@ TEST(DataParallel, LostRankEndsTheStepWithUnavailable) {
 // heartbeat or two.
 TEST(DataParallel, HeartbeatsFindALostPeer) {
   SKIP_WITHOUT_GLOO();
-  const int64_t port = FreePort();
+  StoreRendezvous store;
   std::string lost_while_alive = "unset", lost_after = "";
   double seconds_to_notice = -1;
   std::atomic<bool> rank1_gone{false};
   RunRanks(2, [&](int64_t rank) {
-    DataParallelOptions o = GlooOptions(rank, 2, port, 1.5);
+    DataParallelOptions o = store.For(rank, GlooOptions(rank, 2, 0, 1.5));
     o.heartbeat_seconds = 0.1;
     auto group = DataParallelGroup::Join(o);
     std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // idle, both alive
@@ -444,6 +451,7 @@ TEST(DataParallel, ProcessRank) {
     dp.rank = rank;
     dp.world_size = world;
     dp.store_port = std::stoll(std::getenv("VLMGRAPH_TEST_DP_PORT"));
+    dp.launcher_store = true;  // RunNcclRanks serves it
     dp.backend = backend;
     dp.device_index = rank;
     dp.timeout_seconds = 120;
@@ -473,7 +481,7 @@ TEST(DataParallel, ProcessRank) {
     // one; the optimizer's own graph unless AdamW runs inside the micro-step. bf16 reduction with
     // accumulation reduces after the last micro-batch: no all-reducing graph.
     const int64_t buckets = static_cast<int64_t>(t.options().buckets.All(Region::kTrain).size());
-    const int64_t want = !bf16 ? buckets * (accum > 1 ? 2 : 1) + 1
+    const int64_t want = !bf16       ? buckets * (accum > 1 ? 2 : 1) + 1
                          : accum > 1 ? buckets + 1
                                      : buckets;
     EXPECT_EQ(t.captures(), want);
@@ -482,7 +490,8 @@ TEST(DataParallel, ProcessRank) {
   std::map<std::string, at::Tensor> out = Masters(t);
   out["__losses__"] = at::tensor(losses, at::kDouble);
   out["__forward_broadcast_wait_block__"] = at::tensor({t.forward_broadcast_wait_block()});
-  for (const auto& p : t.model()->named_parameters())  // the working weights each rank computes with
+  for (const auto& p :
+       t.model()->named_parameters())  // the working weights each rank computes with
     out["__working__." + p.key()] = p.value().detach().to(at::kCPU).clone();
   WriteSafetensors(std::getenv("VLMGRAPH_TEST_DP_OUT"), out);
   if (o.data_parallel) {  // every rank done before any leaves (Note [Heartbeats])
@@ -495,9 +504,9 @@ TEST(DataParallel, ProcessRank) {
 // `dir`/<name>R.safetensors; true when every one exited with status 0.
 // How the ranks of ExpectProcessRanksMatchOneRank train.
 struct RankSetup {
-  std::string dtype = "float32";  // or "bfloat16" (bf16 training and gradient reduction)
-  int64_t accum = 1;              // gradient accumulation steps per rank
-  bool shard = false;             // DataParallelOptions::shard_optimizer
+  std::string dtype = "float32";     // or "bfloat16" (bf16 training and gradient reduction)
+  int64_t accum = 1;                 // gradient accumulation steps per rank
+  bool shard = false;                // DataParallelOptions::shard_optimizer
   bool broadcast_in_forward = true;  // DataParallelOptions::broadcast_in_forward
   bool submit = false;               // Trainer::Submit one ahead + Wait instead of Step
   double max_loss_diff = 1e-5, max_weight_diff = 1e-5;  // against the one-rank reference
@@ -505,13 +514,26 @@ struct RankSetup {
 
 bool RunNcclRanks(int64_t world, const std::filesystem::path& dir, const std::string& name,
                   const std::string& backend, const RankSetup& setup) {
-  const int64_t port = FreePort();
+  // The parent serves the ranks' TCPStore on a port the system picks, as torchrun's agent does
+  // (the ranks join with DataParallelOptions::launcher_store); it lives until they have exited.
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  int64_t port = 0;
+  if (world > 1) {
+    c10d::TCPStoreOptions so;
+    so.port = 0;
+    so.isServer = true;
+    so.waitWorkers = false;
+    so.timeout = std::chrono::milliseconds(120'000);
+    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    port = store->getPort();
+  }
   std::vector<pid_t> pids;
   for (int64_t rank = 0; rank < world; ++rank) {
     std::vector<std::string> env_strings = {
         "VLMGRAPH_TEST_DP_RANK=" + std::to_string(rank),
         "VLMGRAPH_TEST_DP_WORLD=" + std::to_string(world),
-        "VLMGRAPH_TEST_DP_PORT=" + std::to_string(port), "VLMGRAPH_TEST_DP_BACKEND=" + backend,
+        "VLMGRAPH_TEST_DP_PORT=" + std::to_string(port),
+        "VLMGRAPH_TEST_DP_BACKEND=" + backend,
         "VLMGRAPH_TEST_DP_DTYPE=" + setup.dtype,
         "VLMGRAPH_TEST_DP_ACCUM=" + std::to_string(setup.accum),
         std::string("VLMGRAPH_TEST_DP_SHARD=") + (setup.shard ? "1" : "0"),
@@ -546,8 +568,7 @@ void ExpectProcessRanksMatchOneRank(const std::string& backend, const RankSetup&
   fs::create_directories(dir);
   ASSERT_TRUE(RunNcclRanks(2, dir, "rank", backend, setup))
       << "a rank failed (its output is above)";
-  ASSERT_TRUE(RunNcclRanks(1, dir, "reference", backend, setup))
-      << "the one-rank reference failed";
+  ASSERT_TRUE(RunNcclRanks(1, dir, "reference", backend, setup)) << "the one-rank reference failed";
   const SafetensorsFile want = ReadSafetensors((dir / "reference0.safetensors").string());
   const std::vector<double> want_losses = ToVector(want.tensors.at("__losses__"));
   for (int64_t rank = 0; rank < 2; ++rank) {
@@ -570,9 +591,8 @@ void ExpectProcessRanksMatchOneRank(const std::string& backend, const RankSetup&
         "%s %s accum %lld%s rank %lld: %zu steps, final loss %.8f (one rank %.8f), max |loss - "
         "one rank| %.3g, max |w - w_one_rank| %.3g\n",
         backend.c_str(), setup.dtype.c_str(), static_cast<long long>(setup.accum),
-        setup.shard ? " sharded" : "",
-        static_cast<long long>(rank), losses.size(), losses.back(), want_losses.back(),
-        worst_loss, worst);
+        setup.shard ? " sharded" : "", static_cast<long long>(rank), losses.size(), losses.back(),
+        want_losses.back(), worst_loss, worst);
   }
   // unlink/rmdir, not std::filesystem::remove_all: the process may bind that symbol to the copy
   // inside libtorch.so, whose use here crashes (seen with torch 2.11's wheel).
@@ -646,7 +666,8 @@ TEST(DataParallel, WeightsBroadcastInTheForwardChangeNoResult_CUDA) {
   if (torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   if (!DataParallelGroup::BackendAvailable("nccl")) GTEST_SKIP() << "built without NCCL";
   namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("vlmgraph_forward_" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("vlmgraph_forward_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   RankSetup setup;
   setup.dtype = "bfloat16";
@@ -680,10 +701,10 @@ TEST(DataParallel, WeightsBroadcastInTheForwardChangeNoResult_CUDA) {
             << name << ": rank 1's working weight is not rank 0's";
       }
     }
-    std::printf("broadcast in the forward (wait before block %lld) rank %lld: max |diff| %.3g\n",
-                static_cast<long long>(got.tensors.at("__forward_broadcast_wait_block__")
-                                           .item<int64_t>()),
-                static_cast<long long>(rank), worst);
+    std::printf(
+        "broadcast in the forward (wait before block %lld) rank %lld: max |diff| %.3g\n",
+        static_cast<long long>(got.tensors.at("__forward_broadcast_wait_block__").item<int64_t>()),
+        static_cast<long long>(rank), worst);
   }
   for (const char* f : {"forward0", "forward1", "own_step0", "own_step1"})
     ::unlink((dir / (std::string(f) + ".safetensors")).c_str());
@@ -746,16 +767,17 @@ TEST(DataParallel, GroupsNoRankReachesStayAsTheyWere) {
   std::map<std::string, at::Tensor> loaded;
   for (const auto& p : m->named_parameters()) loaded[p.key()] = p.value().detach().clone();
   for (const bool shard : {false, true}) {
-    const std::vector<RankRun> got = RunTwoGlooRanks(
-        {text_only(0), text_only(1), text_only(1), text_only(0)}, 2,
-        [&](int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions& dp) {
-          dp.shard_optimizer = shard;
-        });
+    const std::vector<RankRun> got =
+        RunTwoGlooRanks({text_only(0), text_only(1), text_only(1), text_only(0)}, 2,
+                        [&](int64_t, VisionLanguageModel&, TrainOptions&, DataParallelOptions& dp) {
+                          dp.shard_optimizer = shard;
+                        });
     int moved = 0;
     for (int64_t rank = 0; rank < 2; ++rank) {
       for (const auto& [name, w] : got[rank].masters) {
         if (name.rfind("vision_encoder.", 0) == 0 || name.rfind("MP.", 0) == 0) {
-          EXPECT_TRUE(at::equal(w, loaded.at(name))) << "shard " << shard << " rank " << rank << ": " << name;
+          EXPECT_TRUE(at::equal(w, loaded.at(name)))
+              << "shard " << shard << " rank " << rank << ": " << name;
         } else if (!at::equal(w, loaded.at(name))) {
           ++moved;
         }
