@@ -213,13 +213,16 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
   // 460m heads (15 / 5, D 64), tiny-like heads (D 16), D 128 with 16 query heads per KV head;
   // windows of one split (48) up to 16 splits of 64 keys (1024) and a window shorter than the
   // cache (positions past kv_len are clipped). From 4 rows with at most 4 query heads per KV head
-  // the warps kernel runs (9, 40, 64 and 80 rows: rows of one block written directly, rows of
-  // several blocks combined, a last block of a partial round); 160 rows with 16 query heads per KV
-  // head keep the split-key kernel.
+  // the warps kernel runs in float32 and for D 16, the tensor-core kernel in bf16 for D 64 and 128
+  // (9, 40, 64, 80, 256 and 544 rows: rows of one block written directly, rows of several blocks
+  // combined, a last block of a partial round, a last tile of a few keys; blocks of 4 warps, and
+  // of 2 from 4 blocks per SM (256 rows of 3 KV heads, 544 of 1); D 128 with 4 query heads per KV
+  // head over two blocks); 160 rows with 16 query heads per KV head keep the split-key kernel.
   const Case cases[] = {
       {15, 5, 64, 3, 48, 64},    {15, 5, 64, 9, 1024, 1024}, {4, 2, 16, 2, 512, 600},
       {16, 1, 128, 2, 256, 256}, {15, 5, 64, 1, 512, 1024},  {15, 5, 64, 40, 1024, 1024},
-      {9, 3, 64, 64, 300, 320},  {4, 2, 16, 80, 512, 600},   {16, 1, 128, 160, 200, 256}};
+      {9, 3, 64, 64, 300, 320},  {4, 2, 16, 80, 512, 600},   {16, 1, 128, 160, 200, 256},
+      {9, 3, 64, 256, 512, 512}, {8, 2, 128, 24, 700, 768},  {4, 1, 128, 544, 96, 128}};
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (const Case& c : cases) {
       SCOPED_TRACE(::testing::Message()

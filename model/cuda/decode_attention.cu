@@ -1,10 +1,13 @@
 // model/cuda/decode_attention.cu: one decode token per row, RoPE + KV-cache write + split-key
 // grouped-query attention in one kernel (LaunchRopeDecodeAttention in fused_kernels.h): a kernel
-// that stages its keys in shared memory for few rows, one whose warps stream them for more.
+// that stages its keys in shared memory for few rows, one whose warps stream them for more (or,
+// in bf16, the tensor-core kernel of decode_attention_mma.cu).
 #include <cuda_pipeline.h>
 
 #include <algorithm>
+#include <type_traits>
 
+#include "model/cuda/decode_attention_common.cuh"
 #include "model/cuda/fused_kernels.h"
 #include "model/cuda/kernel_util.cuh"
 
@@ -29,137 +32,6 @@ namespace {
 // one 16-byte slice, so shared-memory reads are conflict-free and a warp covers 32 / kLanes keys.
 constexpr int kAttnMaxGroups = 16;
 constexpr int kAttnMaxSplitLen = 64;
-// Splits whose partial outputs the one-round combine (256 threads) loads at once.
-constexpr int kCombineChunk = 8;
-
-// The decode attention's prologue, by the kThreads threads of a block of (row b, KV head kh),
-// after WaitForPrerequisites: RoPE at position pos on the g = n_heads / n_kv query heads of kh
-// into q_s (g, D) and on the new key into kv_new[0, D), the new value into kv_new[D, 2D), float32
-// rounded to T as the cache stores them. The caller synchronises the block before reading them.
-template <typename T, int D, int kThreads>
-__device__ __forceinline__ void RotateQueryAndKey(const T* qkv, const float* inv_freq,
-                                                  float scaling, int64_t pos, int b, int kh,
-                                                  int n_heads, int n_kv, float* q_s,
-                                                  float* kv_new) {
-  constexpr int kHalf = D / 2;
-  const int g = n_heads / n_kv;
-  const T* src = qkv + int64_t(b) * (n_heads + 2 * n_kv) * D;
-  for (int i = threadIdx.x; i < (g + 1) * kHalf; i += kThreads) {
-    const int h = i / kHalf, p = i - h * kHalf;
-    const T* x = h < g ? src + (kh * g + h) * D : src + (n_heads + kh) * D;
-    float r1, r2;
-    Rotate(ToFloat(x[p]), ToFloat(x[p + kHalf]), pos, inv_freq[p], scaling, &r1, &r2);
-    float* dst = h < g ? q_s + h * D : kv_new;
-    dst[p] = ToFloat(FromFloat<T>(r1));  // rounded as the cache stores it
-    dst[p + kHalf] = ToFloat(FromFloat<T>(r2));
-  }
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    kv_new[D + d] = ToFloat(src[(n_heads + n_kv + kh) * D + d]);
-  }
-}
-
-// The block of split s whose keys hold pos (the last split when pos is past the window) stores the
-// new key and value of cache row `row` (= (b * n_kv + kh) * max_seq); when pos < kv_len that split
-// holds pos, else it is the last split, active too. kv_new as RotateQueryAndKey leaves it.
-template <typename T, int D, int kThreads>
-__device__ __forceinline__ void StoreNewKeyValue(const float* kv_new, T* cache_k, T* cache_v,
-                                                 int64_t row, int64_t pos, int s, int kv_len,
-                                                 int split_len, int64_t max_seq) {
-  const int64_t writer = (pos < kv_len ? pos : kv_len - 1) / split_len;
-  if (s == writer && pos < max_seq) {
-    for (int d = threadIdx.x; d < D; d += kThreads) {
-      cache_k[(row + pos) * D + d] = FromFloat<T>(kv_new[d]);
-      cache_v[(row + pos) * D + d] = FromFloat<T>(kv_new[D + d]);
-    }
-  }
-}
-
-// The end of a split block of the decode attention, after it wrote its partial state (m, l, o per
-// head) to `partials`: counts the split in on semaphores[b * n_kv + kh] and, in the last of the
-// `active` blocks of (b, kh), combines the splits' partial states into out[b, kh * g .. (kh + 1) *
-// g) and resets the semaphore. scratch: >= 2 * splits * g floats of shared memory; w_s: >= g.
-template <typename T, int D, int kThreads>
-__device__ void CountInAndCombine(const float* partials, int* semaphores, T* out, int b, int kh,
-                                  int n_kv, int n_heads, int splits, int active, float* scratch,
-                                  float* w_s) {
-  const int g = n_heads / n_kv;
-  __shared__ bool is_last;
-  // Publish the partials, then count this split in: the barrier orders every thread's partial
-  // stores before thread 0's release fence, which orders them before its increment (the
-  // threadfence-reduction pattern with one fence per block); the block that makes the count
-  // `active` acquires the others' partials with a fence after its increment, and its barrier
-  // passes that on to its threads. One thread's acq_rel fence (MEMBAR.ALL) on each side, not
-  // __threadfence (fence.sc, MEMBAR.SC) in every thread, is the cheaper fence on the step's
-  // critical path (`vlmgraph-decode-ops-bench`, whole decoder; docs/design/decode-kernels.md,
-  // "Where the attention kernel's 6 us go").
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    is_last = atomicAdd(&semaphores[b * n_kv + kh], 1) == active - 1;
-    if (is_last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-  }
-  __syncthreads();
-  if (!is_last) return;
-  // Combine: weights w_(s,h) = e^(m_s - M) / L per (split, head) in shared memory (M = max_s m_s,
-  // L = sum_s e^(m_s - M) l_s), then out = sum_s w_(s,h) o_s.
-  const float* base = partials + (int64_t(b) * n_kv + kh) * splits * g * (D + 2);
-  const int64_t split_stride = int64_t(g) * (D + 2);
-  float* wgt = scratch;                // (active, g): m, then e^(m_s - M)
-  float* lsum = scratch + active * g;  // (active, g): l
-  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * g) * D;
-  // With 256 threads (few (row, KV head) pairs, see DecodeAttentionThreads) the last block's
-  // combine is on the step's critical path, so it issues its global loads in one round: each
-  // thread's first output element's o for up to kCombineChunk splits together with the (m, l)
-  // pairs. Otherwise it loads m, then l, then o (about five dependent L2 round trips), which
-  // measures faster with 128 threads. Bench: `vlmgraph-decode-ops-bench --batch 1`, `--batch 8`
-  // and `--context 1024 --length 700` (whole decoder); figures in docs/design/decode-kernels.md,
-  // "Where the attention kernel's 6 us go".
-  constexpr bool kOneRound = kThreads == 256;
-  const int i0 = threadIdx.x;
-  float o_first[kOneRound ? kCombineChunk : 1];
-  if constexpr (kOneRound) {
-#pragma unroll
-    for (int u = 0; u < kCombineChunk; ++u) {
-      o_first[u] = i0 < g * D && u < active ? __ldcg(base + u * split_stride + 2 * g + i0) : 0.f;
-    }
-  }
-  for (int i = threadIdx.x; i < active * g; i += kThreads) {
-    wgt[i] = __ldcg(base + (i / g) * split_stride + i % g);
-    if constexpr (kOneRound) lsum[i] = __ldcg(base + (i / g) * split_stride + g + i % g);
-  }
-  __syncthreads();
-  if (threadIdx.x < g) {
-    const int h = threadIdx.x;
-    float mx = -INFINITY;
-    for (int t = 0; t < active; ++t) mx = fmaxf(mx, wgt[t * g + h]);
-    float l = 0.f;
-    for (int t = 0; t < active; ++t) {
-      const float e = __expf(wgt[t * g + h] - mx);
-      wgt[t * g + h] = e;
-      l += e * (kOneRound ? lsum[t * g + h] : __ldcg(base + t * split_stride + g + h));
-    }
-    w_s[h] = 1.f / l;
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < g * D; i += kThreads) {
-    const int h = i / D;
-    float o = 0.f;
-    int t = 0;
-    if constexpr (kOneRound) {
-      if (i == i0) {
-#pragma unroll
-        for (int u = 0; u < kCombineChunk; ++u) {
-          if (u < active) o += wgt[u * g + h] * o_first[u];
-        }
-        t = kCombineChunk;
-      }
-    }
-#pragma unroll 4
-    for (; t < active; ++t) o += wgt[t * g + h] * __ldcg(base + t * split_stride + 2 * g + i);
-    ob[i] = FromFloat<T>(o * w_s[h]);
-  }
-  if (threadIdx.x == 0) semaphores[b * n_kv + kh] = 0;
-}
 
 template <typename T, int D, int kAttnThreads>
 __global__ void __launch_bounds__(kAttnThreads)
@@ -441,37 +313,8 @@ __global__ void __launch_bounds__(kWarpAttnThreads)
     }
   }
   __syncthreads();
-  // Merge the warps: each thread takes output elements i = (h, d) of the block.
-  const int splits = gridDim.x;
-  float* part = partials + ((int64_t(b) * n_kv + kh) * splits + s) * kG * (D + 2);
-  const bool direct = combine && active == 1;  // the row's keys are all in this split
-  T* ob = out + (int64_t(b) * n_heads + int64_t(kh) * kG) * D;
-  for (int i = threadIdx.x; i < kG * D; i += kWarpAttnThreads) {
-    const int h = i / D, d = i - h * D;
-    float mx = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, merge[(w * kG + h) * (D + 2)]);
-    float sum_l = 0.f, sum_o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float* ws = merge + (w * kG + h) * (D + 2);
-      const float f = ws[0] == -INFINITY ? 0.f : __expf(ws[0] - mx);
-      sum_l += ws[1] * f;
-      sum_o += ws[2 + d] * f;
-    }
-    if (direct) {
-      ob[i] = FromFloat<T>(sum_o * (1.f / sum_l));  // as CountInAndCombine's one split
-    } else {
-      part[2 * kG + i] = sum_o;
-      if (d == 0) {
-        part[h] = mx;
-        part[kG + h] = sum_l;
-      }
-    }
-  }
-  if (direct || !combine) return;
-  CountInAndCombine<T, D, kWarpAttnThreads>(partials, semaphores, out, b, kh, n_kv, n_heads, splits,
-                                            active, scratch, w_s);
+  FinishWarpsAttention<T, D, kG, kWarpAttnThreads>(merge, scratch, w_s, partials, semaphores, out,
+                                                   s, kh, b, n_heads, n_kv, active, combine);
 }
 
 // Threads per block: 256 when the launch has few (row, KV head) pairs, so that the extra warps
@@ -502,6 +345,12 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
   const int splits = DecodeAttentionSplits(batch, n_heads, n_kv, kv_len);
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(batch));
+  if (UsesWarpsKernel(batch, n_heads, n_kv) &&
+      DecodeAttentionMmaSupports(std::is_same_v<T, __nv_bfloat16>, D, g)) {
+    return LaunchRopeDecodeAttentionMma(qkv, inv_freq, scaling, positions, ck, cv, out, partials,
+                                        semaphores, batch, n_heads, n_kv, D, max_seq, kv_len,
+                                        split_len, splits, scale, combine, stream);
+  }
   if (UsesWarpsKernel(batch, n_heads, n_kv)) {
     constexpr int kWarps = kWarpAttnThreads / 32;
     const size_t smem = sizeof(float) * (size_t(g) * D + 2 * D + size_t(kWarps) * g * (D + 2) +

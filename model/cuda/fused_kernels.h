@@ -1,5 +1,5 @@
 // model/cuda/fused_kernels.h: launchers for vlmgraph's fused CUDA kernels (fused_kernels.cu,
-// decode_attention.cu, gemv.cu).
+// decode_attention.cu, decode_attention_mma.cu, gemv.cu).
 // Plain pointers and sizes, no ATen, so the .cu compiles with nvcc alone. Every launcher queues
 // work on `stream` and returns cudaGetLastError(); shapes are documented at each launcher and
 // checked by the ATen wrappers in fused_ops_cuda.cc. `bf16` selects __nv_bfloat16 elements,
@@ -55,7 +55,10 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
 // before the launch and are zero again after it; a row whose keys fit one chunk is written
 // directly by the warps kernel. Below 4 rows, or with more than 4 query heads per KV head, each
 // block stages a chunk of 32 or 64 keys in shared memory; otherwise the warps of a block stream
-// chunks of up to 512 keys through registers (decode_attention.cu has both kernels). head_dim in
+// chunks of up to 512 keys through registers (decode_attention.cu has both kernels), on the tensor
+// cores in tiles of 16 keys for bf16 with head_dim 64 or 128 (decode_attention_mma.cu, unless
+// VLMGRAPH_DECODE_ATTENTION=warps; its probabilities are rounded to bf16 as flash attention's
+// are, the CUDA-core kernels keep them in float32). head_dim in
 // {16, 32, 64, 128}; returns cudaErrorInvalidValue otherwise. Launched with programmatic dependent
 // launch where supported. combine = false: the blocks only write their partial states and `out` and
 // `semaphores` are untouched; the out projection combines them (LaunchGemvAttnCombine).

@@ -335,17 +335,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, GemvMinBlocks(M, P, kGemvChun
 constexpr int kMmaChunks = 4;
 constexpr int kMaxMmaSplits = 4;
 
-__device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
-}
-
 // What split s of `splits` covers of k: the 32-column chunks [c0, c1), i.e. the columns
 // [kb, kb + klen) clipped to k. Split 0 is the longest.
 struct MmaSplit {

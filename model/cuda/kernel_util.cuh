@@ -118,6 +118,23 @@ __device__ __forceinline__ void AllowDependentsToLaunch() {
 #endif
 }
 
+// c (16 x 8, float32) += a (16 x 16, bf16, row-major) b (16 x 8, bf16, column-major) with
+// mma.sync.m16n8k16 (compute capability >= 8.0; a no-op below). Fragments as the PTX ISA lays
+// them out ("Matrix Fragments for mma.m16n8k16"), lane = 4 g + t: a0 = a[g][2t, 2t + 1], a1 =
+// a[g + 8][2t, 2t + 1], a2 = a[g][2t + 8, 2t + 9], a3 = a[g + 8][2t + 8, 2t + 9]; b0 =
+// b[2t, 2t + 1][g], b1 = b[2t + 8, 2t + 9][g]; c = {c[g][2t], c[g][2t + 1], c[g + 8][2t],
+// c[g + 8][2t + 1]}; the lower column (a) or row (b) index in each register's low half.
+__device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
 // ---- Formulas shared by the separate kernels and the fused ones, so both round alike ---------
 
 // A decode attention row whose new token is at `pos` attends over positions [0, DecodeKeys) of its
