@@ -1,11 +1,15 @@
-// engine/dispatch.h: the one place that decides how a region runs.
+// engine/dispatch.h: how a batch's region runs: from the graph of the smallest bucket that fits
+// the batch, or eagerly at the batch's exact shape.
 //
 // A batch runs in the smallest bucket that fits it, from that bucket's CUDA graph (captured on
 // first use when the runner captures and the bucket has none yet); when no bucket fits, it runs
 // eagerly at its own exact shape and counts as an eager fallback. This is the role of vLLM's
 // CudagraphDispatcher (vllm/v1/cudagraph_dispatcher.py), which picks a captured graph or eager
-// mode per batch. Every region goes through it: the engine's vision, prefill and decode steps and
-// Forward, and the trainer's micro-steps.
+// mode per batch. Every region sized by a batch goes through it: the engine's vision, prefill and
+// decode steps and Forward, and the trainer's micro-steps. Two callers drive the StepRunner
+// directly, having no batch to fit into a bucket: the trainer's optimizer step (one fixed shape,
+// kOptimizerKey in engine/trainer_internal.h) and Engine::TimeRegion (which times the bucket it is
+// given).
 //
 //   RegionDispatcher dispatch(runner, [](const BucketKey& exact, const std::string& reason) {
 //     /* count the fallback, tell the observer */
