@@ -99,8 +99,8 @@ struct DataParallelOptions {
   double heartbeat_seconds = 1;
   // Rank 0 serving the store (not launcher_store): called on Join's thread with the store's port
   // (the chosen one for store_port 0) once the store serves, before Join waits for the other
-  // ranks, so that ranks of one process (the server's Train RPC, server/train_ranks.h) can pass
-  // the port on. May be empty.
+  // ranks, so that ranks of one process (the server's Train RPC, server/train/train_ranks.h) can
+  // pass the port on. May be empty.
   std::function<void(int64_t port)> on_store_serving;
 };
 

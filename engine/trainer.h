@@ -270,7 +270,8 @@ class Trainer {
   void SaveCheckpoint(const std::string& dir);
   // Bytes SaveCheckpoint writes, at most: 4 per weight and buffer element (float32), 12 per
   // trained element (exp_avg, exp_avg_sq) and step scalar, 512 per tensor for the safetensors
-  // headers, 64 KiB for config.json (a checkpoint quota's estimate, server/checkpoint_quota.h).
+  // headers, 64 KiB for config.json (a checkpoint quota's estimate,
+  // server/train/checkpoint_quota.h).
   int64_t checkpoint_bytes() const;
   // Restores optimizer.safetensors written by SaveCheckpoint (the model's weights load with
   // LoadWeights): the AdamW state, the step count, each trained group's rate and the schedule's

@@ -4,7 +4,7 @@
 The layers ("rooms"), lowest first (docs/design/overview.md, "Layers"):
 
   base/  <  model/  <  text/, image/  <  engine/, launch/
-         <  server/config/  <  server/http/  <  server/ (the serving core)
+         <  server/config/  <  server/http/  <  server/ (the serving core)  <  server/train/
          <  server/grpc/, server/openai/  <  server/main.cc  <  bench/  <  tools/  <  tests/
 
 A file may include headers of its own room and of the rooms below it, never of a room above, and
@@ -44,11 +44,12 @@ LAYER_RANK = {
     "server/config": 4,
     "server/http": 5,
     "server": 6,
-    "server/grpc": 7, "server/openai": 7,
-    "server/main.cc": 8,
-    "bench": 9,
-    "tools": 10,
-    "tests": 11,
+    "server/train": 7,
+    "server/grpc": 8, "server/openai": 8,
+    "server/main.cc": 9,
+    "bench": 10,
+    "tools": 11,
+    "tests": 12,
 }
 # Folders (path prefixes) whose files may not include the rooms listed, though they rank lower.
 KEPT_APART = {

@@ -39,7 +39,8 @@
 // between the pick and the submission is tried on the next serving engine.
 //
 // A Train job runs on every serving engine, one data-parallel rank per engine
-// (server/train_ranks.h); a publish or rollback changes every engine (server/weights_publisher.h).
+// (server/train/train_ranks.h); a publish or rollback changes every engine
+// (server/train/weights_publisher.h).
 //
 // Thread rules: the constructor, Start, StopAccepting and Stop from the owning (main) thread; Start
 // every engine before requests arrive. Pick, RunOnGpuThread, States, serving_engines, engine() and

@@ -40,10 +40,10 @@
 #include "server/grpc/service.h"
 #include "server/metrics.h"
 #include "server/openai/openai_http.h"
-#include "server/publish_gate.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
-#include "server/weights_publisher.h"
+#include "server/train/publish_gate.h"
+#include "server/train/weights_publisher.h"
 
 namespace {
 
@@ -122,7 +122,7 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   }
   vlmgraph::Engine& engine = router.engine();
   // What a Train job publishes passes the publish gate; the weights it replaces are kept for
-  // rollback (server/weights_publisher.h).
+  // rollback (server/train/weights_publisher.h).
   const PublishGate gate = PublishGate::FromConfig(config, engine, text.get());
   LogInfo(gate.options().enabled
               ? "publish gate: " + std::to_string(gate.prompts()) + " held-out prompts"

@@ -155,7 +155,7 @@ class Metrics : public EngineObserver {
   // the loss and learning-rate gauges as they were.
   void ObserveTrainStep(int64_t target_tokens, double loss, double learning_rate, bool skipped);
   void AddTrainPublish();  // a Train job's weights became the serving weights
-  // A publish refused (server/weights_publisher.h): `reason` non_finite_weights or a publish
+  // A publish refused (server/train/weights_publisher.h): `reason` non_finite_weights or a publish
   // gate verdict (max_abs_weight, non_finite, collapse, loss_increase).
   void AddTrainPublishRefused(const std::string& reason);
   void AddWeightsRollback();  // the served weights went back to those before the last publish

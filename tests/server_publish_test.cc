@@ -11,13 +11,13 @@
 #include <fstream>
 #include <string>
 
-#include "tests/synthetic_train_batch.h"
 #include "server/auth.h"
-#include "server/graphed_trainer.h"
-#include "server/publish_gate.h"
 #include "server/scheduler.h"
 #include "server/status.h"
-#include "server/weights_publisher.h"
+#include "server/train/graphed_trainer.h"
+#include "server/train/publish_gate.h"
+#include "server/train/weights_publisher.h"
+#include "tests/synthetic_train_batch.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -17,12 +17,12 @@
 #include <thread>
 
 #include "model/checkpoint.h"
-#include "tests/synthetic_train_batch.h"
-#include "server/graphed_trainer.h"
 #include "server/scheduler.h"
 #include "server/status.h"
-#include "server/train_slot.h"
-#include "server/weights_publisher.h"
+#include "server/train/graphed_trainer.h"
+#include "server/train/train_slot.h"
+#include "server/train/weights_publisher.h"
+#include "tests/synthetic_train_batch.h"
 
 namespace vlmgraph::server {
 namespace {

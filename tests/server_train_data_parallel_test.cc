@@ -1,9 +1,10 @@
-// The Train RPC on a server with several engines (server/train_ranks.h, Note [In-process ranks]):
-// two CPU engines of the tiny preset behind the real gRPC service, in this process, train one job
-// as two gloo ranks (two GPUs and NCCL in the *_CUDA test). The job gives the losses and weights
-// of the same job on a one-engine server, its publish is served by both engines (and rolled back
-// on both), serving goes on while it trains, and a rank that fails ends the job on both ranks with
-// the rank's error while the engines keep serving and the next job trains.
+// The Train RPC on a server with several engines (server/train/train_ranks.h,
+// Note [In-process ranks]): two CPU engines of the tiny preset behind the real gRPC service, in
+// this process, train one job as two gloo ranks (two GPUs and NCCL in the *_CUDA test). The job
+// gives the losses and weights of the same job on a one-engine server, its publish is served by
+// both engines (and rolled back on both), serving goes on while it trains, and a rank that fails
+// ends the job on both ranks with the rank's error while the engines keep serving and the next job
+// trains.
 #include <ATen/ATen.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
@@ -26,7 +27,7 @@
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/service.h"
 #include "server/metrics.h"
-#include "server/weights_publisher.h"
+#include "server/train/weights_publisher.h"
 #include "tests/server_test_util.h"
 #include "tests/test_util.h"
 #include "vlmgraph/v1/service.grpc.pb.h"

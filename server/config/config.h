@@ -139,16 +139,17 @@ struct ServerConfig {
 
   struct Train {
     std::string checkpoint_dir;  // root of SaveCheckpoint directories
-    // Bytes every file below checkpoint_dir may take together after a save (server/
-    // checkpoint_quota.h); a save that would pass it is refused with RESOURCE_EXHAUSTED. 0 = none.
+    // Bytes every file below checkpoint_dir may take together after a save
+    // (server/train/checkpoint_quota.h); a save that would pass it is refused with
+    // RESOURCE_EXHAUSTED. 0 = none.
     int64_t checkpoint_quota_bytes = 0;
     // A Train stream that sends nothing for this long is cancelled (counted as DEADLINE_EXCEEDED);
     // 0 = never.
     double idle_timeout_seconds = 0;
-    // A job on several engines (server/train_ranks.h): rendezvous, every collective and the
+    // A job on several engines (server/train/train_ranks.h): rendezvous, every collective and the
     // ranks' heartbeats, seconds.
     double data_parallel_timeout_seconds = 0;
-    // The publish gate (server/publish_gate.h): a Train job's weights are scored on held-out
+    // The publish gate (server/train/publish_gate.h): a Train job's weights are scored on held-out
     // prompts before they replace the served weights.
     bool publish_gate{};
     std::string publish_gate_prompts_file;      // one prompt per line; "" = built-in prompts

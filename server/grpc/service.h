@@ -3,11 +3,11 @@
 // Generate runs on gRPC's callback API; GetModelInfo, Forward, Train and RollbackWeights on its
 // synchronous API. Requests go to the Scheduler's GPU thread of the engine the router picks
 // (server/engine_router.h: Generate and Forward go to the least-loaded engine; a Train job runs on
-// every serving engine, server/train_ranks.h, and publishing changes every engine). Every call
-// ends in FinishRpc, the one place where exceptions become grpc::Status, where a cancelled call is
-// told apart from one cut by its deadline or by the shutdown, and where vlmgraph_requests_total /
-// request_duration_seconds are recorded and failures logged; synchronous handlers reach it
-// through RpcGuard.
+// every serving engine, server/train/train_ranks.h, and publishing changes every engine). Every
+// call ends in FinishRpc, the one place where exceptions become grpc::Status, where a cancelled
+// call is told apart from one cut by its deadline or by the shutdown, and where
+// vlmgraph_requests_total / request_duration_seconds are recorded and failures logged; synchronous
+// handlers reach it through RpcGuard.
 //
 //   VlmGraphService service(&router, &metrics, config, text_model.get());
 //   builder.RegisterService(&service);
@@ -58,8 +58,8 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
-#include "server/train_slot.h"
-#include "server/weights_publisher.h"
+#include "server/train/train_slot.h"
+#include "server/train/weights_publisher.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {
@@ -77,8 +77,8 @@ class VlmGraphService final
   // Forward need the inference scope, Train the train scope, a Train job's publish (its publish
   // request or publish_on_end) and RollbackWeights the publish scope. `publisher` (may be null:
   // publishing and rollback then answer FAILED_PRECONDITION) changes the served weights
-  // (server/weights_publisher.h). `router`'s engines must be started. None is owned; each must
-  // outlive the service.
+  // (server/train/weights_publisher.h). `router`'s engines must be started. None is owned; each
+  // must outlive the service.
   VlmGraphService(EngineRouter* router, Metrics* metrics, const ServerConfig& config,
                   const TextModel* text = nullptr, const ApiKeys* keys = nullptr,
                   WeightsPublisher* publisher = nullptr);

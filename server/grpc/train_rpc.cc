@@ -1,8 +1,8 @@
 // The Train RPC of VlmGraphService (server/grpc/service.h): one training job per stream, its steps
 // and saves run on the engines' GPU threads by TrainBackends on the engines' Trainers
-// (server/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT. A
-// server with several engines trains on every one of them, as data-parallel ranks of one job
-// (server/train_ranks.h, Note [In-process ranks]).
+// (server/train/graphed_trainer.h): graphed buckets for bucket policy PAD, exact shapes for EXACT.
+// A server with several engines trains on every one of them, as data-parallel ranks of one job
+// (server/train/train_ranks.h, Note [In-process ranks]).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -18,14 +18,14 @@
 #include "base/log.h"
 #include "base/safetensors.h"
 #include "model/checkpoint.h"
-#include "server/checkpoint_quota.h"
 #include "server/convert.h"
-#include "server/graphed_trainer.h"
 #include "server/grpc/service.h"
 #include "server/status.h"
 #include "server/tokenizer_files.h"
-#include "server/train_ranks.h"
-#include "server/weights_publisher.h"
+#include "server/train/checkpoint_quota.h"
+#include "server/train/graphed_trainer.h"
+#include "server/train/train_ranks.h"
+#include "server/train/weights_publisher.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -36,7 +36,7 @@ namespace {
 // that can only destroy it: an AdamW update moves each weight by about the learning rate, so a
 // rate above 1 (or a decay factor 1 - lr * weight_decay below 0) overshoots any weight a model
 // has. The learning rates' range is LearningRates::kMaxLearningRate (ToLearningRates). The publish
-// gate (server/publish_gate.h) still checks what a job publishes.
+// gate (server/train/publish_gate.h) still checks what a job publishes.
 constexpr double kMaxWeightDecay = 1.0;
 constexpr double kMinEps = 1e-12, kMaxEps = 1.0;
 constexpr double kMaxGradNorm = 1e6;
@@ -161,9 +161,10 @@ double LanguageLearningRate(const TrainStepResult& r) {
 }
 
 // Ends a Train stream that waits longer than `timeout` for its client's next message: a watchdog
-// thread calls `on_fire` (which marks the job slot ending, server/train_slot.h) and then cancels
-// the call (grpc::ServerContext::TryCancel, which makes the blocked Read return false and tells
-// the client at once). Time spent on the GPU thread does not count: only Wait() .. Got() does.
+// thread calls `on_fire` (which marks the job slot ending, server/train/train_slot.h) and then
+// cancels the call (grpc::ServerContext::TryCancel, which makes the blocked Read return false and
+// tells the client at once). Time spent on the GPU thread does not count: only Wait() .. Got()
+// does.
 class IdleWatchdog {
  public:
   IdleWatchdog(grpc::ServerContext* context, double timeout_seconds, std::function<void()> on_fire)
@@ -259,7 +260,7 @@ void VlmGraphService::RunTrain(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::TrainResponse, v1::TrainRequest>* stream) {
   // A job that is ending still holds the slot until it is destroyed (below, in reverse order):
-  // Acquire waits for it (server/train_slot.h).
+  // Acquire waits for it (server/train/train_slot.h).
   train_slot_.Acquire([context] { return context->IsCancelled(); });
   struct Release {
     TrainSlot* slot;
@@ -301,7 +302,7 @@ void VlmGraphService::RunTrain(
   }
 
   // The job lives on the GPU threads: one rank per serving engine, each created, stepped and
-  // destroyed on its engine's GPU thread (server/train_ranks.h, Note [In-process ranks]).
+  // destroyed on its engine's GPU thread (server/train/train_ranks.h, Note [In-process ranks]).
   // Note [A job allocates late]: the ranks (a float32 copy of the weights, the AdamW state, the
   // graphs: 3.4 GB for nanovlm-460m per engine) are made by the first request that needs them: a
   // batch once ToTrainBatch accepted it, a save or a publish. A stream whose first batch is
@@ -354,7 +355,7 @@ void VlmGraphService::RunTrain(
     return steps;
   };
   // Publishes run on the GPU threads, through the publish gate: each rank's weights into its own
-  // engine (server/weights_publisher.h, Note [Publishing on several engines]).
+  // engine (server/train/weights_publisher.h, Note [Publishing on several engines]).
   auto publish = [&](Clock::time_point received, v1::WeightsPublished* out) {
     if (publisher_ == nullptr) {
       throw ServerError(grpc::StatusCode::FAILED_PRECONDITION,

@@ -30,9 +30,9 @@
 //   POST /tokenize             vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", ...}
 //   POST /detokenize           vLLM's: {"tokens"} -> {"prompt"}
 //   POST /v1/admin/rollback    the weights served before the last publish (key with the publish
-//                              scope; Note [Rollback], server/weights_publisher.h) -> {"object":
-//                              "rollback", "tensors", "bytes", "seconds"}; 400 with nothing to
-//                              roll back
+//                              scope; Note [Rollback], server/train/weights_publisher.h) ->
+//                              {"object": "rollback", "tensors", "bytes", "seconds"}; 400 with
+//                              nothing to roll back
 // A known path with another method answers 405, any other path 404, both with OpenAI's error body.
 //
 // Note [Limits before work]: everything that can be decided from the request head is decided
@@ -96,7 +96,7 @@
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "server/text_prompt.h"
-#include "server/weights_publisher.h"
+#include "server/train/weights_publisher.h"
 
 namespace vlmgraph::server {
 

@@ -4,7 +4,7 @@ tiny preset) behind its one gRPC and HTTP front.
 Concurrent Generate calls spread over both engines and give the tokens one engine gives alone;
 /metrics labels each engine's series with gpu="0" / gpu="1"; /health lists both engines with their
 load; GetModelInfo and Forward answer; a Train job trains on both engines (each on half of every
-batch, server/train_ranks.h) and its publish is served by both, then rolled back on both; SIGTERM
+batch, server/train/train_ranks.h) and its publish is served by both, then rolled back on both; SIGTERM
 drains both. (An engine whose GPU fails, and a training rank that fails, are tested in process with
 injected faults: tests/server_data_parallel_test.cc, tests/server_train_data_parallel_test.cc.)"""
 import concurrent.futures

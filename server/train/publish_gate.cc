@@ -1,4 +1,4 @@
-#include "server/publish_gate.h"
+#include "server/train/publish_gate.h"
 
 #include <algorithm>
 #include <cmath>

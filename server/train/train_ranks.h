@@ -1,6 +1,6 @@
-// server/train_ranks.h: the ranks of one Train job: one TrainBackend (server/train_session.h) per
-// serving engine of the server (server/engine_router.h), joined in one data-parallel group
-// (engine/data_parallel.h) when there are several.
+// server/train/train_ranks.h: the ranks of one Train job: one TrainBackend
+// (server/train/train_session.h) per serving engine of the server (server/engine_router.h), joined
+// in one data-parallel group (engine/data_parallel.h) when there are several.
 //
 // clang-format off
 //   TrainRanks ranks(router, options, &metrics, 60);          // a Train handler: every rank created
@@ -63,8 +63,8 @@
 #include "server/engine_router.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
-#include "server/train_session.h"
-#include "server/weights_publisher.h"
+#include "server/train/train_session.h"
+#include "server/train/weights_publisher.h"
 
 namespace vlmgraph::server {
 

@@ -1,4 +1,4 @@
-#include "server/graphed_trainer.h"
+#include "server/train/graphed_trainer.h"
 
 #include <ATen/ATen.h>
 

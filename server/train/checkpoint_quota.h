@@ -1,4 +1,4 @@
-// server/checkpoint_quota.h: the Train RPC's checkpoint quota (train.checkpoint_quota_bytes):
+// server/train/checkpoint_quota.h: the Train RPC's checkpoint quota (train.checkpoint_quota_bytes):
 // every file below train.checkpoint_dir together, after a save, at most the quota.
 //
 // A save's size is known before it writes (Trainer::checkpoint_bytes: the float32 weights, the

@@ -1,4 +1,4 @@
-// server/train_slot.h: the Train RPC's one-job slot.
+// server/train/train_slot.h: the Train RPC's one-job slot.
 //
 // One training job runs at a time: a Train call that finds a job running gets RESOURCE_EXHAUSTED.
 // A job whose stream has ended (the client cancelled or closed it, or train.idle_timeout_seconds

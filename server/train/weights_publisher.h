@@ -1,6 +1,7 @@
-// server/weights_publisher.h: the one place that changes the served weights after start-up: a
-// Train job's publish, through the publish gate (server/publish_gate.h), and the rollback to the
-// weights served before the last publish, on every engine of the server (server/engine_router.h).
+// server/train/weights_publisher.h: the one place that changes the served weights after start-up: a
+// Train job's publish, through the publish gate (server/train/publish_gate.h), and the rollback to
+// the weights served before the last publish, on every engine of the server
+// (server/engine_router.h).
 //
 // clang-format off
 //   WeightsPublisher publisher({&router.scheduler(0), &router.scheduler(1)}, &gate, &metrics);
@@ -24,20 +25,20 @@
 // All of it runs inside one work item between decode steps, so no request ever sees a candidate
 // that is then refused.
 //
-// Note [Publishing on several engines]: a data-parallel Train job (server/train_ranks.h) holds
-// the same weights on every rank, each on its engine's device; Publish(candidates) publishes
-// rank i's weights into engine i. The first engine with a candidate runs steps 1-3 above; once
-// its gate accepted, every other engine copies its candidate in (keeping its own rollback copy),
-// all of them at once, each in one work item on its own GPU thread. So each engine switches
-// atomically between two of its decode steps, as a one-engine server does, but not at the same
-// instant as the others: for the few milliseconds between the first engine's switch and the last
-// one's, a new request may be served the old weights or the new ones depending on the engine the
-// router picks; a request that is running when its engine switches decodes its next tokens with
-// the new weights (its KV cache was computed with the old ones), on one engine as on several. If
-// an engine fails to take its copy (its device failed, the server stops), every engine that
-// switched is restored from its kept copy before the error is thrown, so the engines never serve
-// different weights after a publish call returns. Engines without a candidate (null: their device
-// failed before the job) are left alone; they serve nothing.
+// Note [Publishing on several engines]: a data-parallel Train job (server/train/train_ranks.h)
+// holds the same weights on every rank, each on its engine's device; Publish(candidates) publishes
+// rank i's weights into engine i. The first engine with a candidate runs steps 1-3 above; once its
+// gate accepted, every other engine copies its candidate in (keeping its own rollback copy), all of
+// them at once, each in one work item on its own GPU thread. So each engine switches atomically
+// between two of its decode steps, as a one-engine server does, but not at the same instant as the
+// others: for the few milliseconds between the first engine's switch and the last one's, a new
+// request may be served the old weights or the new ones depending on the engine the router picks; a
+// request that is running when its engine switches decodes its next tokens with the new weights
+// (its KV cache was computed with the old ones), on one engine as on several. If an engine fails to
+// take its copy (its device failed, the server stops), every engine that switched is restored from
+// its kept copy before the error is thrown, so the engines never serve different weights after a
+// publish call returns. Engines without a candidate (null: their device failed before the job) are
+// left alone; they serve nothing.
 //
 // Note [Rollback]: one level. Rollback() restores, on every engine the last accepted publish
 // changed, the weights served before it (only the tensors that publish changed) and drops the
@@ -72,8 +73,8 @@
 
 #include "engine/engine.h"
 #include "server/metrics.h"
-#include "server/publish_gate.h"
 #include "server/scheduler.h"
+#include "server/train/publish_gate.h"
 
 namespace vlmgraph::server {
 

@@ -1,4 +1,4 @@
-#include "server/checkpoint_quota.h"
+#include "server/train/checkpoint_quota.h"
 
 #include <filesystem>
 #include <iterator>

@@ -1,4 +1,4 @@
-#include "server/weights_publisher.h"
+#include "server/train/weights_publisher.h"
 
 #include <ATen/ATen.h>
 

@@ -1,5 +1,5 @@
-// server/train_ranks.cc: see train_ranks.h (Note [In-process ranks]).
-#include "server/train_ranks.h"
+// server/train/train_ranks.cc: see train_ranks.h (Note [In-process ranks]).
+#include "server/train/train_ranks.h"
 
 #include <unistd.h>
 
@@ -12,10 +12,10 @@
 #include <optional>
 #include <thread>
 
-#include "engine/device.h"
 #include "base/log.h"
-#include "server/graphed_trainer.h"
+#include "engine/device.h"
 #include "server/status.h"
+#include "server/train/graphed_trainer.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -1,5 +1,5 @@
-// server/publish_gate.h: the publish gate, which scores a Train job's weights on a held-out set
-// before they may replace the served weights (server/weights_publisher.h runs it).
+// server/train/publish_gate.h: the publish gate, which scores a Train job's weights on a held-out
+// set before they may replace the served weights (server/train/weights_publisher.h runs it).
 //
 //   PublishGate gate = PublishGate::FromConfig(config, engine, text);   // start-up, any thread
 //   HeldOutScore served = gate.Score(engine);                           // GPU thread
