@@ -13,8 +13,9 @@
 //   out.Write(header.data(), header.size());
 //   out.Commit();                                // renames it to dir/model.safetensors
 //
-// The directory's own components are not checked here (server/convert.h's OpenCheckpointDir
-// opens them without following links, and passes the opened directory as /proc/self/fd/N).
+// The directory's own components are not checked here (OpenCheckpointDir in
+// server/train/checkpoint_dir.h opens them without following links, and passes the opened
+// directory as /proc/self/fd/N).
 // Thread rules: one thread per AtomicFile; two writers of the same path race (the second one's
 // open fails). Errors: std::system_error naming the file and the
 // errno (its what() reads e.g. "write 'x.tmp': No space left on device").

@@ -15,7 +15,7 @@
 
 #include "image/data_url.h"
 #include "image/image_processor.h"
-#include "server/convert.h"
+#include "server/grpc/convert.h"
 #include "server/image_workers.h"
 #include "server/status.h"
 #include "tests/image_fixtures.h"

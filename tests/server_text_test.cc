@@ -11,7 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "server/convert.h"
+#include "server/grpc/convert.h"
 #include "server/status.h"
 #include "server/text_prompt.h"
 #include "server/text_stream.h"

@@ -11,9 +11,9 @@
 
 #include "base/log.h"
 #include "base/thread_name.h"
-#include "server/convert.h"
 #include "server/drain_batches.h"
 #include "server/generation.h"
+#include "server/grpc/convert.h"
 #include "server/grpc/service.h"
 #include "server/status.h"
 #include "server/text_stream.h"

@@ -3,8 +3,8 @@
 #include <exception>
 
 #include "base/log.h"
-#include "server/convert.h"
 #include "server/generation.h"
+#include "server/grpc/convert.h"
 #include "server/status.h"
 
 namespace vlmgraph::server {

@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "base/log.h"
-#include "server/convert.h"
 #include "server/status.h"
 #include "server/tokenizer_files.h"
+#include "server/train/checkpoint_dir.h"
 
 namespace vlmgraph::server {
 

@@ -1,8 +1,8 @@
 // server/train/train_session.h: the interface the Train RPC drives, and its settings.
 //
 // A TrainBackend is one training job started from the serving model's weights: a step takes a
-// checked batch (server/convert.h), runs forward + backward + optimizer on the job's own copy of
-// the weights and reports the step; Save() writes a nanoVLM checkpoint; weights() are the job's
+// checked batch (server/grpc/convert.h), runs forward + backward + optimizer on the job's own copy
+// of the weights and reports the step; Save() writes a nanoVLM checkpoint; weights() are the job's
 // current weights, which only WeightsPublisher::Publish (server/train/weights_publisher.h, through
 // the publish gate) copies into the serving model: the only way training changes what clients are
 // served. MakeTrainBackend (server/train/graphed_trainer.h) implements it on engine/Trainer. A step

@@ -1,6 +1,7 @@
-// Fuzz target: the gRPC requests (server/convert.h: ToEngineRequest for GenerateRequest and
-// ForwardRequest, ToTrainBatch and CheckpointDirComponents for TrainRequest), with their images
-// (encoded PNG/JPEG and raw tensors) decoded and tiled, and text or chat prompts tokenized.
+// Fuzz target: the gRPC requests (server/grpc/convert.h: ToEngineRequest for GenerateRequest and
+// ForwardRequest, ToTrainBatch; server/train/checkpoint_dir.h: CheckpointDirComponents for
+// TrainRequest), with their images (encoded PNG/JPEG and raw tensors) decoded and tiled, and text
+// or chat prompts tokenized.
 // Input: one byte (message type: bits 0-1; bit 2: no tokenizer), then the serialized message as
 // the gRPC server receives it. Expected errors: ServerError (INVALID_ARGUMENT, and
 // FAILED_PRECONDITION without a tokenizer) and std::invalid_argument (ChatFormatError from the image
@@ -12,8 +13,9 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "server/convert.h"
+#include "server/grpc/convert.h"
 #include "server/status.h"
+#include "server/train/checkpoint_dir.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
