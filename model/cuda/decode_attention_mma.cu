@@ -282,8 +282,8 @@ cudaError_t LaunchFor(const void* qkv, const float* inv_freq, float scaling,
 // at once (8 blocks of 2 warps fit an SM; 4 of 4 do not hold 256 rows x 3 KV heads on 132 SMs), 4
 // below that, where more warps per row shorten each block's chain. H200, SmolLM2-135M shape,
 // decode step (`vlmgraph-bench --decode-only 1 --batch-buckets derived --max-decode-batch 256`),
-// 1 / 2 / 4 / 8 warps: 128 rows - / 1.018 / 1.005 / 1.087 ms, 256 rows 1.242 / 1.203 / 1.263 /
-// 1.349 ms (docs/design/decode-kernels.md, "Attention on the tensor cores").
+// 1 / 2 / 4 / 8 warps: 128 rows 1.061 / 1.018 / 1.005 / 1.087 ms, 256 rows 1.242 / 1.203 /
+// 1.263 / 1.349 ms (docs/design/decode-kernels.md, "Attention on the tensor cores").
 int MmaAttentionWarps(int64_t blocks) { return blocks >= 4 * MultiprocessorCount() ? 2 : 4; }
 
 template <int D>
