@@ -22,7 +22,7 @@
 //   trainer.SaveCheckpoint("out/");        // config.json, model.safetensors, optimizer.safetensors
 //
 // A step in pieces, for a thread that runs other work between micro-batches (the server's GPU
-// thread decodes between them, server/scheduler.h):
+// thread decodes between them, server/core/scheduler.h):
 //   trainer.BeginStep(examples);                     // checks and plans the micro-batches
 //   while (!trainer.RunNextMicroBatch()) Decode();   // one forward + backward per call
 //   TrainStepResult r = trainer.StepResult();        // the last call ran the optimizer part too

@@ -195,8 +195,8 @@ void Trainer::CheckSomethingLearns(const std::vector<TrainExample>& examples) co
 //
 // Note [Micro-steps]: BeginStep, each RunNextMicroBatch and StepResult are separate calls, so the
 // thread that drives the trainer may run other work between micro-batches: the server's GPU
-// thread runs a decode step between them (server/scheduler.h, Note [Interleaving bound]), so one
-// micro-batch's forward + backward (the last one with the optimizer part) is the most a decode
+// thread runs a decode step between them (server/core/scheduler.h, Note [Interleaving bound]), so
+// one micro-batch's forward + backward (the last one with the optimizer part) is the most a decode
 // waits for. The step's state (accumulated gradients, the device loss sum) lives on the device
 // between the calls; nothing else may use the trainer meanwhile.
 void Trainer::BeginStep(std::vector<TrainExample> examples) {

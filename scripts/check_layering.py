@@ -4,7 +4,7 @@
 The layers ("rooms"), lowest first (docs/design/overview.md, "Layers"):
 
   base/  <  model/  <  text/, image/  <  engine/, launch/
-         <  server/config/  <  server/http/  <  server/ (the serving core)  <  server/train/
+         <  server/config/  <  server/http/  <  server/core/ (the serving core)  <  server/train/
          <  server/grpc/, server/openai/  <  server/main.cc  <  bench/  <  tools/  <  tests/
 
 A file may include headers of its own room and of the rooms below it, never of a room above, and
@@ -14,7 +14,7 @@ benchmarks sit below the tools (vlmgraph-diagnose measures with bench/synthetic.
 includes a tool), and tests/ on top may include anything. Besides, the training entry point
 (tools/train/) stays off the serving fronts: it may not include server/http/ or server/openai/
 (KEPT_APART). A path belongs to the room of its longest matching prefix: server/grpc/service.h is
-server/grpc, server/scheduler.h is server; other subfolders belong to their folder's room
+server/grpc, server/core/scheduler.h is server; other subfolders belong to their folder's room
 (model/cuda/ is model/, engine/cuda/ is engine/).
 
 Every `#include "..."` line of the *.h, *.cc, *.cu and *.cuh files under the top folders is read.

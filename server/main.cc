@@ -9,7 +9,7 @@
 //   then exit
 //
 // Only wiring lives here: config -> metrics -> engines (one per device, each on its scheduler's GPU
-// thread, behind one router: server/engine_router.h) -> gRPC and
+// thread, behind one router: server/core/engine_router.h) -> gRPC and
 // the OpenAI-compatible HTTP API (server/openai/openai_http.h) -> wait for SIGTERM/SIGINT ->
 // graceful shutdown (Note [Graceful shutdown], server/grpc/grpc_server.h). Prints one line
 // "vlmgraph-server ready: grpc HOST:PORT metrics HOST:PORT[ http HOST:PORT]" on stdout when it
@@ -32,16 +32,16 @@
 #include "base/descriptors.h"
 #include "base/heap_trim.h"
 #include "base/log.h"
-#include "server/auth.h"
 #include "server/config/flags.h"
-#include "server/engine_from_config.h"
-#include "server/engine_router.h"
+#include "server/core/auth.h"
+#include "server/core/engine_from_config.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
+#include "server/core/text_prompt.h"
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/service.h"
-#include "server/metrics.h"
 #include "server/openai/openai_http.h"
-#include "server/scheduler.h"
-#include "server/text_prompt.h"
 #include "server/train/publish_gate.h"
 #include "server/train/weights_publisher.h"
 
@@ -92,11 +92,11 @@ int Serve(const vlmgraph::server::ServerConfig& config, const sigset_t& signals)
   SchedulerOptions scheduler_options{config.batching.max_queue_delay_us,
                                      config.batching.max_queue_size};
   // One engine per device (data_parallel_size) behind one front (Note [Data-parallel routing],
-  // server/engine_router.h).
+  // server/core/engine_router.h).
   std::vector<EngineSlot> slots;
   const std::vector<std::string> devices = ServingDevices(config);
   for (size_t i = 0; i < devices.size(); ++i) slots.push_back({devices[i], GpuLabel(devices[i], i)});
-  // Note [Device faults] (server/scheduler.h): a GPU that fails stops every engine (the CUDA
+  // Note [Device faults] (server/core/scheduler.h): a GPU that fails stops every engine (the CUDA
   // error is sticky for the process); the server then shuts down with status 1, through the same
   // drain as SIGTERM, so the container's restart policy replaces it.
   EngineRouter router(std::move(slots), &metrics, scheduler_options,

@@ -15,7 +15,7 @@
 #include "server/config/config.h"
 #include "server/config/config_schema.h"
 #include "server/config/flags.h"
-#include "server/engine_from_config.h"
+#include "server/core/engine_from_config.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -1,10 +1,10 @@
-// Serving on several engines behind one front (server/engine_router.h): two CPU engines of the tiny
-// preset, the real gRPC service and OpenAI-compatible HTTP front in this process. Requests spread
-// over both engines by load, the metrics carry a gpu label per engine, /health lists both, and an
-// (injected) device failure of one engine stops both (a sticky CUDA error is process-wide, Note
-// [Device faults]): every request fails (UNAVAILABLE over gRPC, 503 with OpenAI's error body over
-// HTTP) and both fronts answer UNAVAILABLE / 503. On 2 GPUs a real device-side assert shows the
-// process-wide effect (DataParallelGpus.AFaultOnOneGpuStopsEveryEngine_CUDA).
+// Serving on several engines behind one front (server/core/engine_router.h): two CPU engines of the
+// tiny preset, the real gRPC service and OpenAI-compatible HTTP front in this process. Requests
+// spread over both engines by load, the metrics carry a gpu label per engine, /health lists both,
+// and an (injected) device failure of one engine stops both (a sticky CUDA error is process-wide,
+// Note [Device faults]): every request fails (UNAVAILABLE over gRPC, 503 with OpenAI's error body
+// over HTTP) and both fronts answer UNAVAILABLE / 503. On 2 GPUs a real device-side assert shows
+// the process-wide effect (DataParallelGpus.AFaultOnOneGpuStopsEveryEngine_CUDA).
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
@@ -33,14 +33,14 @@
 
 #include "engine/device.h"
 #include "server/config/config.h"
-#include "server/engine_from_config.h"
-#include "server/engine_router.h"
+#include "server/core/engine_from_config.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
+#include "server/core/status.h"
+#include "server/core/text_prompt.h"
 #include "server/grpc/grpc_server.h"
 #include "server/grpc/service.h"
-#include "server/metrics.h"
 #include "server/openai/openai_http.h"
-#include "server/status.h"
-#include "server/text_prompt.h"
 #include "tests/server_test_util.h"
 #include "tests/tiny_tokenizer.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
@@ -601,7 +601,7 @@ int OneGpuFaultsAndEveryEngineStops() {
   return failed;
 }
 
-// Note [Device faults] (server/scheduler.h) on real GPUs: a device-side assert on cuda:1 ends
+// Note [Device faults] (server/core/scheduler.h) on real GPUs: a device-side assert on cuda:1 ends
 // engine 1's running request (UNAVAILABLE), makes CUDA fail on cuda:0 too (the error is sticky
 // for the process), and the router stops both engines at once and reports that none is left (the
 // server restarts); and each engine's GPU thread is bound to its device. In a child process of

@@ -1,4 +1,4 @@
-// server/drain_batches.h: every Schedule is followed by a Drain on a pool thread, never on the
+// server/core/drain_batches.h: every Schedule is followed by a Drain on a pool thread, never on the
 // caller's; a stream scheduled while its drain runs is drained again; a stream released before
 // its batch runs is skipped; a drain that throws does not stop its shard. Also the fronts'
 // thread counts (ThreadsPerEngines, server/config/config.h).
@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "server/config/config.h"
-#include "server/drain_batches.h"
+#include "server/core/drain_batches.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -25,10 +25,10 @@
 #include <vector>
 
 #include "server/config/config.h"
-#include "server/engine_from_config.h"
-#include "server/engine_router.h"
+#include "server/core/engine_from_config.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
 #include "server/grpc/service.h"
-#include "server/metrics.h"
 #include "tests/server_test_util.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 

@@ -1,6 +1,6 @@
 // Image preprocessing (image/image_processor.h) as the server uses it: nanoVLM's resize rule,
 // tiling order, the global tile, RGB conversion and refusal of bad or oversized images; the
-// image workers that run it (server/image_workers.h).
+// image workers that run it (server/core/image_workers.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
@@ -15,9 +15,9 @@
 
 #include "image/data_url.h"
 #include "image/image_processor.h"
+#include "server/core/image_workers.h"
+#include "server/core/status.h"
 #include "server/grpc/convert.h"
-#include "server/image_workers.h"
-#include "server/status.h"
 #include "tests/image_fixtures.h"
 
 #define STB_IMAGE_WRITE_STATIC
@@ -408,7 +408,7 @@ TEST(ServerImage, DetectsFormatFromMagicBytes) {
 }  // namespace
 }  // namespace vlmgraph
 
-// --- Image workers (server/image_workers.h) ------------------------------------------------------
+// --- Image workers (server/core/image_workers.h) -------------------------------------------------
 
 namespace vlmgraph::server {
 namespace {

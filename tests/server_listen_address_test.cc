@@ -15,12 +15,12 @@
 #include <string>
 #include <vector>
 
-#include "server/auth.h"
 #include "server/config/config.h"
 #include "server/config/listen_address.h"
+#include "server/core/auth.h"
+#include "server/core/metrics.h"
 #include "server/grpc/grpc_server.h"
 #include "server/http/http_server.h"
-#include "server/metrics.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
 
 namespace vlmgraph::server {

@@ -11,9 +11,9 @@
 #include <fstream>
 #include <string>
 
-#include "server/auth.h"
-#include "server/scheduler.h"
-#include "server/status.h"
+#include "server/core/auth.h"
+#include "server/core/scheduler.h"
+#include "server/core/status.h"
 #include "server/train/graphed_trainer.h"
 #include "server/train/publish_gate.h"
 #include "server/train/weights_publisher.h"

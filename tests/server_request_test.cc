@@ -1,6 +1,6 @@
 // Request conversion and checks (server/grpc/convert.h, server/train/checkpoint_dir.h), the one
-// exception -> status mapping (server/status.h) and the metrics (server/metrics.h): names fixed by
-// docs/metrics.md, labels, and the /metrics HTTP endpoint.
+// exception -> status mapping (server/core/status.h) and the metrics (server/core/metrics.h): names
+// fixed by docs/metrics.md, labels, and the /metrics HTTP endpoint.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -22,9 +22,9 @@
 #include "engine/engine_types.h"
 #include "image/image_processor.h"
 #include "server/config/config.h"
+#include "server/core/metrics.h"
+#include "server/core/status.h"
 #include "server/grpc/convert.h"
-#include "server/metrics.h"
-#include "server/status.h"
 #include "server/train/checkpoint_dir.h"
 #include "tests/tiny_engine.h"
 

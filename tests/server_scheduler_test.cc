@@ -17,8 +17,8 @@
 #include <thread>
 
 #include "model/checkpoint.h"
-#include "server/scheduler.h"
-#include "server/status.h"
+#include "server/core/scheduler.h"
+#include "server/core/status.h"
 #include "server/train/graphed_trainer.h"
 #include "server/train/train_slot.h"
 #include "server/train/weights_publisher.h"

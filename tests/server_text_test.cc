@@ -1,6 +1,7 @@
-// The server's text side: TextStream (streamed text with stop strings, server/text_stream.h) and
-// TextModel (tokenizer + chat format loading, prompts from chat and text, server/text_prompt.h),
-// on a small byte-level tokenizer built here for the tiny preset's vocabulary.
+// The server's text side: TextStream (streamed text with stop strings, server/core/text_stream.h)
+// and TextModel (tokenizer + chat format loading, prompts from chat and text,
+// server/core/text_prompt.h), on a small byte-level tokenizer built here for the tiny preset's
+// vocabulary.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -11,10 +12,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "server/core/status.h"
+#include "server/core/text_prompt.h"
+#include "server/core/text_stream.h"
 #include "server/grpc/convert.h"
-#include "server/status.h"
-#include "server/text_prompt.h"
-#include "server/text_stream.h"
 #include "tests/image_fixtures.h"
 #include "tests/tiny_tokenizer.h"
 

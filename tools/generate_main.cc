@@ -19,7 +19,7 @@
 #include "base/safetensors.h"
 #include "image/image_processor.h"
 #include "server/config/flags.h"
-#include "server/engine_from_config.h"
+#include "server/core/engine_from_config.h"
 
 namespace {
 

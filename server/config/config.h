@@ -55,8 +55,8 @@ struct ServerConfig {
   uint64_t seed = 0;   // random-init seed of preset models (deterministic demo output)
   std::string dtype;   // "float32" or "bfloat16"
   std::string device;  // "cpu", "cuda" or "cuda:N"
-  // Engines, one per device from `device` on (server/engine_router.h): 1 = one engine; 0 = every
-  // CUDA device from `device` on.
+  // Engines, one per device from `device` on (server/core/engine_router.h): 1 = one engine; 0 =
+  // every CUDA device from `device` on.
   int64_t data_parallel_size = 0;
   std::vector<int64_t> model_stop_token_ids;  // suggested to clients by GetModelInfo
   // Hugging Face tokenizer.json of the model: "" = `<model>/tokenizer.json` when the checkpoint
@@ -90,7 +90,7 @@ struct ServerConfig {
     ListenAddress grpc_address;     // the gRPC API
     ListenAddress metrics_address;  // the Prometheus /metrics endpoint
     ListenAddress http_address;     // the OpenAI-compatible HTTP API; empty ("") = off
-    // One API key with every scope (server/auth.h), required as `authorization: Bearer <key>`
+    // One API key with every scope (server/core/auth.h), required as `authorization: Bearer <key>`
     // by gRPC and HTTP when not empty. The environment variable VLMGRAPH_API_KEY overrides it
     // (keeps the key out of files).
     std::string api_key;
@@ -114,7 +114,7 @@ struct ServerConfig {
   } http;
 
   struct Auth {
-    std::string api_keys_file;     // "SCOPES KEY" per line (server/auth.h); "" = none
+    std::string api_keys_file;     // "SCOPES KEY" per line (server/core/auth.h); "" = none
     bool allow_unauthenticated{};  // allow a non-loopback listener without keys
   } auth;
 

@@ -1,7 +1,7 @@
 // server/config/listen_address.h: the address a listener binds (server.grpc_address,
 // server.metrics_address, server.http_address), parsed once with the config
-// (server/config/config.h) and used by every listener, the exposure rule (server/auth.h) and the
-// start-up line.
+// (server/config/config.h) and used by every listener, the exposure rule (server/core/auth.h) and
+// the start-up line.
 //
 //   ListenAddress a = ListenAddress::Parse("[::1]:8000");
 //   a.host();                     // "::1" (no brackets)
@@ -20,7 +20,7 @@
 // missing, non-numeric or out-of-range port. Host names are not resolved here (the listener does).
 //
 // Loopback: 127.0.0.0/8, ::1, ::ffff:127.0.0.0/104 and "localhost"; 0.0.0.0, :: and every other
-// host are not (Note [Exposure rule], server/auth.h).
+// host are not (Note [Exposure rule], server/core/auth.h).
 //
 // The empty ListenAddress (default-constructed) is "no address": server.http_address "" turns
 // HTTP off, and Metrics without an address serves no endpoint.

@@ -10,8 +10,8 @@
 
 #include "image/image_processor.h"
 #include "model/prompt_check.h"
-#include "server/image_workers.h"
-#include "server/status.h"
+#include "server/core/image_workers.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {
@@ -137,7 +137,7 @@ void CheckDeclaredTiles(const std::vector<const v1::Image*>& images,
 
 ImageTiles ImageToTiles(const v1::Image& img, const VlmConfig& cfg, const Limits& limits,
                         const std::string& field) {
-  // On the image workers: ATen's intra-op threads stay bounded (server/image_workers.h).
+  // On the image workers: ATen's intra-op threads stay bounded (server/core/image_workers.h).
   return RunImageWork([&] { return ImageToTilesHere(img, cfg, limits, field); });
 }
 

@@ -14,7 +14,7 @@
 //
 // The engine's field names (EngineError::field(): "input_ids", "sampling.max_new_tokens", ...)
 // are the gRPC request's field paths, so its messages reach gRPC clients as they are (one status
-// mapping: server/status.h).
+// mapping: server/core/status.h).
 //
 // Errors: ServerError INVALID_ARGUMENT whose message starts with the field path
 // ("images[1]: unknown image format ..."). Thread rules: pure functions.
@@ -31,8 +31,8 @@
 #include "image/image_processor.h"
 #include "model/config.h"
 #include "server/config/config.h"
-#include "server/text_prompt.h"
-#include "server/text_stream.h"
+#include "server/core/text_prompt.h"
+#include "server/core/text_stream.h"
 #include "text/chat_format.h"
 #include "vlmgraph/v1/chat.pb.h"
 #include "vlmgraph/v1/forward.pb.h"

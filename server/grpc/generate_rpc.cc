@@ -11,12 +11,12 @@
 
 #include "base/log.h"
 #include "base/thread_name.h"
-#include "server/drain_batches.h"
-#include "server/generation.h"
+#include "server/core/drain_batches.h"
+#include "server/core/generation.h"
+#include "server/core/status.h"
+#include "server/core/text_stream.h"
 #include "server/grpc/convert.h"
 #include "server/grpc/service.h"
-#include "server/status.h"
-#include "server/text_stream.h"
 
 namespace vlmgraph::server {
 namespace {

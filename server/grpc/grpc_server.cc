@@ -19,7 +19,7 @@
 #include <stdexcept>
 
 #include "base/log.h"
-#include "server/auth.h"
+#include "server/core/auth.h"
 
 namespace vlmgraph::server {
 namespace {

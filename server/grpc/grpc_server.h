@@ -54,7 +54,7 @@
 #include <string>
 
 #include "server/config/config.h"
-#include "server/metrics.h"
+#include "server/core/metrics.h"
 
 namespace vlmgraph::server {
 

@@ -3,9 +3,9 @@
 #include <exception>
 
 #include "base/log.h"
-#include "server/generation.h"
+#include "server/core/generation.h"
+#include "server/core/status.h"
 #include "server/grpc/convert.h"
-#include "server/status.h"
 
 namespace vlmgraph::server {
 

@@ -2,10 +2,10 @@
 //
 // Generate runs on gRPC's callback API; GetModelInfo, Forward, Train and RollbackWeights on its
 // synchronous API. Requests go to the Scheduler's GPU thread of the engine the router picks
-// (server/engine_router.h: Generate and Forward go to the least-loaded engine; a Train job runs on
-// every serving engine, server/train/train_ranks.h, and publishing changes every engine). Every
-// call ends in FinishRpc, the one place where exceptions become grpc::Status, where a cancelled
-// call is told apart from one cut by its deadline or by the shutdown, and where
+// (server/core/engine_router.h: Generate and Forward go to the least-loaded engine; a Train job
+// runs on every serving engine, server/train/train_ranks.h, and publishing changes every engine).
+// Every call ends in FinishRpc, the one place where exceptions become grpc::Status, where a
+// cancelled call is told apart from one cut by its deadline or by the shutdown, and where
 // vlmgraph_requests_total / request_duration_seconds are recorded and failures logged; synchronous
 // handlers reach it through RpcGuard.
 //
@@ -19,8 +19,8 @@
 //      request for a prepare thread; more than batching.max_queue_size requests waiting for one
 //      -> RESOURCE_EXHAUSTED. Nothing that can block long runs on gRPC's callback threads.
 //   2. one of kPrepareThreads threads: ToEngineRequest (tokenizer, chat template; images decode
-//      on server/image_workers.h's threads) and Engine::Validate, then a GenerationSession
-//      submits it to the router (server/generation.h).
+//      on server/core/image_workers.h's threads) and Engine::Validate, then a GenerationSession
+//      submits it to the router (server/core/generation.h).
 //   3. the GPU thread notifies the session (on_update); that only posts a drain to one of
 //      server.stream_threads threads, which takes the new tokens (detokenizing, stop strings) into the
 //      call's pending chunk.
@@ -51,13 +51,13 @@
 #include <memory>
 
 #include "engine/engine.h"
-#include "server/auth.h"
 #include "server/config/config.h"
-#include "server/engine_router.h"
-#include "server/generation.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
-#include "server/text_prompt.h"
+#include "server/core/auth.h"
+#include "server/core/engine_router.h"
+#include "server/core/generation.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
+#include "server/core/text_prompt.h"
 #include "server/train/train_slot.h"
 #include "server/train/weights_publisher.h"
 #include "vlmgraph/v1/service.grpc.pb.h"
@@ -73,7 +73,7 @@ class VlmGraphService final
   // server/config/config.h), as the HTTP front's stream threads.
 
   // `text` (tokenizer and chat format) may be null: then prompts must be token ids. `keys` (may
-  // be null = no keys) decides who may call what (server/auth.h): GetModelInfo, Generate and
+  // be null = no keys) decides who may call what (server/core/auth.h): GetModelInfo, Generate and
   // Forward need the inference scope, Train the train scope, a Train job's publish (its publish
   // request or publish_on_end) and RollbackWeights the publish scope. `publisher` (may be null:
   // publishing and rollback then answer FAILED_PRECONDITION) changes the served weights

@@ -18,10 +18,10 @@
 #include "base/log.h"
 #include "base/safetensors.h"
 #include "model/checkpoint.h"
+#include "server/core/status.h"
+#include "server/core/tokenizer_files.h"
 #include "server/grpc/convert.h"
 #include "server/grpc/service.h"
-#include "server/status.h"
-#include "server/tokenizer_files.h"
 #include "server/train/checkpoint_dir.h"
 #include "server/train/checkpoint_quota.h"
 #include "server/train/graphed_trainer.h"
@@ -332,7 +332,7 @@ void VlmGraphService::RunTrain(
                                       : CheckpointUsage{};  // the walk here, not on a GPU thread
     ensure_job().GatherOptimizerState("Train", received, admission);
     // The tokenizer files the server was started with go beside the weights, so the directory
-    // serves chat as it is (server/tokenizer_files.h).
+    // serves chat as it is (server/core/tokenizer_files.h).
     const std::string tokenizer_json = text_ ? text_->tokenizer_path() : "";
     ensure_job().OnFirstRank(
         "Train",
@@ -424,7 +424,7 @@ void VlmGraphService::RunTrain(
           for (TrainExample& e : batch) StageTrainExample(e, eo.device, TrainComputeDtype(eo));
         }
         // Each rank's shard in pieces, one micro-batch per piece: the GPU threads decode between
-        // them (Note [Interleaving bound] in server/scheduler.h).
+        // them (Note [Interleaving bound] in server/core/scheduler.h).
         double queue_seconds = 0;
         const TrainStepResult stats =
             ensure_job().Step(std::move(batch), received, &queue_seconds);

@@ -1,7 +1,7 @@
 // server/openai/choices.h: the choices of one chat or text completion request (n per prompt, and
 // one prompt or a batch of them) as they generate, turned into the response: Server-Sent Events
 // of chunks when streaming, else one body at the end. No sockets: openai_http.cc drives it with
-// each choice's GenerationSession deltas (server/generation.h).
+// each choice's GenerationSession deltas (server/core/generation.h).
 //
 //   ResponseChoices out(/*chat=*/false, meta, &prompts, &tokenizer);  // prompts: one per prompt
 //   write(out.StreamStart());
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "server/generation.h"
+#include "server/core/generation.h"
 #include "server/openai/logprobs_json.h"
 #include "server/openai/requests.h"
 #include "server/openai/responses.h"

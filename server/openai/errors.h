@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server::openai {
 
@@ -68,8 +68,8 @@ inline constexpr int kClientClosedRequest = 499;
 //   UNAVAILABLE                               503 server_error (shutting down)
 //   DEADLINE_EXCEEDED                         504 server_error
 //   anything else (INTERNAL, ...)             500 server_error
-// gRPC codes come from StatusFromException (server/status.h): ServerError, EngineError, ImageError
-// and other std::invalid_argument (400), bad_alloc (429), the rest INTERNAL (500).
+// gRPC codes come from StatusFromException (server/core/status.h): ServerError, EngineError,
+// ImageError and other std::invalid_argument (400), bad_alloc (429), the rest INTERNAL (500).
 ErrorInfo ErrorFromException(std::exception_ptr error);
 // The error body: {"error": {"message", "type", "param", "code"}}.
 json ErrorJson(const ErrorInfo& error);

@@ -16,13 +16,13 @@
 
 #include "base/log.h"
 #include "base/thread_name.h"
-#include "server/generation.h"
+#include "server/core/generation.h"
+#include "server/core/status.h"
+#include "server/core/text_stream.h"
 #include "server/openai/choices.h"
 #include "server/openai/http_text.h"
 #include "server/openai/requests.h"
 #include "server/openai/responses.h"
-#include "server/status.h"
-#include "server/text_stream.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -1,8 +1,8 @@
 // server/openai/openai_http.h: the OpenAI-compatible HTTP API on its own address
 // (server.http_address), served by the event-driven HTTP front (server/http/http_server.h:
-// Boost.Beast). Requests run through the same validation, router (server/engine_router.h), limits
-// and metrics as gRPC Generate (GenerationSession, server/generation.h); the JSON side (formats,
-// accepted fields, their sources) is server/openai/requests.h.
+// Boost.Beast). Requests run through the same validation, router (server/core/engine_router.h),
+// limits and metrics as gRPC Generate (GenerationSession, server/core/generation.h); the JSON side
+// (formats, accepted fields, their sources) is server/openai/requests.h.
 //
 //   OpenAiHttpServer http(config, &router, &metrics, text_model.get());   // listening
 //   http.address();          // "127.0.0.1:8000" (resolves port 0)
@@ -14,7 +14,7 @@
 //     -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 //
 // Endpoints (every one but /health needs `Authorization: Bearer <key>` when keys are configured,
-// server/auth.h: the inference scope, the publish scope for /v1/admin/rollback):
+// server/core/auth.h: the inference scope, the publish scope for /v1/admin/rollback):
 //   GET  /health               200 while at least one engine serves, 503 once shutting down or
 //                              when no engine can serve (vLLM's; a device fault stops every
 //                              engine, Note [Device faults]); the body lists every engine:
@@ -58,7 +58,7 @@
 //   415                        Content-Type is not application/json
 //   429 rate_limit_error       the scheduler's queue or the workers' queue is full
 //   503 server_error           shutting down; no engine serves, or the request's engine's GPU
-//                              failed (Note [Device faults], server/scheduler.h); too many
+//                              failed (Note [Device faults], server/core/scheduler.h); too many
 //                              connections (http.max_connections*)
 //   500 server_error           a server bug (logged as an error)
 // An error after a stream has started (its 200 is sent) arrives as one more event,
@@ -89,13 +89,13 @@
 #include <memory>
 #include <string>
 
-#include "server/auth.h"
 #include "server/config/config.h"
-#include "server/engine_router.h"
+#include "server/core/auth.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
+#include "server/core/text_prompt.h"
 #include "server/http/http_server.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
-#include "server/text_prompt.h"
 #include "server/train/weights_publisher.h"
 
 namespace vlmgraph::server {

@@ -8,8 +8,8 @@
 #include <random>
 
 #include "image/image_processor.h"
-#include "server/image_workers.h"
-#include "server/text_stream.h"
+#include "server/core/image_workers.h"
+#include "server/core/text_stream.h"
 #include "text/tokenizer.h"
 
 namespace vlmgraph::server::openai {
@@ -361,7 +361,7 @@ std::vector<ImageTiles> PreprocessImages(const std::vector<EncodedImage>& images
   std::vector<ImageTiles> out;
   for (const EncodedImage& image : images) {
     try {
-      // On the image workers: ATen's intra-op threads stay bounded (server/image_workers.h).
+      // On the image workers: ATen's intra-op threads stay bounded (server/core/image_workers.h).
       out.push_back(
           RunImageWork([&] { return PreprocessEncodedImage(image.bytes, cfg, image_limits); }));
     } catch (const ImageError& e) {

@@ -8,7 +8,7 @@
 //   ValidatedRequest request = ...;
 //   try { request = engine.Validate(std::move(g.request)); }  // the one validation
 //   catch (const EngineError& e) { throw FromEngineError(e, g); }  // in this API's words
-//   ... GenerationSession(router, metrics, std::move(request), ...) ...  // server/generation.h
+//   ... GenerationSession(router, metrics, std::move(request), ...) ... // server/core/generation.h
 //   ResponseMeta meta = NewResponseMeta("chatcmpl", ctx.served_model_name);
 //   std::string body = Dump(ChatCompletionJson(meta, text, FinishReasonString(outcome), usage));
 //
@@ -72,8 +72,8 @@
 #include "engine/engine_types.h"
 #include "model/config.h"
 #include "server/config/config.h"
+#include "server/core/text_prompt.h"
 #include "server/openai/errors.h"
-#include "server/text_prompt.h"
 #include "text/chat_format.h"
 
 namespace vlmgraph::server::openai {

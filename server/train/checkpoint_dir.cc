@@ -12,7 +12,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "base/log.h"
-#include "server/status.h"
-#include "server/tokenizer_files.h"
+#include "server/core/status.h"
+#include "server/core/tokenizer_files.h"
 #include "server/train/checkpoint_dir.h"
 
 namespace vlmgraph::server {
@@ -31,8 +31,8 @@ int64_t CheckpointDirBytes(const std::string& root) {
 
 CheckpointUsage MeasureCheckpointUsage(const std::string& root, const CheckpointDir& dir) {
   CheckpointUsage usage;
-  // The files a save writes (engine/trainer.h, SaveCheckpoint; server/tokenizer_files.h) replace
-  // those of a checkpoint already in `dir`.
+  // The files a save writes (engine/trainer.h, SaveCheckpoint; server/core/tokenizer_files.h)
+  // replace those of a checkpoint already in `dir`.
   std::vector<std::string> names = {"config.json", "model.safetensors", "optimizer.safetensors"};
   names.insert(names.end(), std::begin(kTokenizerFileNames), std::end(kTokenizerFileNames));
   for (const std::string& name : names) {

@@ -3,7 +3,7 @@
 //
 // A save's size is known before it writes (Trainer::checkpoint_bytes: the float32 weights, the
 // AdamW state, the safetensors headers and config.json, an upper bound; plus the tokenizer files
-// it copies, server/tokenizer_files.h); the files it replaces
+// it copies, server/core/tokenizer_files.h); the files it replaces
 // (a checkpoint saved again into the same directory) are subtracted. Symbolic links below the root
 // are not followed (OpenCheckpointDir refuses them as checkpoint directories anyway), so a link
 // cannot make the root's size look smaller or larger than what it holds itself.
@@ -29,7 +29,7 @@ int64_t CheckpointDirBytes(const std::string& root);
 
 // What a save into `dir` (below `root`) starts from: the bytes below `root`, and those of the
 // files in `dir` that the save replaces (config.json, model.safetensors, optimizer.safetensors and
-// the tokenizer files of server/tokenizer_files.h).
+// the tokenizer files of server/core/tokenizer_files.h).
 struct CheckpointUsage {
   int64_t used_bytes = 0;
   int64_t replaced_bytes = 0;

@@ -6,7 +6,7 @@
 
 #include "engine/trainer.h"
 #include "model/checkpoint.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "base/log.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -48,7 +48,7 @@
 
 #include "engine/engine.h"
 #include "server/config/config.h"
-#include "server/text_prompt.h"
+#include "server/core/text_prompt.h"
 
 namespace vlmgraph::server {
 

@@ -14,7 +14,7 @@
 
 #include "base/log.h"
 #include "engine/device.h"
-#include "server/status.h"
+#include "server/core/status.h"
 #include "server/train/graphed_trainer.h"
 
 namespace vlmgraph::server {

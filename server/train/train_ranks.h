@@ -1,6 +1,6 @@
 // server/train/train_ranks.h: the ranks of one Train job: one TrainBackend
-// (server/train/train_session.h) per serving engine of the server (server/engine_router.h), joined
-// in one data-parallel group (engine/data_parallel.h) when there are several.
+// (server/train/train_session.h) per serving engine of the server (server/core/engine_router.h),
+// joined in one data-parallel group (engine/data_parallel.h) when there are several.
 //
 // clang-format off
 //   TrainRanks ranks(router, options, &metrics, 60);          // a Train handler: every rank created
@@ -24,9 +24,9 @@
 //   the job's collectives: Join (until every rank joined), the Trainer's first broadcast, and the
 //   last micro-batch of each step (the gradient all-reduce), each until the slowest rank's engine
 //   reaches the same point; between the pieces of a step each engine decodes its own requests as
-//   a one-engine server does (Note [Interleaving bound] in server/scheduler.h). No GPU thread ever
-//   waits for work that another GPU thread has queued behind it: the only cross-engine waits are
-//   the job's collectives, which every rank enters in the same order, so they cannot deadlock.
+//   a one-engine server does (Note [Interleaving bound] in server/core/scheduler.h). No GPU thread
+//   ever waits for work that another GPU thread has queued behind it: the only cross-engine waits
+//   are the job's collectives, which every rank enters in the same order, so they cannot deadlock.
 // - The split: each global batch is split over the ranks by ShardForRank, vlmgraph-train's rule
 //   (the contiguous split gradient accumulation uses); each rank splits its shard into train-bucket
 //   micro-batches as one engine does (Note [Micro-batches] in engine/trainer_step.cc). N ranks thus
@@ -60,9 +60,9 @@
 #include <vector>
 
 #include "engine/data_parallel.h"
-#include "server/engine_router.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
 #include "server/train/train_session.h"
 #include "server/train/weights_publisher.h"
 
@@ -72,7 +72,7 @@ class TrainRanks {
  public:
   // Creates one rank per serving engine of `router` (engine 0 alone when none serves, whose
   // scheduler then refuses), each on its GPU thread, all at once (see the Note). Each rank's
-  // trainer reports to its engine's observer (server/metrics.h's series of its GPU), or to
+  // trainer reports to its engine's observer (server/core/metrics.h's series of its GPU), or to
   // metrics->ForGpu(its gpu) when the engine has none. `timeout_seconds` (> 0): rendezvous, every
   // collective and the heartbeats.
   TrainRanks(EngineRouter& router, const TrainJobOptions& options, Metrics* metrics,

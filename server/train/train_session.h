@@ -7,7 +7,7 @@
 // the publish gate) copies into the serving model: the only way training changes what clients are
 // served. MakeTrainBackend (server/train/graphed_trainer.h) implements it on engine/Trainer. A step
 // runs in pieces, one micro-batch each (engine/trainer.h, Note [Micro-batches]), so the GPU thread
-// decodes between them (server/scheduler.h, Note [Interleaving bound]).
+// decodes between them (server/core/scheduler.h, Note [Interleaving bound]).
 //
 // clang-format off
 //   std::unique_ptr<TrainBackend> job = MakeTrainBackend(engine, options, &metrics);  // GPU thread

@@ -22,7 +22,7 @@
 #include <functional>
 #include <mutex>
 
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "base/log.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

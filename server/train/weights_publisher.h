@@ -1,7 +1,7 @@
 // server/train/weights_publisher.h: the one place that changes the served weights after start-up: a
 // Train job's publish, through the publish gate (server/train/publish_gate.h), and the rollback to
 // the weights served before the last publish, on every engine of the server
-// (server/engine_router.h).
+// (server/core/engine_router.h).
 //
 // clang-format off
 //   WeightsPublisher publisher({&router.scheduler(0), &router.scheduler(1)}, &gate, &metrics);
@@ -54,12 +54,12 @@
 // them (Scheduler::RunOnGpuThread), and are serialised with each other. Publish(engine, ...) and
 // RollbackOnGpuThread(engine) act on the first engine's state on its GPU thread (one-engine use
 // and tests); do not mix them with the any-thread calls. The caller checks the `publish` scope
-// first (ApiKeys::Authorize(authorization, Scope::kPublish, "RollbackWeights"), server/auth.h).
-// Errors (ServerError): FAILED_PRECONDITION from Publish (refused; the served weights are
-// unchanged) and from Rollback (nothing to roll back: no publish since start-up or since the last
-// rollback); RESOURCE_EXHAUSTED (a scheduler's queue is full) and UNAVAILABLE (the server is
-// shutting down, or the engine's device failed). Engine errors propagate; Publish restores the
-// served weights before it rethrows one.
+// first (ApiKeys::Authorize(authorization, Scope::kPublish, "RollbackWeights"),
+// server/core/auth.h). Errors (ServerError): FAILED_PRECONDITION from Publish (refused; the served
+// weights are unchanged) and from Rollback (nothing to roll back: no publish since start-up or
+// since the last rollback); RESOURCE_EXHAUSTED (a scheduler's queue is full) and UNAVAILABLE (the
+// server is shutting down, or the engine's device failed). Engine errors propagate; Publish
+// restores the served weights before it rethrows one.
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -72,8 +72,8 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
 #include "server/train/publish_gate.h"
 
 namespace vlmgraph::server {

@@ -1,8 +1,9 @@
 // Fuzz target: chat prompt building (text/chat_format.h: ChatFormat::FromTemplate, Render,
-// ImageString; server/text_prompt.h: TextModel::BuildChat and BuildText with a tiny tokenizer).
-// Input: FuzzedDataProvider bytes: a chat template (tokenizer_config.json's chat_template, from
-// the checkpoint), then messages (role, text and image parts), image grids and a text prompt.
-// Expected errors: ChatFormatError (std::invalid_argument) and ServerError (INVALID_ARGUMENT).
+// ImageString; server/core/text_prompt.h: TextModel::BuildChat and BuildText with a tiny
+// tokenizer). Input: FuzzedDataProvider bytes: a chat template (tokenizer_config.json's
+// chat_template, from the checkpoint), then messages (role, text and image parts), image grids and
+// a text prompt. Expected errors: ChatFormatError (std::invalid_argument) and ServerError
+// (INVALID_ARGUMENT).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <fuzzer/FuzzedDataProvider.h>
@@ -13,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "text/chat_format.h"
-#include "server/status.h"
-#include "server/text_prompt.h"
+#include "server/core/status.h"
+#include "server/core/text_prompt.h"
 #include "tests/fuzz/fuzz_util.h"
+#include "text/chat_format.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   at::set_num_threads(1);

@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "server/core/status.h"
 #include "server/grpc/convert.h"
-#include "server/status.h"
 #include "server/train/checkpoint_dir.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -23,7 +23,7 @@
 
 #include "model/config.h"
 #include "server/config/config.h"
-#include "server/text_prompt.h"
+#include "server/core/text_prompt.h"
 #include "text/chat_format.h"
 #include "text/tokenizer.h"
 

@@ -41,14 +41,14 @@ class CheckFileLengthsTest(unittest.TestCase):
         self.assertIn("2 files, none over its limit", out)
 
     def test_files_over_their_limits_fail(self):
-        self.write("server/generation.cc", 701)
+        self.write("server/core/generation.cc", 701)
         self.write("scripts/tool.py", 900)
         self.write("tests/bucket_test.cc", 1201)
         rc, out = self.check()
         self.assertEqual(rc, 1, out)
         self.assertEqual(sorted(out.splitlines()), [
             "scripts/tool.py: 900 lines (limit 700)",
-            "server/generation.cc: 701 lines (limit 700)",
+            "server/core/generation.cc: 701 lines (limit 700)",
             "tests/bucket_test.cc: 1201 lines (limit 1200)"])
 
 

@@ -62,7 +62,7 @@ class CheckLayeringTest(unittest.TestCase):
 
     def test_library_layer_must_not_include_tests(self):
         self.write("tests/test_util.h", "#pragma once\n")
-        self.write("server/scheduler.cc", '#include "tests/test_util.h"\n')
+        self.write("server/core/scheduler.cc", '#include "tests/test_util.h"\n')
         rc, out = self.check()
         self.assertEqual(rc, 1, out)
         self.assertIn("(layer server) includes tests/test_util.h (layer tests)", out)
@@ -91,20 +91,20 @@ class CheckLayeringTest(unittest.TestCase):
         # config < http < the serving core < grpc, openai < main.cc; the APIs stay apart.
         self.write("server/config/listen_address.h", "#pragma once\n")
         self.write("server/http/http_server.h", '#pragma once\n#include "server/config/listen_address.h"\n')
-        self.write("server/scheduler.h", '#pragma once\n#include "server/http/http_server.h"\n')
-        self.write("server/grpc/service.h", '#pragma once\n#include "server/scheduler.h"\n')
-        self.write("server/openai/openai_http.h", '#pragma once\n#include "server/scheduler.h"\n')
+        self.write("server/core/scheduler.h", '#pragma once\n#include "server/http/http_server.h"\n')
+        self.write("server/grpc/service.h", '#pragma once\n#include "server/core/scheduler.h"\n')
+        self.write("server/openai/openai_http.h", '#pragma once\n#include "server/core/scheduler.h"\n')
         self.write("server/main.cc", '#include "server/grpc/service.h"\n#include "server/openai/openai_http.h"\n')
         self.assertEqual(self.check()[0], 0, self.check()[1])
-        self.write("server/config/flags.cc", '#include "server/scheduler.h"\n')
-        self.write("server/generation.cc", '#include "server/grpc/service.h"\n')
+        self.write("server/config/flags.cc", '#include "server/core/scheduler.h"\n')
+        self.write("server/core/generation.cc", '#include "server/grpc/service.h"\n')
         self.write("server/openai/errors.cc", '#include "server/grpc/service.h"\n')
         rc, out = self.check()
         self.assertEqual(rc, 1, out)
         self.assertEqual(sorted(out.splitlines()), [
-            "server/config/flags.cc:1: server/config/flags.cc (layer server/config) includes server/scheduler.h "
+            "server/config/flags.cc:1: server/config/flags.cc (layer server/config) includes server/core/scheduler.h "
             "(layer server)",
-            "server/generation.cc:1: server/generation.cc (layer server) includes server/grpc/service.h "
+            "server/core/generation.cc:1: server/core/generation.cc (layer server) includes server/grpc/service.h "
             "(layer server/grpc)",
             "server/openai/errors.cc:1: server/openai/errors.cc (layer server/openai) includes "
             "server/grpc/service.h (layer server/grpc)"])
@@ -113,9 +113,9 @@ class CheckLayeringTest(unittest.TestCase):
         self.write("launch/launch.h", "#pragma once\n")
         self.write("bench/synthetic.h", '#pragma once\n#include "launch/launch.h"\n')
         self.write("tools/diagnose/diagnose.cc", '#include "bench/synthetic.h"\n')
-        self.write("server/text_prompt.h", '#pragma once\n#include "engine/bucket.h"\n')
-        self.write("server/openai/requests.h", '#pragma once\n#include "server/text_prompt.h"\n')
-        self.write("tools/train/dataset.cc", '#include "server/text_prompt.h"\n')
+        self.write("server/core/text_prompt.h", '#pragma once\n#include "engine/bucket.h"\n')
+        self.write("server/openai/requests.h", '#pragma once\n#include "server/core/text_prompt.h"\n')
+        self.write("tools/train/dataset.cc", '#include "server/core/text_prompt.h"\n')
         self.write("tools/generate_main.cc", '#include "server/openai/requests.h"\n')
         self.assertEqual(self.check()[0], 0, self.check()[1])
         self.write("bench/train_bench.cc", '#include "tools/train/launch.h"\n')

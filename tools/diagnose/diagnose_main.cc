@@ -23,7 +23,7 @@
 #include "bench/synthetic.h"
 #include "model/checkpoint.h"
 #include "server/config/flags.h"
-#include "server/engine_from_config.h"
+#include "server/core/engine_from_config.h"
 #include "tools/diagnose/diagnose.h"
 
 namespace {

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "engine/trainer.h"
-#include "text/chat_format.h"
-#include "model/config.h"
 #include "image/image_processor.h"
-#include "server/text_prompt.h"
+#include "model/config.h"
+#include "server/core/text_prompt.h"
+#include "text/chat_format.h"
 
 namespace vlmgraph::train {
 

@@ -1,9 +1,9 @@
-#include "server/auth.h"
+#include "server/core/auth.h"
 
 #include <fstream>
 #include <sstream>
 
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -1,4 +1,4 @@
-// server/drain_batches.h: hands the streams that the GPU threads notify to a thread pool in
+// server/core/drain_batches.h: hands the streams that the GPU threads notify to a thread pool in
 // batches (Note [Batched drains]).
 //
 //   DrainBatches<GenerateCall> drains(&stream_pool, shards);   // before the pool, see below

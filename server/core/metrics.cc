@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "server/core/metrics.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -16,7 +16,7 @@
 #include <stdexcept>
 
 #include "base/descriptors.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

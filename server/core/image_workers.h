@@ -1,4 +1,4 @@
-// server/image_workers.h: the few fixed threads that decode and tile request images.
+// server/core/image_workers.h: the few fixed threads that decode and tile request images.
 //
 // Image preprocessing (PNG/JPEG decoding, ATen's antialiased bicubic resize, tiling:
 // image/image_processor.h) runs ATen ops whose intra-op parallelism (OpenMP) gives every thread

@@ -1,4 +1,4 @@
-#include "server/engine_from_config.h"
+#include "server/core/engine_from_config.h"
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>

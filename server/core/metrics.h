@@ -1,7 +1,7 @@
-// server/metrics.h: every Prometheus metric of vlmgraph, owned by one class.
+// server/core/metrics.h: every Prometheus metric of vlmgraph, owned by one class.
 //
 // Names, types and labels are fixed by docs/metrics.md (a Grafana dashboard is generated from
-// that list). Each engine (one per GPU, server/engine_router.h) has its own series, labelled
+// that list). Each engine (one per GPU, server/core/engine_router.h) has its own series, labelled
 // gpu="<index>": EngineMetrics implements the engine's EngineObserver (captures, replays, eager
 // runs, tokens, batch sizes, step latency per region and bucket) and takes its scheduler's
 // observations (queue time, queue depth, active sequences, memory, health). Metrics owns them
@@ -75,7 +75,7 @@ class EngineMetrics : public EngineObserver {
   void OnTokens(Region region, int64_t real, int64_t padded) override;
   void OnBatch(Region region, int64_t real_batch) override;
 
-  // --- its scheduler (server/scheduler.h) -------------------------------------------------------
+  // --- its scheduler (server/core/scheduler.h) --------------------------------------------------
   void ObserveQueueTime(const std::string& rpc, double seconds);
   void SetQueueDepth(int64_t requests);
   void SetActiveSequences(int64_t sequences);

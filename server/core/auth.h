@@ -1,4 +1,4 @@
-// server/auth.h: API keys with scopes, TLS settings and the exposure rule, for gRPC and HTTP.
+// server/core/auth.h: API keys with scopes, TLS settings and the exposure rule, for gRPC and HTTP.
 //
 //   ApiKeys keys = ApiKeys::Load(config);                 // server.api_key + auth.api_keys_file
 //   CheckExposure(config, keys);                          // at start-up: refuse an open listener

@@ -1,4 +1,4 @@
-#include "server/text_prompt.h"
+#include "server/core/text_prompt.h"
 
 #include <ATen/ATen.h>
 
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

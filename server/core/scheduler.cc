@@ -1,11 +1,11 @@
-#include "server/scheduler.h"
+#include "server/core/scheduler.h"
 
 #include <algorithm>
 
 #include "base/log.h"
 #include "base/thread_name.h"
 #include "engine/device.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/tokenizer_files.h"
+#include "server/core/tokenizer_files.h"
 
 #include <sys/stat.h>
 

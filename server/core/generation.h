@@ -1,12 +1,12 @@
-// server/generation.h: one accepted generation request, from submission to its last token, for
+// server/core/generation.h: one accepted generation request, from submission to its last token, for
 // every API (gRPC Generate, OpenAI chat and text completions). The transports differ only in how
 // they write a delta.
 //
 // The request is validated (Engine::Validate makes a ValidatedRequest) and goes to the engine the
-// router picks (Note [Data-parallel routing], server/engine_router.h). Deltas come in order; each
-// carries the new token ids and, with a TextStream, their new text (stop strings already applied:
-// the text ends before a stop string, and the generation is cancelled in the engine when one
-// matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
+// router picks (Note [Data-parallel routing], server/core/engine_router.h). Deltas come in order;
+// each carries the new token ids and, with a TextStream, their new text (stop strings already
+// applied: the text ends before a stop string, and the generation is cancelled in the engine when
+// one matches). Records time to first token, inter-token latency and generated tokens in `metrics`.
 //
 // GenerationSession has no thread of its own: event-driven transports (the HTTP front,
 // server/openai/openai_http.cc; gRPC's callback API, server/grpc/generate_rpc.cc) drive it. It
@@ -35,10 +35,10 @@
 #include <vector>
 
 #include "engine/engine_types.h"
-#include "server/engine_router.h"
-#include "server/metrics.h"
-#include "server/scheduler.h"
-#include "server/text_stream.h"
+#include "server/core/engine_router.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
+#include "server/core/text_stream.h"
 
 namespace vlmgraph::server {
 

@@ -1,4 +1,4 @@
-#include "server/status.h"
+#include "server/core/status.h"
 
 #include <c10/util/Exception.h>
 

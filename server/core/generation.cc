@@ -1,4 +1,4 @@
-#include "server/generation.h"
+#include "server/core/generation.h"
 
 #include <exception>
 

@@ -1,15 +1,15 @@
-// server/tokenizer_files.h: the tokenizer files a checkpoint carries beside its weights, so that the
-// directory serves chat and text requests as it is (`vlmgraph-server --model DIR`) and trains again
-// (`vlmgraph-train` with `model: DIR`), as transformers' save_pretrained keeps a model's tokenizer
-// files beside it.
+// server/core/tokenizer_files.h: the tokenizer files a checkpoint carries beside its weights, so
+// that the directory serves chat and text requests as it is (`vlmgraph-server --model DIR`) and
+// trains again (`vlmgraph-train` with `model: DIR`), as transformers' save_pretrained keeps a
+// model's tokenizer files beside it.
 //
 //   for (const TokenizerFile& f : TokenizerFilesBeside(text->tokenizer_path()))
 //     WriteFileAtomically(dir + "/" + f.name, ReadFile(f.path));
 //   CopyTokenizerFiles(text->tokenizer_path(), dir);   // the same, in one call
 //
-// The files (TextModel::Load reads exactly these, server/text_prompt.h): the tokenizer.json the
-// model was loaded with, and beside it, when they exist, tokenizer_config.json (chat template, EOS
-// token), chat_template.jinja and generation_config.json (EOS ids). Copied as they are: a
+// The files (TextModel::Load reads exactly these, server/core/text_prompt.h): the tokenizer.json
+// the model was loaded with, and beside it, when they exist, tokenizer_config.json (chat template,
+// EOS token), chat_template.jinja and generation_config.json (EOS ids). Copied as they are: a
 // transformers tokenizer without nanoVLM's image tokens gets them added again on load.
 //
 // Thread rules: none of its own. Errors: std::system_error naming the file (AtomicFile's, or a

@@ -1,4 +1,4 @@
-// server/scheduler.h: the bounded request queue and the one GPU thread that drives the Engine.
+// server/core/scheduler.h: the bounded request queue and the one GPU thread that drives the Engine.
 //
 // Every engine call happens on the scheduler's GPU thread (engine.h's thread rule). RPC handlers
 // (gRPC threads) validate and convert requests, then:
@@ -57,7 +57,7 @@
 // return the same error; the process must be terminated"): on 2 H100s, a device-side assert on
 // cuda:1 made the next synchronise on cuda:0 return cudaErrorAssert too
 // (DataParallelGpus.AFaultOnOneGpuStopsEveryEngine_CUDA). So with several engines
-// (server/engine_router.h) the router stops every other engine at once with the same error
+// (server/core/engine_router.h) the router stops every other engine at once with the same error
 // (StopForProcessFault): their requests fail UNAVAILABLE at once instead of at their next
 // kernel, and the server's main shuts down with a non-zero exit status, so the container's
 // restart policy brings up a fresh process (as vLLM's API server exits when its engine dies).
@@ -90,7 +90,7 @@
 
 #include "base/clock.h"
 #include "engine/engine.h"
-#include "server/metrics.h"
+#include "server/core/metrics.h"
 
 namespace vlmgraph::server {
 
@@ -231,14 +231,14 @@ class Scheduler {
 
   // Generate requests and work items waiting (the queue).
   int64_t QueueDepth() const;
-  // What the router balances (server/engine_router.h): sequences running in the engine plus
+  // What the router balances (server/core/engine_router.h): sequences running in the engine plus
   // requests and work items waiting, as vLLM's data-parallel balancer counts them. Any thread.
   int64_t Load() const;
   // Sequences running in the engine (as of the GPU thread's last change). Any thread.
   int64_t Running() const { return running_count_.load(); }
 
   // The queue as the router weighs it for a Generate request (Note [Data-parallel routing] in
-  // server/engine_router.h): one consistent reading of the counts. Any thread.
+  // server/core/engine_router.h): one consistent reading of the counts. Any thread.
   struct LoadView {
     int64_t running = 0;        // Running()
     int64_t waiting = 0;        // Generate requests waiting for admission

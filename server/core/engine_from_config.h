@@ -1,4 +1,4 @@
-// server/engine_from_config.h: a ServerConfig -> the model and the Engine that serves it.
+// server/core/engine_from_config.h: a ServerConfig -> the model and the Engine that serves it.
 //
 // Used by vlmgraph-server and by vlmgraph-generate (the direct, no-gRPC reference tool), so both
 // build the same weights from the same config: a preset model is initialised after

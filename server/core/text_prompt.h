@@ -1,6 +1,6 @@
-// server/text_prompt.h: the model's text side (tokenizer, chat format, default stop tokens) and
-// prompts built from chat messages or plain text with images, shared by the gRPC service and the
-// OpenAI-compatible HTTP endpoint.
+// server/core/text_prompt.h: the model's text side (tokenizer, chat format, default stop tokens)
+// and prompts built from chat messages or plain text with images, shared by the gRPC service and
+// the OpenAI-compatible HTTP endpoint.
 //
 //   std::unique_ptr<TextModel> text = TextModel::Load(config, engine.model_config());  // or null
 //   std::vector<ImageTiles> images = {PreprocessEncodedImage(png, cfg, limits)};
@@ -49,7 +49,7 @@
 #include "image/image_processor.h"
 #include "model/config.h"
 #include "server/config/config.h"
-#include "server/status.h"
+#include "server/core/status.h"
 #include "text/chat_format.h"
 #include "text/tokenizer.h"
 

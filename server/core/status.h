@@ -1,4 +1,4 @@
-// server/status.h: errors of the server layer and their one conversion to gRPC status.
+// server/core/status.h: errors of the server layer and their one conversion to gRPC status.
 //
 // Error policy of server/: code throws (ServerError for the server's own conditions, EngineError
 // from the engine, ImageError / std::invalid_argument from the model); every gRPC call ends in

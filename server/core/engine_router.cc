@@ -1,4 +1,4 @@
-#include "server/engine_router.h"
+#include "server/core/engine_router.h"
 
 #include <algorithm>
 #include <cctype>
@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "base/log.h"
-#include "server/status.h"
+#include "server/core/status.h"
 
 namespace vlmgraph::server {
 
@@ -73,7 +73,7 @@ void EngineRouter::Start(size_t i, const Scheduler::EngineStartup& make_engine) 
 void EngineRouter::OnDeviceFault(size_t i, const std::string& error) {
   LogError("engine " + std::to_string(i) + " (" + slots_[i].device +
            ") stopped after a device fault: " + error);
-  // Note [Device faults] (server/scheduler.h): the error is sticky for the whole process, so
+  // Note [Device faults] (server/core/scheduler.h): the error is sticky for the whole process, so
   // every other engine stops too, now rather than at its next kernel.
   for (size_t j = 0; j < size(); ++j) {
     if (j != i) {

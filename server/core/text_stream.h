@@ -1,4 +1,4 @@
-// server/text_stream.h: generated token ids -> text deltas for streaming, with stop strings.
+// server/core/text_stream.h: generated token ids -> text deltas for streaming, with stop strings.
 //
 //   TextStream text(&tokenizer, {"\n\n"});
 //   for (each new token id t) {

@@ -1,4 +1,4 @@
-#include "server/text_stream.h"
+#include "server/core/text_stream.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
-// server/engine_router.h: the engines of one server (one per GPU, each with its scheduler and GPU
-// thread) behind one gRPC + HTTP front, and the routing of each request to one of them.
+// server/core/engine_router.h: the engines of one server (one per GPU, each with its scheduler and
+// GPU thread) behind one gRPC + HTTP front, and the routing of each request to one of them.
 //
 // clang-format off
 //   EngineRouter router({{"cuda:0", "0"}, {"cuda:1", "1"}}, &metrics, scheduler_options,
@@ -22,21 +22,20 @@
 // rounds it to a bucket), an engine whose last prefill group is still filling (requests wait
 // there, not a whole prefill batch, and its free slots take them all) takes the request first,
 // the fullest group first. So requests arriving together are prefilled together, in full
-// buckets, as one engine would admit them (Note [Batching policy], server/scheduler.h): spread by
-// load alone, the 32 requests that follow 32 sequences ending together (a closed-loop load)
-// landed on every engine in turn, and each engine prefilled more, smaller groups (at 4 x H200,
-// 132 prefills a second per GPU of 8 requests on average, against 48 of 26 on one GPU), each
-// pausing its decoding. The imbalance this allows is one prefill batch: a group starts on the
-// least-loaded engine. Below that load, spreading wins (each request on a GPU of its own, whose
-// decode step costs about the same at any small batch), so requests go by load alone. A
-// request stays on its engine to the end. Requests are validated on the first
-// engine (Engine::Validate is a pure check of the config every engine shares). An engine that
-// stopped is skipped from then on. A device fault (Note [Device faults], server/scheduler.h) is
-// sticky for the whole process, so when one engine's GPU fails the router stops every engine
-// with that error (StopForProcessFault): every request fails UNAVAILABLE, and
-// on_every_engine_failed runs (the server restarts). With no engine left, Pick throws
-// UNAVAILABLE naming each device's error. A submission refused by a scheduler that stopped
-// between the pick and the submission is tried on the next serving engine.
+// buckets, as one engine would admit them (Note [Batching policy], server/core/scheduler.h): spread
+// by load alone, the 32 requests that follow 32 sequences ending together (a closed-loop load)
+// landed on every engine in turn, and each engine prefilled more, smaller groups (at 4 x H200, 132
+// prefills a second per GPU of 8 requests on average, against 48 of 26 on one GPU), each pausing
+// its decoding. The imbalance this allows is one prefill batch: a group starts on the least-loaded
+// engine. Below that load, spreading wins (each request on a GPU of its own, whose decode step
+// costs about the same at any small batch), so requests go by load alone. A request stays on its
+// engine to the end. Requests are validated on the first engine (Engine::Validate is a pure check
+// of the config every engine shares). An engine that stopped is skipped from then on. A device
+// fault (Note [Device faults], server/core/scheduler.h) is sticky for the whole process, so when
+// one engine's GPU fails the router stops every engine with that error (StopForProcessFault): every
+// request fails UNAVAILABLE, and on_every_engine_failed runs (the server restarts). With no engine
+// left, Pick throws UNAVAILABLE naming each device's error. A submission refused by a scheduler
+// that stopped between the pick and the submission is tried on the next serving engine.
 //
 // A Train job runs on every serving engine, one data-parallel rank per engine
 // (server/train/train_ranks.h); a publish or rollback changes every engine
@@ -55,8 +54,8 @@
 #include <string>
 #include <vector>
 
-#include "server/metrics.h"
-#include "server/scheduler.h"
+#include "server/core/metrics.h"
+#include "server/core/scheduler.h"
 
 namespace vlmgraph::server {
 
@@ -97,7 +96,7 @@ class EngineRouter {
 
   // The first engine: for Validate and the model's accessors (thread-safe, the same for every
   // engine). Valid from its Start until Stop, also after its device failed
-  // (a failed engine is never destroyed: Note [Device faults], server/scheduler.h).
+  // (a failed engine is never destroyed: Note [Device faults], server/core/scheduler.h).
   Engine& engine() const { return *engines_.front(); }
 
   // The serving scheduler with the least load (Note [Data-parallel routing]). Throws ServerError

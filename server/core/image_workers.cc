@@ -1,5 +1,5 @@
-// server/image_workers.cc: see image_workers.h.
-#include "server/image_workers.h"
+// server/core/image_workers.cc: see image_workers.h.
+#include "server/core/image_workers.h"
 
 #include <algorithm>
 #include <condition_variable>
