@@ -9,11 +9,11 @@
 
 #include <cmath>
 #include <exception>
-#include <future>
 #include <thread>
 
 #include "model/checkpoint.h"
 #include "tests/test_util.h"
+#include "tests/trainer_fixtures.h"
 
 namespace vlmgraph {
 namespace {
@@ -125,8 +125,7 @@ TEST(Evaluator, TwoRanksWithAShardEachGiveTheLossOfOneRank) {
   const EvalLoss want = EvaluateLoss(reference, set, one);
 
   // Rank 0 serves the store on a port the system picks and hands it to rank 1: no fixed port.
-  std::promise<int64_t> port;
-  std::future<int64_t> port_known = port.get_future();
+  trainer_fixtures::StoreRendezvous store;
   EvalLoss got[2];
   std::exception_ptr errors[2];
   auto rank = [&](int64_t r) {
@@ -137,12 +136,7 @@ TEST(Evaluator, TwoRanksWithAShardEachGiveTheLossOfOneRank) {
       d.backend = "gloo";
       d.timeout_seconds = 60;
       d.group_name = "evaluator-test";
-      if (r == 0) {
-        d.store_port = 0;
-        d.on_store_serving = [&port](int64_t p) { port.set_value(p); };
-      } else {
-        d.store_port = port_known.get();
-      }
+      d = store.For(r, d);
       EvalOptions o;
       o.micro_batch_size = 2;
       o.data_parallel = DataParallelGroup::Join(d);

@@ -19,7 +19,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <future>
 #include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -38,29 +37,6 @@ namespace {
 
 using testing::TinyReference;
 using namespace trainer_fixtures;
-
-// The test's TCPStore on a port the system picks, handed from rank 0 to the other ranks: rank 0
-// serves it on port 0 and publishes the port it got (DataParallelOptions::on_store_serving); the
-// others wait for it. No port is probed ahead and left free for another process to take.
-class StoreRendezvous {
- public:
-  // DataParallelOptions::store_port and on_store_serving of `rank`, the rest as `o` has them.
-  DataParallelOptions For(int64_t rank, DataParallelOptions o) {
-    if (rank == 0) {
-      o.store_port = 0;
-      o.on_store_serving = [this](int64_t port) { port_.set_value(port); };
-    } else {
-      if (known_.wait_for(std::chrono::seconds(120)) != std::future_status::ready)
-        throw std::runtime_error("rank 0 did not serve the test's store within 120 s");
-      o.store_port = known_.get();
-    }
-    return o;
-  }
-
- private:
-  std::promise<int64_t> port_;
-  std::shared_future<int64_t> known_ = port_.get_future().share();
-};
 
 DataParallelOptions GlooOptions(int64_t rank, int64_t world, int64_t port, double timeout_seconds) {
   DataParallelOptions o;

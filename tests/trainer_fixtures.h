@@ -1,13 +1,16 @@
 // tests/trainer_fixtures.h: the tiny checkpoint's training fixtures shared by the trainer tests
-// (tests/fixtures/nanovlm-tiny: its reference batch and upstream nanoVLM's AdamW settings) and
-// comparisons of two trainers' weights.
+// (tests/fixtures/nanovlm-tiny: its reference batch and upstream nanoVLM's AdamW settings),
+// comparisons of two trainers' weights, and the store port handed between in-process ranks.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <fstream>
+#include <future>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -106,6 +109,29 @@ inline TrainExample Variant(const VlmConfig& cfg, int64_t r) {
   for (auto& id : e.targets) id = remap(id);
   return e;
 }
+
+// The test's TCPStore on a port the system picks, handed from rank 0 to the other ranks: rank 0
+// serves it on port 0 and publishes the port it got (DataParallelOptions::on_store_serving); the
+// others wait for it. No port is probed ahead and left free for another process to take.
+class StoreRendezvous {
+ public:
+  // DataParallelOptions::store_port and on_store_serving of `rank`, the rest as `o` has them.
+  DataParallelOptions For(int64_t rank, DataParallelOptions o) {
+    if (rank == 0) {
+      o.store_port = 0;
+      o.on_store_serving = [this](int64_t port) { port_.set_value(port); };
+    } else {
+      if (known_.wait_for(std::chrono::seconds(120)) != std::future_status::ready)
+        throw std::runtime_error("rank 0 did not serve the test's store within 120 s");
+      o.store_port = known_.get();
+    }
+    return o;
+  }
+
+ private:
+  std::promise<int64_t> port_;
+  std::shared_future<int64_t> known_ = port_.get_future().share();
+};
 
 }  // namespace trainer_fixtures
 }  // namespace vlmgraph
