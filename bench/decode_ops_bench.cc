@@ -53,6 +53,19 @@ std::vector<at::Tensor> Copies(const std::vector<int64_t>& shape, const at::Tens
   return v;
 }
 
+// A paged KV cache of batch + 1 rows of `context` positions (Note [Paged KV layout],
+// model/kv_cache.h): the keys' or values' shape, and the page table giving each row its own pages.
+std::vector<int64_t> PagedShape(int64_t batch, int64_t nkv, int64_t context, int64_t d) {
+  const int64_t ps = vlmgraph::kDefaultKvPageSize;
+  return {(batch + 1) * ((context + ps - 1) / ps) + 1, nkv, ps, d};
+}
+at::Tensor RowPages(int64_t batch, int64_t context) {
+  const int64_t per_row =
+      (context + vlmgraph::kDefaultKvPageSize - 1) / vlmgraph::kDefaultKvPageSize;
+  return at::arange(1, (batch + 1) * per_row + 1, at::dtype(at::kInt).device(at::kCUDA))
+      .view({batch + 1, per_row});
+}
+
 // All blocks of the decoder for one token per row, with distinct weights per block.
 void WholeDecoder(const vlmgraph::VlmConfig& cfg, int64_t batch, int64_t context, int64_t length) {
   using namespace vlmgraph;
@@ -67,9 +80,10 @@ void WholeDecoder(const vlmgraph::VlmConfig& cfg, int64_t batch, int64_t context
     blocks.push_back(
         {at::ones({h}, opt), at::ones({h}, opt), at::randn({(nh + 2 * nkv) * d, h}, opt) * 0.02,
          at::randn({h, nh * d}, opt) * 0.02, at::randn({2 * inter, h}, opt) * 0.02,
-         at::randn({h, inter}, opt) * 0.02, at::randn({batch + 1, nkv, context, d}, opt),
-         at::randn({batch + 1, nkv, context, d}, opt)});
+         at::randn({h, inter}, opt) * 0.02, at::randn(PagedShape(batch, nkv, context, d), opt),
+         at::randn(PagedShape(batch, nkv, context, d), opt)});
   }
+  const at::Tensor table = RowPages(batch, context);
   at::Tensor x = at::randn({batch, h}, opt);
   at::Tensor inv_freq = at::rand({d / 2}, at::dtype(at::kFloat).device(at::kCUDA));
   at::Tensor semaphores = at::zeros({batch + 1, nkv}, at::dtype(at::kInt).device(at::kCUDA));
@@ -85,12 +99,12 @@ void WholeDecoder(const vlmgraph::VlmConfig& cfg, int64_t batch, int64_t context
         at::Tensor r;
         if (combine_in_out) {
           r = ops::AttentionCombineLinear(
-              ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
+              ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v, table,
                                                semaphores, context, nh),
               b.w_out, y);
         } else {
           r = ops::Linear(ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, b.cache_k, b.cache_v,
-                                                   semaphores, context, nh),
+                                                   table, semaphores, context, nh),
                           b.w_out, y);
         }
         at::Tensor gu = ops::RmsNormLinear(r, b.norm2, 1e-5, b.w_gate_up);
@@ -137,7 +151,8 @@ int main(int argc, char** argv) {
   const auto w_down = Copies({h, inter}, opt);
   at::Tensor head = at::randn({cfg.lm_vocab_size, h}, opt) * 0.02;
   at::Tensor inv_freq = at::rand({d / 2}, at::dtype(at::kFloat).device(at::kCUDA));
-  at::Tensor ck = at::randn({batch + 1, nkv, context, d}, opt), cv = at::randn_like(ck);
+  at::Tensor ck = at::randn(PagedShape(batch, nkv, context, d), opt), cv = at::randn_like(ck);
+  const at::Tensor table = RowPages(batch, context);
   at::Tensor semaphores = at::zeros({batch + 1, nkv}, at::dtype(at::kInt).device(at::kCUDA));
   at::Tensor pos = at::full({batch}, length, at::dtype(at::kLong).device(at::kCUDA));
   at::Tensor qkv = at::linear(x2, w_qkv[0]);  // (batch, (nh + 2 nkv) d)
@@ -154,16 +169,16 @@ int main(int argc, char** argv) {
        [&](int i) { vlmgraph::ops::RmsNormLinear(x2, w_norm, 1e-5, w_qkv[i % kCopies]); }},
       {"attention: rope + kv write + split-key attention", true,
        [&](int) {
-         vlmgraph::ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, ck, cv, semaphores, context,
-                                            nh);
+         vlmgraph::ops::RopeDecodeAttention(qkv, inv_freq, 1.0, pos, ck, cv, table, semaphores,
+                                            context, nh);
        }},
       {"out: gemv + residual", true, [&](int i) { Linear(a, w_out[i % kCopies], x2); }},
       {"attention (partial states only) + out gemv combining them + residual", false,
        [&](int i) {
          if (batch > 4) return;  // AttentionCombineLinear takes up to 4 rows
          vlmgraph::ops::AttentionCombineLinear(
-             vlmgraph::ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, ck, cv, semaphores,
-                                                        context, nh),
+             vlmgraph::ops::RopeDecodeAttentionPartials(qkv, inv_freq, 1.0, pos, ck, cv, table,
+                                                        semaphores, context, nh),
              w_out[i % kCopies], x2);
        }},
       {"gate_up: rms_norm + gemv", true,
@@ -186,7 +201,7 @@ int main(int argc, char** argv) {
       {"unfused: rope + kv write", false,
        [&](int) {
          vlmgraph::ops::RopeKvWrite(qkv.view({batch, 1, -1}), inv_freq, 1.0, pos, {}, nh, nkv, ck,
-                                    cv, false);
+                                    cv, table, false);
        }},
       {"unfused: out cuBLAS addmm", false,
        [&](int i) { at::addmm(x2, a, w_out[i % kCopies].t()); }},

@@ -105,6 +105,7 @@ nlohmann::json RunOne(vlmgraph::VisionLanguageModel model, const Args& a, bool g
   const auto mem = engine.Memory();
   out["graph_pool_bytes"] = mem.graph_pool_bytes;
   out["kv_cache_bytes"] = mem.kv_cache_bytes;
+  out["kv_cache_tokens"] = mem.kv_cache_pages * mem.kv_cache_page_size;
   out["reserved_bytes_after_warmup"] = mem.reserved_bytes;
   std::vector<TokenEvent> events;
   for (int64_t batch : {1, 8}) {

@@ -32,8 +32,8 @@ std::string ListText(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-int64_t KvCacheBytesPerSlot(const VlmConfig& cfg, int64_t context, int64_t dtype_bytes) {
-  return 2 * cfg.lm_n_blocks * cfg.lm_n_kv_heads * cfg.lm_head_dim() * context * dtype_bytes;
+int64_t KvCacheBytes(const VlmConfig& cfg, int64_t tokens, int64_t dtype_bytes) {
+  return 2 * cfg.lm_n_blocks * cfg.lm_n_kv_heads * cfg.lm_head_dim() * tokens * dtype_bytes;
 }
 
 int64_t EstimateGraphPoolBytes(const VlmConfig& cfg, const BucketSpec& buckets,
@@ -69,22 +69,25 @@ std::vector<int64_t> DecodeBatchBuckets(int64_t max_batch) {
 }
 
 std::string DecodeSizing::Summary(double gpu_memory_utilization, int64_t max_decode_batch) const {
-  char line[640];
+  char line[768];
   std::snprintf(line, sizeof(line),
-                "decode batch from device memory: budget %.2f x %.1f GiB = %.1f GiB; in use "
-                "(weights, CUDA context, other processes) %.1f GiB; graph pool estimate %.1f GiB; "
-                "buffers %.2f GiB; KV cache %.1f GiB left at %.1f MiB per slot: %lld slots fit, "
-                "max_decode_batch %lld -> batch_sizes %s",
+                "KV cache and decode batch from device memory: budget %.2f x %.1f GiB = %.1f GiB; "
+                "in use (weights, CUDA context, other processes) %.1f GiB; graph pool estimate "
+                "%.1f GiB; buffers %.2f GiB; KV budget %.1f GiB; KV cache %.1f GiB = %lld pages "
+                "of %lld tokens (%.2f MiB each) = %lld tokens, %lld sequences of the longest "
+                "context; max_decode_batch %lld -> batch_sizes %s",
                 gpu_memory_utilization, total_bytes / kGiB, budget_bytes / kGiB,
                 in_use_bytes / kGiB, graph_pool_bytes / kGiB, buffer_bytes / kGiB,
-                kv_budget_bytes / kGiB, kv_bytes_per_slot / kMiB,
-                static_cast<long long>(slots_that_fit), static_cast<long long>(max_decode_batch),
-                ListText(batch_sizes).c_str());
+                kv_budget_bytes / kGiB, kv_pages * kv_bytes_per_page / kGiB,
+                static_cast<long long>(kv_pages), static_cast<long long>(kv_page_size),
+                kv_bytes_per_page / kMiB, static_cast<long long>(kv_tokens),
+                static_cast<long long>(full_context_sequences),
+                static_cast<long long>(max_decode_batch), ListText(batch_sizes).c_str());
   return line;
 }
 
 DecodeSizing SizeDecodeBatches(const VlmConfig& cfg, const BucketSpec& buckets, int64_t dtype_bytes,
-                               const DeviceBudget& device) {
+                               const DeviceBudget& device, int64_t page_size) {
   DecodeSizing s;
   s.total_bytes = device.total_bytes;
   const int64_t max_context =
@@ -97,23 +100,34 @@ DecodeSizing SizeDecodeBatches(const VlmConfig& cfg, const BucketSpec& buckets, 
       cfg, buckets, DecodeBatchBuckets(buckets.max_decode_batch), dtype_bytes);
   s.buffer_bytes = EstimateStaticBufferBytes(cfg, buckets, dtype_bytes);
   s.kv_budget_bytes = s.budget_bytes - s.in_use_bytes - s.graph_pool_bytes - s.buffer_bytes;
-  s.kv_bytes_per_slot = KvCacheBytesPerSlot(cfg, max_context, dtype_bytes);
-  s.slots_that_fit = s.kv_budget_bytes > 0 ? s.kv_budget_bytes / s.kv_bytes_per_slot - 1 : -1;
-  if (s.slots_that_fit < 1) {
+  s.kv_page_size = page_size;
+  s.kv_bytes_per_page = KvCacheBytes(cfg, page_size, dtype_bytes);
+  s.kv_pages = s.kv_budget_bytes > 0 ? s.kv_budget_bytes / s.kv_bytes_per_page : 0;
+  s.kv_tokens = std::max<int64_t>(s.kv_pages - 1, 0) * page_size;
+  const int64_t pages_per_sequence = KvPagesFor(max_context, page_size);
+  s.full_context_sequences = (s.kv_pages - 1) / pages_per_sequence;
+  if (s.full_context_sequences < 1) {
     char msg[512];
     std::snprintf(msg, sizeof(msg),
-                  "no KV-cache slot fits: buckets.gpu_memory_utilization %.2f of %.1f GiB leaves "
-                  "%.2f GiB for the KV cache after %.1f GiB in use and a %.1f GiB graph pool "
-                  "estimate, and one slot of %lld tokens takes %.1f MiB (two with the spare "
-                  "row); lower buckets.context_lens, seq_lens, tile_counts or max_prefill_batch, "
-                  "raise gpu_memory_utilization, or set buckets.batch_sizes",
+                  "no sequence of the longest context fits the KV cache: "
+                  "buckets.gpu_memory_utilization %.2f of %.1f GiB leaves %.2f GiB for the KV "
+                  "cache after %.1f GiB in use and a %.1f GiB graph pool estimate, and %lld "
+                  "tokens take %.1f MiB (plus one scratch page); lower buckets.context_lens, "
+                  "seq_lens, tile_counts or max_prefill_batch, raise gpu_memory_utilization, or "
+                  "set buckets.batch_sizes",
                   buckets.gpu_memory_utilization, device.total_bytes / kGiB,
                   s.kv_budget_bytes / kGiB, s.in_use_bytes / kGiB, s.graph_pool_bytes / kGiB,
-                  static_cast<long long>(max_context), s.kv_bytes_per_slot / kMiB);
+                  static_cast<long long>(max_context),
+                  KvCacheBytes(cfg, pages_per_sequence * page_size, dtype_bytes) / kMiB);
     throw std::invalid_argument(msg);
   }
-  s.batch_sizes = DecodeBatchBuckets(std::min(s.slots_that_fit, buckets.max_decode_batch));
+  s.batch_sizes = DecodeBatchBuckets(std::min(s.kv_pages - 1, buckets.max_decode_batch));
   s.slots = s.batch_sizes.back();
+  // No more pages than the slots can ever hold: the rest of the budget stays free (for other
+  // processes, and for what the estimates miss: cuBLAS workspaces, allocator rounding).
+  s.kv_pages = std::min(s.kv_pages, s.slots * pages_per_sequence + 1);
+  s.kv_tokens = (s.kv_pages - 1) * page_size;
+  s.full_context_sequences = (s.kv_pages - 1) / pages_per_sequence;
   return s;
 }
 

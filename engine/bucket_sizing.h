@@ -1,4 +1,4 @@
-// engine/bucket_sizing.h: the decode batch buckets (KV-cache slots) a device's memory holds.
+// engine/bucket_sizing.h: the KV-cache pages and decode batch buckets a device's memory holds.
 //
 // When the bucket config leaves batch_sizes empty, the engine derives them after the weights are
 // on the device, as vLLM sizes its KV cache with gpu_memory_utilization (vllm/worker/worker.py,
@@ -18,11 +18,16 @@
 //   graph pool = EstimateGraphPoolBytes (an estimate: the pool is only known after capture)
 //   buffers    = EstimateStaticBufferBytes (prefill staging rows, image tiles)
 //   KV budget  = budget - in use - graph pool - buffers
-//   slots      = min(max_decode_batch, KV budget / KvCacheBytesPerSlot - 1)   (one spare row)
-// The KV cache holds max(batch_sizes) + 1 rows (one per slot, one scratch row for padding) of
-// max(context_lens) tokens each. The bucket list is the powers of two below `slots`, then `slots`
-// itself (rounded down to a multiple of 8 above 8): few decode graphs to capture (one per bucket
-// and context bucket), and decode rows are cheap to pad because decode is bound by reading the
+//   KV pages   = KV budget / KvCacheBytes(page_size tokens)   (the scratch page included)
+//   slots      = min(max_decode_batch, KV pages - 1)
+//   KV pages   = min(KV pages, slots x pages of max(context_lens) + 1)   (what the slots can use)
+// The KV cache is paged (Note [Paged KV layout], model/kv_cache.h): a sequence holds the pages its
+// prompt and max_new_tokens can fill (Note [KV pages per sequence], engine/engine.h), so the
+// slots (decode rows) are not bounded by max(context_lens) x slots of memory: 1,024 chat-length
+// streams fit where 256 full-context slots would not. At least one sequence of max(context_lens)
+// tokens must fit. The bucket list is the powers of two below `slots`, then `slots` itself
+// (rounded down to a multiple of 8 above 8): few decode graphs to capture (one per bucket and
+// context bucket), and decode rows are cheap to pad because decode is bound by reading the
 // weights, not by the rows.
 //
 // Thread rules: pure functions of their arguments.
@@ -36,16 +41,16 @@
 
 #include "engine/bucket.h"
 #include "model/config.h"
+#include "model/kv_cache.h"
 
 namespace vlmgraph {
 
-// Bytes of one KV-cache row (one decode slot) holding `context` tokens:
-//   2 (K and V) x lm_n_blocks x lm_n_kv_heads x head_dim x context x dtype_bytes
-// the layout of model/kv_cache.h (per layer, K and V of shape (rows, kv_heads, context,
-// head_dim)), as vLLM's CacheEngine.get_cache_block_size counts it. nanovlm-460m in bfloat16 at
-// 4096 tokens: 2 x 32 x 5 x 64 x 4096 x 2 = 160 MiB; SmolLM2-135M's shape (30 layers, 3 KV
-// heads): 90 MiB.
-int64_t KvCacheBytesPerSlot(const VlmConfig& cfg, int64_t context, int64_t dtype_bytes);
+// Bytes of the KV cache that hold `tokens` positions:
+//   2 (K and V) x lm_n_blocks x lm_n_kv_heads x head_dim x tokens x dtype_bytes
+// as vLLM's CacheEngine.get_cache_block_size counts a block. nanovlm-460m in bfloat16: 40 KiB per
+// token, 640 KiB per page of 16, 160 MiB at 4096 tokens (2 x 32 x 5 x 64 x 4096 x 2);
+// SmolLM2-135M's shape (30 layers, 3 KV heads): 22.5 KiB per token, 90 MiB at 4096.
+int64_t KvCacheBytes(const VlmConfig& cfg, int64_t tokens, int64_t dtype_bytes);
 
 // An upper estimate of the CUDA graph pool that capturing every bucket of `buckets` takes, with
 // `decode_batch_sizes` as the decode batch list (batch_sizes may still be empty). The shared
@@ -90,20 +95,24 @@ struct DecodeSizing {
   int64_t graph_pool_bytes = 0;   // EstimateGraphPoolBytes
   int64_t buffer_bytes = 0;       // EstimateStaticBufferBytes
   int64_t kv_budget_bytes = 0;    // what the KV cache may take (may be negative)
-  int64_t kv_bytes_per_slot = 0;  // KvCacheBytesPerSlot at max(context_lens)
-  int64_t slots_that_fit = 0;     // kv_budget / per slot - 1 (the spare row)
-  int64_t slots = 0;              // min(slots_that_fit, max_decode_batch), rounded as above
+  int64_t kv_page_size = 0;       // tokens per page
+  int64_t kv_bytes_per_page = 0;  // KvCacheBytes(kv_page_size)
+  int64_t kv_pages = 0;           // min(kv_budget / per page, what the slots can use) + scratch
+  int64_t kv_tokens = 0;          // (kv_pages - 1) x kv_page_size: what sequences hold at once
+  int64_t full_context_sequences = 0;  // kv_tokens / max(context_lens)
+  int64_t slots = 0;                   // min(kv_pages - 1, max_decode_batch), rounded as above
   std::vector<int64_t> batch_sizes;
 
-  // One log line: "decode batch from device memory: budget 0.90 x 79.1 GiB = 71.2 GiB; ...".
+  // One log line: "KV cache and decode batch from device memory: budget 0.90 x 79.1 GiB = ...".
   std::string Summary(double gpu_memory_utilization, int64_t max_decode_batch) const;
 };
 
 // Sizes the decode buckets for `buckets` (its seq_lens, context_lens, tile_counts,
 // max_prefill_batch, gpu_memory_utilization and max_decode_batch; batch_sizes is ignored) and a
-// model of `cfg` whose weights, in a dtype of `dtype_bytes`, are already counted in `device`.
-// Throws std::invalid_argument when not one slot fits.
+// model of `cfg` whose weights, in a dtype of `dtype_bytes`, are already counted in `device`, with
+// KV pages of `page_size` tokens. Throws std::invalid_argument when not one sequence of
+// max(context_lens) tokens fits.
 DecodeSizing SizeDecodeBatches(const VlmConfig& cfg, const BucketSpec& buckets, int64_t dtype_bytes,
-                               const DeviceBudget& device);
+                               const DeviceBudget& device, int64_t page_size = kDefaultKvPageSize);
 
 }  // namespace vlmgraph

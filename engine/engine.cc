@@ -81,6 +81,7 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
     }
     inputs.insert(inputs.end(), bf.cache.key.begin(), bf.cache.key.end());
     inputs.insert(inputs.end(), bf.cache.value.begin(), bf.cache.value.end());
+    inputs.push_back(bf.cache.page_table);
     return inputs;
   });
   dispatch_ = std::make_unique<RegionDispatcher>(
@@ -110,7 +111,20 @@ Engine::Engine(VisionLanguageModel model, EngineOptions options)
   buf.host_dec_tokens = at::zeros({2, b.max_batch()}, pinned.dtype(at::kLong));
   for (auto& e : buf.dec_done) e = std::make_unique<DeviceEvent>(options_.device);
   overlap_decode_ = options_.overlap_decode_steps.value_or(cuda);
-  buf.cache = KVCache::Allocate(cfg, b.max_batch() + 1, b.max_context(), act);
+  // Derived: the pages memory holds; given batch sizes: every slot's longest context (Note [KV
+  // pages per sequence]).
+  const int64_t per_sequence = vlmgraph::KvPagesFor(b.max_context(), kDefaultKvPageSize);
+  if (options_.kv_cache_pages > 0 && options_.kv_cache_pages < per_sequence) {
+    throw EngineError::InvalidArgument("kv_cache_pages " + std::to_string(options_.kv_cache_pages) +
+                                       " does not hold one sequence of the longest context (" +
+                                       std::to_string(per_sequence) + " pages of " +
+                                       std::to_string(kDefaultKvPageSize) + " tokens)");
+  }
+  const int64_t pages = options_.kv_cache_pages > 0 ? options_.kv_cache_pages + 1
+                        : derived_kv_pages_ > 0     ? derived_kv_pages_
+                                                    : b.max_batch() * per_sequence + 1;
+  buf.cache = KVCache::AllocatePaged(cfg, b.max_batch() + 1, b.max_context(), pages, act);
+  kv_pages_ = KvPagePool(pages);
   slots_.resize(static_cast<size_t>(b.max_batch()));
 }
 
@@ -141,6 +155,7 @@ void Engine::DeriveBatchSizes() {
     throw EngineError::InvalidArgument(e.what());
   }
   derived_graph_pool_estimate_bytes_ = sizing.graph_pool_bytes;
+  derived_kv_pages_ = sizing.kv_pages;
   LogInfo(sizing.Summary(b.gpu_memory_utilization, b.max_decode_batch));
 }
 
@@ -308,13 +323,7 @@ void Engine::Warmup() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Continuous batching.
-
-int64_t Engine::FreeSlots() const { return std::count(slots_.begin(), slots_.end(), nullptr); }
-
-int64_t Engine::ActiveSequences() const {
-  return static_cast<int64_t>(slots_.size()) - FreeSlots();
-}
+// Vision and prefill.
 
 at::Tensor Engine::ToDevice(const at::Tensor& tiles) const {
   // Copy first, convert on the device: a CPU-to-GPU copy that changes dtype converts on the CPU,
@@ -448,131 +457,6 @@ std::vector<int64_t> Engine::SampleRows(const at::Tensor& logits,
   return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
 }
 
-void Engine::Emit(Sequence& seq, int64_t token, std::vector<TokenEvent>* events) {
-  seq.generated++;
-  seq.last_token = token;
-  TokenEvent ev{seq.id, token, false, FinishReason::kNone};
-  const auto& stops = seq.sampling.stop_token_ids;
-  ev.reason = std::find(stops.begin(), stops.end(), token) != stops.end() ? FinishReason::kStopToken
-                                                                          : EndByCount(seq, 0);
-  ev.finished = ev.reason != FinishReason::kNone;
-  events->push_back(ev);
-  if (ev.finished) Free(seq.slot);
-}
-
-FinishReason Engine::EndByCount(const Sequence& seq, int64_t ahead) const {
-  if (seq.generated + ahead >= seq.sampling.max_new_tokens) return FinishReason::kLength;
-  if (seq.length + ahead + 1 > max_context()) return FinishReason::kContextFull;
-  return FinishReason::kNone;
-}
-
-void Engine::Free(int64_t slot) { slots_[static_cast<size_t>(slot)].reset(); }
-
-std::vector<SequenceId> Engine::Admit(std::vector<ValidatedRequest> validated,
-                                      std::vector<TokenEvent>* events) {
-  std::vector<GenerateRequest> requests;
-  requests.reserve(validated.size());
-  for (auto& v : validated) requests.push_back(std::move(v.request_));
-  if (static_cast<int64_t>(requests.size()) > FreeSlots()) {
-    throw EngineError(EngineError::Code::kResourceExhausted,
-                      "admitting " + std::to_string(requests.size()) + " sequences but only " +
-                          std::to_string(FreeSlots()) + " KV cache slots are free");
-  }
-  at::NoGradGuard no_grad;
-  std::vector<Sequence*> seqs;
-  std::vector<SequenceId> ids;
-  try {
-    for (auto& r : requests) {
-      size_t slot = 0;
-      while (slots_[slot]) ++slot;  // lowest free row keeps decode batches small
-      auto seq = std::make_unique<Sequence>();
-      seq->id = next_id_++;
-      seq->slot = static_cast<int64_t>(slot);
-      seq->length = static_cast<int64_t>(r.input_ids.size());
-      seq->sampling = r.sampling;
-      seq->logprobs = r.logprobs;
-      seqs.push_back(seq.get());
-      ids.push_back(seq->id);
-      slots_[slot] = std::move(seq);
-    }
-    // Group consecutive requests into prefill batches of at most max_prefill() rows whose prompts
-    // fit the largest seq bucket. A longer prompt goes alone: no bucket fits it, so Prefill runs it
-    // at its exact length, eagerly.
-    const auto& b = options_.buckets;
-    auto fits = [&](size_t k) {
-      return static_cast<int64_t>(requests[k].input_ids.size()) <= b.max_seq();
-    };
-    size_t i = 0;
-    while (i < requests.size()) {
-      std::vector<const GenerateRequest*> group;
-      std::vector<Sequence*> group_seqs;
-      std::vector<int64_t> group_slots;
-      const bool alone = !fits(i);
-      do {
-        group.push_back(&requests[i]);
-        group_seqs.push_back(seqs[i]);
-        group_slots.push_back(seqs[i]->slot);
-        ++i;
-      } while (!alone && i < requests.size() &&
-               static_cast<int64_t>(group.size()) < b.max_prefill() && fits(i));
-      const DispatchResult r = Prefill(group, group_slots, [&] {
-        const at::Tensor slots = at::tensor(group_slots, at::kLong).to(options_.device);
-        return PrefillExact(ToExactPrompts(group), slots, /*write_cache=*/true);
-      });
-      std::vector<int64_t> tokens = SampleRows(r.outputs[0], group_seqs);
-      const size_t first_event = events->size();
-      for (size_t k = 0; k < group_seqs.size(); ++k) Emit(*group_seqs[k], tokens[k], events);
-      AttachPrefillLogprobs(group, r, tokens, events->data() + first_event);
-    }
-  } catch (...) {
-    // No caller will own these sequences: give their slots back.
-    for (SequenceId id : ids) Cancel(id);
-    throw;
-  }
-  return ids;
-}
-
-void Engine::CancelAll() {
-  for (auto& s : slots_) s.reset();
-  queued_.reset();
-}
-
-std::string Engine::DeviceFault() const { return vlmgraph::DeviceFault(options_.device); }
-
-void Engine::Cancel(SequenceId id) {
-  for (auto& s : slots_) {
-    if (s && s->id == id) {
-      s.reset();
-      return;
-    }
-  }
-}
-
-std::vector<std::vector<int64_t>> Engine::Generate(std::vector<GenerateRequest> unchecked) {
-  std::vector<ValidatedRequest> requests;
-  requests.reserve(unchecked.size());
-  for (auto& r : unchecked) requests.push_back(Validate(std::move(r)));
-  std::vector<std::vector<int64_t>> out(requests.size());
-  std::map<SequenceId, size_t> owner;
-  size_t next = 0;
-  std::vector<TokenEvent> events;
-  while (next < requests.size() || ActiveSequences() > 0) {
-    const int64_t free = FreeSlots();
-    if (next < requests.size() && free > 0) {
-      const size_t n = std::min<size_t>(static_cast<size_t>(free), requests.size() - next);
-      std::vector<ValidatedRequest> batch(requests.begin() + next, requests.begin() + next + n);
-      std::vector<SequenceId> ids = Admit(std::move(batch), &events);
-      for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
-      next += n;
-    } else {
-      Step(&events);
-    }
-    for (const auto& ev : events) out[owner.at(ev.id)].push_back(ev.token);
-    events.clear();
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Scoring.
 
@@ -613,9 +497,18 @@ ForwardResult Engine::Forward(const ValidatedForward& validated) {
 
 double Engine::TimeRegion(const BucketKey& key, int iters) {
   at::NoGradGuard no_grad;
-  if (key.region == Region::kDecode && ActiveSequences() == 0) {
-    // Representative attention length: every row at the end of the bucket's context.
+  const bool idle_decode = key.region == Region::kDecode && ActiveSequences() == 0;
+  KVCache& cache = buffers_->cache;
+  if (idle_decode) {
+    // Representative attention length: every row at the end of the bucket's context, on pages
+    // of its own (as many distinct pages as the cache has), not all on the scratch page.
     buffers_->dec_pos.narrow(0, 0, key.batch).fill_(key.seq - 1);
+    const int64_t per_row = vlmgraph::KvPagesFor(key.seq, cache.page_size());
+    at::Tensor pages =
+        at::arange(key.batch * per_row, at::kInt).remainder(cache.num_pages() - 1) + 1;
+    cache.page_table.narrow(0, 0, key.batch)
+        .narrow(1, 0, per_row)
+        .copy_(pages.view({key.batch, per_row}).to(options_.device));
   }
   // A decode region leaves its tokens in dec_carry for the next step: keep the queued step's.
   const at::Tensor carried =
@@ -629,6 +522,7 @@ double Engine::TimeRegion(const BucketKey& key, int iters) {
   SynchronizeDevice(options_.device);
   const double seconds = SecondsSince(t0) / std::max(1, iters);
   if (carried.defined()) buffers_->dec_carry.copy_(carried);
+  if (idle_decode) cache.page_table.zero_();  // every slot is free
   return seconds;
 }
 
@@ -644,6 +538,9 @@ MemoryStats Engine::Memory() const {
   MemoryStats m = DeviceMemory(options_.device);
   m.graph_pool_bytes = graph_pool_bytes_.load();
   m.kv_cache_bytes = buffers_->cache.bytes();
+  m.kv_cache_pages = buffers_->cache.num_pages() - 1;
+  m.kv_cache_pages_used = kv_pages_used_.load();
+  m.kv_cache_page_size = buffers_->cache.page_size();
   return m;
 }
 

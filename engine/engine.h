@@ -1,19 +1,33 @@
 // engine/engine.h: bucketed, graph-replayed inference for a nanoVLM model.
 //
-// The engine owns the model on its device, a static KV cache with one row per decode slot (as many
-// as the device's memory holds when buckets.batch_sizes is empty: engine/bucket_sizing.h), static
-// input/output buffers, and a StepRunner that either replays a CUDA graph captured per bucket
-// (CUDA builds, CUDA device) or runs the same code eagerly (CPU, or capture switched off). It
-// knows nothing about gRPC.
+// The engine owns the model on its device, a paged KV cache (model/kv_cache.h) with a page-table
+// row per decode slot (its pages and slots as the device's memory holds when buckets.batch_sizes
+// is empty: engine/bucket_sizing.h), static input/output buffers, and a StepRunner that either
+// replays a CUDA graph captured per bucket (CUDA builds, CUDA device) or runs the same code eagerly
+// (CPU, or capture switched off). It knows nothing about gRPC.
 //
 //   EngineOptions opt;  opt.device = at::kCUDA;  opt.dtype = at::kBFloat16;
 //   Engine engine(LoadModel(dir), opt);
 //   engine.Warmup();                                   // captures every bucket, logs a summary
 //   auto outputs = engine.Generate({request});         // run to completion
 //
-// Continuous batching (what the server's scheduler does): Admit() new requests while slots are
-// free (vision + prefill, first token sampled), Step() once per decode iteration for every active
-// sequence; a finished sequence frees its slot at once and the next Admit() can use it.
+// Continuous batching (what the server's scheduler does): Admit() new requests while slots and KV
+// pages are free (vision + prefill, first token sampled), Step() once per decode iteration for
+// every active sequence; a finished sequence frees its slot and pages at once and the next
+// Admit() can use them.
+//
+// Note [KV pages per sequence]:
+//   A sequence takes, at admission, the pages that its prompt and max_new_tokens can fill:
+//   KvPagesFor(min(prompt + max_new_tokens, longest context)), and keeps them until it ends, so a
+//   running sequence never waits for memory and none is preempted (TGI's reservation by
+//   max_new_tokens; vLLM instead grows sequences page by page and preempts when pages run out).
+//   Its slot's page-table row names them (written before its prefill, stream-ordered); the rest
+//   of the row, and every entry of a free slot, is 0, the scratch page, so padding rows and the
+//   one extra step an overlapped decode runs for a sequence that ended on a stop token write
+//   there or past the sequence's end, never into another sequence's pages. Requests that leave
+//   max_new_tokens unset take pages for the whole context: clients that set it (OpenAI's
+//   max_tokens) fit more streams. With buckets.batch_sizes given, the cache has pages for every
+//   slot at the longest context; derived, it has what memory holds (engine/bucket_sizing.h).
 //
 // Thread rules: an Engine is driven by ONE thread, the GPU thread: the constructor, Warmup, Admit,
 // Step, Cancel, Generate, Forward. Validate(), Counters(), Memory() and the accessors are safe from
@@ -37,6 +51,7 @@
 #include "engine/bucket.h"
 #include "engine/dispatch.h"
 #include "engine/engine_types.h"
+#include "engine/kv_page_pool.h"
 #include "engine/step_runner.h"
 #include "model/vision_language_model.h"
 
@@ -56,6 +71,10 @@ struct EngineOptions {
   // The most new tokens one request may ask for (the server's limits.max_new_tokens); 0 = only
   // the context bounds them.
   int64_t max_new_tokens_limit = 0;
+  // KV pages sequences may hold (model/kv_cache.h; the scratch page not counted): 0 = as memory
+  // holds when buckets.batch_sizes is empty, else every slot's longest context. Set (vLLM's
+  // num_gpu_blocks_override), it must hold one sequence of the longest context.
+  int64_t kv_cache_pages = 0;
   bool log_captures = true;  // one log line per capture and a summary (stderr)
   // The graph checks (Notes [Static input check] and [Output lifetime check] in
   // engine/step_runner.h). Unset: GraphChecksByDefault() (builds without NDEBUG, or
@@ -116,12 +135,19 @@ class Engine {
   // --- continuous batching (GPU thread) ---------------------------------------------------------
   int64_t FreeSlots() const;
   int64_t ActiveSequences() const;
-  // Admits up to FreeSlots() requests, validated by this engine's Validate. Runs vision and
-  // prefill in bucket-sized groups and samples each first token; appends one TokenEvent per
+  // KV pages free now, and the pages `request` takes when admitted (Note [KV pages per
+  // sequence]); at most the pages of the longest context, which an empty cache always has.
+  int64_t FreeKvPages() const;
+  int64_t KvPagesFor(const ValidatedRequest& request) const;
+  // How many of `requests`, from the first, Admit takes now: each needs a free slot and its
+  // KvPagesFor pages (first come, first served: a request that does not fit stops the count).
+  int64_t AdmissibleCount(const std::vector<const ValidatedRequest*>& requests) const;
+  // Admits requests, validated by this engine's Validate, that AdmissibleCount takes. Runs vision
+  // and prefill in bucket-sized groups and samples each first token; appends one TokenEvent per
   // request to `events` (finished when max_new_tokens == 1 or a stop token came). Throws
-  // EngineError(kResourceExhausted) when more requests than free slots are given. If it throws,
-  // none of the requests holds a slot (events already appended name sequences that no longer
-  // exist).
+  // EngineError(kResourceExhausted) when more requests than free slots, or than free KV pages
+  // hold, are given. If it throws, none of the requests holds a slot or pages (events already
+  // appended name sequences that no longer exist).
   std::vector<SequenceId> Admit(std::vector<ValidatedRequest> requests,
                                 std::vector<TokenEvent>* events);
   // One decode step for every active sequence; appends one TokenEvent per sequence that was
@@ -255,6 +281,9 @@ class Engine {
   void AttachPrefillLogprobs(const std::vector<const GenerateRequest*>& group,
                              const DispatchResult& r, const std::vector<int64_t>& tokens,
                              TokenEvent* events);
+  // KvPagesFor of a request Validate accepted.
+  int64_t KvPagesForRequest(const GenerateRequest& request) const;
+  // Ends the sequence in `slot`: its pages go back to kv_pages_ and its page-table row to 0.
   void Free(int64_t slot);
   void ValidateTokens(const std::vector<int64_t>& ids, const at::Tensor& tiles) const;
 
@@ -271,6 +300,9 @@ class Engine {
   SequenceId next_id_ = 0;
   bool warmed_up_ = false;
   EngineObserver* observer_ = nullptr;
+  KvPagePool kv_pages_;                            // the cache's free pages (GPU thread)
+  std::atomic<int64_t> kv_pages_used_{0};          // kv_pages_.used_pages(), for Memory()
+  int64_t derived_kv_pages_ = 0;                   // DeriveBatchSizes' pages; 0 = not derived
   std::atomic<int64_t> graph_pool_bytes_{0};       // refreshed on the GPU thread after captures
   int64_t derived_graph_pool_estimate_bytes_ = 0;  // DeriveBatchSizes' estimate; 0 = not derived
   mutable std::mutex counters_mu_;

@@ -1,5 +1,6 @@
 // engine/engine_internal.h: the Engine's private types and helpers shared by its source files
-// (engine.cc: construction, regions, admission, scoring; decode_step.cc: the decode steps).
+// (engine.cc: construction, regions, vision and prefill, scoring; continuous_batching.cc: slots,
+// KV pages, admission, a sequence's end; decode_step.cc: the decode steps).
 // Not part of the engine's interface; include only from engine/*.cc.
 #pragma once
 
@@ -47,6 +48,9 @@ struct Engine::Sequence {
   int64_t queued = 0;
   SamplingParams sampling;
   LogprobsParams logprobs;
+  // Its KV pages, in position order: page_table[slot, j] = pages[j] (Note [KV pages per
+  // sequence], engine.h).
+  std::vector<int32_t> pages;
 };
 
 // Static device buffers shared by every bucket's region function. Each bucket reads a prefix
@@ -74,7 +78,9 @@ struct Engine::Buffers {
   at::Tensor host_dec_in;                    // (2, DecodeInputBytes(max_batch)) uint8
   at::Tensor host_dec_tokens;                // (2, max_batch) int64
   std::unique_ptr<DeviceEvent> dec_done[2];  // recorded after each half's token copy
-  KVCache cache;  // max_batch + 1 rows; the last row is scratch (padding rows, Forward)
+  // Paged: max_batch + 1 page-table rows, one per slot and a scratch row (padding rows,
+  // Forward) whose entries stay 0, the scratch page; a free slot's row is all 0 too.
+  KVCache cache;
   int64_t scratch_row = 0;
 };
 

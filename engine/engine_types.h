@@ -184,6 +184,10 @@ struct MemoryStats {
   int64_t reserved_bytes = 0;    // device memory reserved by the caching allocator
   int64_t graph_pool_bytes = 0;  // reserved by the shared CUDA graph pool
   int64_t kv_cache_bytes = 0;
+  // KV pages sequences can hold (the scratch page not counted) and those they hold now.
+  int64_t kv_cache_pages = 0;
+  int64_t kv_cache_pages_used = 0;
+  int64_t kv_cache_page_size = 0;    // tokens per page
   int64_t peak_allocated_bytes = 0;  // since start (or the last ResetPeakDeviceMemory)
   int64_t peak_reserved_bytes = 0;
 };

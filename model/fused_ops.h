@@ -45,22 +45,26 @@ struct RopeKvOutput {
 // qkv (B, T, (n_heads + 2 n_kv) D) from the fused projection. Token (b, t) has position
 // positions[b] + t (positions (B) int64, or t when undefined). Rotates q and k (RoPE, rotate_half
 // form with inv_freq (D/2) float32 and `scaling`) and, when cache_k is defined, writes keys and
-// values into cache rows slots[b] (or b when undefined) at those positions.
+// values into the pages of cache rows slots[b] (or b when undefined) at those positions: paged
+// cache_k / cache_v (num_pages, n_kv, page_size, D) and page_table (rows, pages_per_row) int32
+// (Note [Paged KV layout], model/kv_cache.h); positions past the row's pages are not written.
 RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                          const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                         bool want_k);
+                         const at::Tensor& page_table, bool want_k);
 
 // One decode token per row: qkv (B, (n_heads + 2 n_kv) D) from the fused projection, unrotated;
 // token b is at position positions[b] (B int64). Rotates q and the new key (as RopeKvWrite),
 // writes the new key and value into cache row b at that position, and attends over the row's
 // positions [0, min(positions[b] + 1, kv_len)) with grouped-query attention (softmax(q K^T /
-// sqrt(D)) V). cache (rows >= B, n_kv, S >= kv_len, D); semaphores (rows, n_kv) int32, zero
-// (KVCache::attention_semaphores). Returns (B, n_heads * D).
+// sqrt(D)) V). Paged cache (num_pages, n_kv, page_size, D) with page_table (rows >= B,
+// pages_per_row) int32, pages_per_row x page_size >= kv_len (Note [Paged KV layout],
+// model/kv_cache.h); semaphores (rows, n_kv) int32, zero (KVCache::attention_semaphores).
+// Returns (B, n_heads * D).
 at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                                const at::Tensor& positions, const at::Tensor& cache_k,
-                               const at::Tensor& cache_v, const at::Tensor& semaphores,
-                               int64_t kv_len, int64_t n_heads);
+                               const at::Tensor& cache_v, const at::Tensor& page_table,
+                               const at::Tensor& semaphores, int64_t kv_len, int64_t n_heads);
 
 // The decode attention's output left as the partial softmax states of its key splits, for an
 // out projection that combines them in its input staging (AttentionCombineLinear): the combine
@@ -78,8 +82,8 @@ bool DecodeAttentionCombinesInLinear(int64_t batch);
 // their partial states; the semaphores are not touched.
 DecodeAttentionPartials RopeDecodeAttentionPartials(
     const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling, const at::Tensor& positions,
-    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& semaphores,
-    int64_t kv_len, int64_t n_heads);
+    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& page_table,
+    const at::Tensor& semaphores, int64_t kv_len, int64_t n_heads);
 // Linear(a, weight, residual) for the attention output a that RopeDecodeAttention would have
 // returned, combined from `partials` inside the GEMV with that kernel's formula and order: the
 // same values to the bit. weight (n, n_heads * D), residual (B, n), both in the attention's

@@ -13,19 +13,19 @@ at::Tensor RmsNorm(const at::Tensor&, const at::Tensor&, double) {
 at::Tensor SiluMul(const at::Tensor&) { TORCH_CHECK(false, "no CUDA kernels in this build"); }
 RopeKvOutput RopeKvWrite(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
                          const at::Tensor&, int64_t, int64_t, const at::Tensor&, const at::Tensor&,
-                         bool) {
+                         const at::Tensor&, bool) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 at::Tensor RopeDecodeAttention(const at::Tensor&, const at::Tensor&, double, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                               int64_t) {
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 bool DecodeAttentionCombinesInLinear(int64_t) { return false; }
 DecodeAttentionPartials RopeDecodeAttentionPartials(const at::Tensor&, const at::Tensor&, double,
                                                     const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, const at::Tensor&, int64_t,
-                                                    int64_t) {
+                                                    const at::Tensor&, const at::Tensor&,
+                                                    const at::Tensor&, int64_t, int64_t) {
   TORCH_CHECK(false, "no CUDA kernels in this build");
 }
 at::Tensor AttentionCombineLinear(const DecodeAttentionPartials&, const at::Tensor&,

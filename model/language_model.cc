@@ -40,6 +40,29 @@ at::Tensor RotateHalf(const at::Tensor& x) {
   auto halves = x.chunk(2, -1);
   return at::cat({-halves[1], halves[0]}, -1);
 }
+
+// Writes keys/values (..., kv_heads, D) at pages / offsets (...) int64 of block `layer`
+// (Note [Paged KV layout]): cache[page, :, offset, :] = value.
+void WriteKv(KVCache& cache, int64_t layer, const at::Tensor& pages, const at::Tensor& offsets,
+             const at::Tensor& k, const at::Tensor& v) {
+  using at::indexing::Slice;
+  at::Tensor& ck = cache.key[static_cast<size_t>(layer)];
+  at::Tensor& cv = cache.value[static_cast<size_t>(layer)];
+  ck.index_put_({pages, Slice(), offsets}, k.to(ck.scalar_type()));
+  cv.index_put_({pages, Slice(), offsets}, v.to(cv.scalar_type()));
+}
+
+// The first `len` positions of each row of `table` (B, pages_per_row) int64 gathered from one
+// block's paged keys or values (num_pages, kv_heads, page_size, D): (B, kv_heads, len, D).
+at::Tensor GatherKv(const at::Tensor& paged, const at::Tensor& table, int64_t len) {
+  const int64_t b = table.size(0), ps = paged.size(2);
+  const int64_t pages = (len + ps - 1) / ps;
+  at::Tensor rows = paged.index_select(0, table.narrow(1, 0, pages).reshape({-1}));
+  return rows.view({b, pages, paged.size(1), ps, paged.size(3)})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({b, paged.size(1), pages * ps, paged.size(3)})
+      .narrow(2, 0, len);
+}
 }  // namespace
 
 std::pair<at::Tensor, at::Tensor> ApplyRotary(const at::Tensor& q, const at::Tensor& k,
@@ -78,13 +101,12 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
   if (ctx.mode == AttentionContext::Mode::kDecode) {
     // Write this step's key/value at each row's position, then attend over [0, kv_len) with the
     // per-row mask. GQA without materialising repeated heads: view q as (B, kv_heads, g, D).
-    at::Tensor key_rows = ctx.cache->key[layer].narrow(0, 0, b);
-    at::Tensor value_rows = ctx.cache->value[layer].narrow(0, 0, b);
-    at::Tensor index = ctx.positions.view({b, 1, 1, 1}).expand({b, n_kv_heads, 1, head_dim});
-    key_rows.scatter_(2, index, k.to(key_rows.scalar_type()));
-    value_rows.scatter_(2, index, v.to(value_rows.scalar_type()));
-    at::Tensor keys = key_rows.narrow(2, 0, ctx.kv_len);      // (B, kvh, L, D)
-    at::Tensor values = value_rows.narrow(2, 0, ctx.kv_len);  // (B, kvh, L, D)
+    const int64_t ps = ctx.cache->page_size();
+    at::Tensor table = ctx.cache->page_table.narrow(0, 0, b).to(at::kLong);  // (B, pages)
+    at::Tensor page = table.gather(1, at::floor_divide(ctx.positions, ps).view({b, 1})).view({b});
+    WriteKv(*ctx.cache, layer, page, ctx.positions.remainder(ps), k.select(2, 0), v.select(2, 0));
+    at::Tensor keys = GatherKv(ctx.cache->key[layer], table, ctx.kv_len);      // (B, kvh, L, D)
+    at::Tensor values = GatherKv(ctx.cache->value[layer], table, ctx.kv_len);  // (B, kvh, L, D)
     const int64_t groups = n_heads / n_kv_heads;
     at::Tensor qg = q.reshape({b, n_kv_heads, groups, head_dim});
     at::Tensor scores = at::matmul(qg, keys.transpose(-1, -2)) * (1.0 / std::sqrt(head_dim));
@@ -94,10 +116,13 @@ at::Tensor GroupedQueryAttentionImpl::forward(const at::Tensor& x, const at::Ten
     y = at::matmul(probs, values).reshape({b, n_heads, 1, head_dim});  // (B, heads, 1, D)
   } else {
     if (ctx.mode == AttentionContext::Mode::kPrefill) {
-      ctx.cache->key[layer].narrow(2, 0, t).index_copy_(0, ctx.slots,
-                                                        k.to(ctx.cache->key[layer].scalar_type()));
-      ctx.cache->value[layer].narrow(2, 0, t).index_copy_(
-          0, ctx.slots, v.to(ctx.cache->value[layer].scalar_type()));
+      // Row slots[i]'s positions [0, t): page table[slots[i], p / page_size], offset p % size.
+      const int64_t ps = ctx.cache->page_size();
+      at::Tensor pos = at::arange(t, ctx.slots.options().dtype(at::kLong));
+      at::Tensor table = ctx.cache->page_table.index_select(0, ctx.slots).to(at::kLong);
+      at::Tensor page = table.index_select(1, at::floor_divide(pos, ps));  // (B, T)
+      WriteKv(*ctx.cache, layer, page, pos.remainder(ps).expand({b, t}), k.transpose(1, 2),
+              v.transpose(1, 2));
     }
     y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                          /*is_causal=*/t > 1, /*scale=*/std::nullopt,
@@ -116,14 +141,14 @@ at::Tensor GroupedQueryAttentionImpl::ForwardFused(const at::Tensor& qkv,
   at::Tensor cache_v = cached ? ctx.cache->value[layer] : at::Tensor();
   if (ctx.mode == AttentionContext::Mode::kDecode) {
     return ops::RopeDecodeAttention(qkv.view({b, qkv.size(2)}), inv_freq, scaling, ctx.positions,
-                                    cache_k, cache_v, ctx.cache->attention_semaphores, ctx.kv_len,
-                                    n_heads)
+                                    cache_k, cache_v, ctx.cache->page_table,
+                                    ctx.cache->attention_semaphores, ctx.kv_len, n_heads)
         .view({b, 1, n_heads * head_dim});
   }
-  ops::RopeKvOutput r =
-      ops::RopeKvWrite(qkv, inv_freq, scaling, /*positions=*/{},
-                       ctx.mode == AttentionContext::Mode::kPrefill ? ctx.slots : at::Tensor(),
-                       n_heads, n_kv_heads, cache_k, cache_v, /*want_k=*/true);
+  ops::RopeKvOutput r = ops::RopeKvWrite(
+      qkv, inv_freq, scaling, /*positions=*/{},
+      ctx.mode == AttentionContext::Mode::kPrefill ? ctx.slots : at::Tensor(), n_heads, n_kv_heads,
+      cache_k, cache_v, cached ? ctx.cache->page_table : at::Tensor(), /*want_k=*/true);
   at::Tensor v = qkv.narrow(2, (n_heads + n_kv_heads) * head_dim, n_kv_heads * head_dim)
                      .view({b, t, n_kv_heads, head_dim});
   at::Tensor y =
@@ -139,9 +164,9 @@ ops::DecodeAttentionPartials GroupedQueryAttentionImpl::DecodePartials(const at:
                                                                        const AttentionContext& ctx,
                                                                        int64_t layer) {
   TORCH_CHECK(ctx.mode == AttentionContext::Mode::kDecode, "DecodePartials is for decode steps");
-  return ops::RopeDecodeAttentionPartials(qkv, inv_freq, scaling, ctx.positions,
-                                          ctx.cache->key[layer], ctx.cache->value[layer],
-                                          ctx.cache->attention_semaphores, ctx.kv_len, n_heads);
+  return ops::RopeDecodeAttentionPartials(
+      qkv, inv_freq, scaling, ctx.positions, ctx.cache->key[layer], ctx.cache->value[layer],
+      ctx.cache->page_table, ctx.cache->attention_semaphores, ctx.kv_len, n_heads);
 }
 
 SwiGluMlpImpl::SwiGluMlpImpl(const VlmConfig& cfg) {

@@ -48,8 +48,10 @@ using testing::SmallBuckets;
 std::unique_ptr<Engine> MakeEngine(at::Device device, bool graphs,
                                    BucketSpec buckets = SmallBuckets(),
                                    at::ScalarType dtype = at::kFloat,
-                                   std::optional<bool> overlap_decode_steps = std::nullopt) {
+                                   std::optional<bool> overlap_decode_steps = std::nullopt,
+                                   int64_t kv_cache_pages = 0) {
   EngineOptions o;
+  o.kv_cache_pages = kv_cache_pages;
   o.device = device;
   o.dtype = dtype;
   o.buckets = std::move(buckets);
@@ -111,8 +113,8 @@ std::ostream& operator<<(std::ostream& os, const Outcome& o) {
 }
 
 // Continuous batching as the server's scheduler drives it: admit up to two requests whenever a
-// slot is free, else step. Request `cancel` (if any) is cancelled once it has `cancel_after`
-// tokens, between two calls, as a client that goes away.
+// slot and their KV pages are free (in order), else step. Request `cancel` (if any) is cancelled
+// once it has `cancel_after` tokens, between two calls, as a client that goes away.
 std::vector<Outcome> Drive(Engine& engine, const std::vector<GenerateRequest>& reqs,
                            int64_t cancel = -1, size_t cancel_after = 0) {
   std::vector<Outcome> out(reqs.size());
@@ -120,11 +122,14 @@ std::vector<Outcome> Drive(Engine& engine, const std::vector<GenerateRequest>& r
   std::vector<TokenEvent> events;
   size_t next = 0;
   while (next < reqs.size() || engine.ActiveSequences() > 0) {
-    if (next < reqs.size() && engine.FreeSlots() > 0) {
-      const size_t n =
-          std::min<size_t>({2, static_cast<size_t>(engine.FreeSlots()), reqs.size() - next});
-      std::vector<ValidatedRequest> batch;
-      for (size_t k = next; k < next + n; ++k) batch.push_back(engine.Validate(reqs[k]));
+    std::vector<ValidatedRequest> waiting;
+    for (size_t k = next; k < reqs.size() && k < next + 2; ++k)
+      waiting.push_back(engine.Validate(reqs[k]));
+    std::vector<const ValidatedRequest*> queue;
+    for (const auto& v : waiting) queue.push_back(&v);
+    const size_t n = static_cast<size_t>(engine.AdmissibleCount(queue));
+    if (n > 0) {
+      std::vector<ValidatedRequest> batch(waiting.begin(), waiting.begin() + n);
       const auto ids = engine.Admit(std::move(batch), &events);
       for (size_t k = 0; k < ids.size(); ++k) owner[ids[k]] = next + k;
       next += n;
@@ -318,6 +323,53 @@ TEST(Engine, OverlappedDecodeStepsEqualPlainSteps) {
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
   EXPECT_EQ(engine->ActiveSequences(), 0);
   EXPECT_EQ(engine->FreeSlots(), 4);
+}
+
+// Note [KV pages per sequence]: with fewer KV pages than the slots' full contexts (6 pages of 16
+// tokens; a sequence takes its prompt + max_new_tokens, request 4 all 4 pages of the longest
+// context), requests wait for pages at the head of the queue, reuse the pages of sequences that
+// ended (in another order than the first time: a row's positions are on scattered pages), and an
+// overlapped step's one extra write for a sequence that ended on a stop token lands on its freed
+// pages or scratch, never in a live sequence's: every request gets the tokens and ending it gets
+// with a page per position of every slot, plain and overlapped, and every page comes back.
+TEST(Engine, FewerKvPagesThanSlotsGiveTheSameTokens) {
+  std::vector<GenerateRequest> reqs = MixedRequests();
+  AddStopTokens(&reqs,
+                Drive(*MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false), reqs));
+  const std::vector<Outcome> want =
+      Drive(*MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false), reqs, 5, 2);
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlapped" : "plain");
+    auto engine = MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, overlap, 6);
+    EXPECT_EQ(engine->Memory().kv_cache_pages, 6);
+    EXPECT_EQ(engine->FreeKvPages(), 6);
+    // Request 4 (30 + 34 tokens) takes all 4 pages of the longest context, request 0 (2 + 3)
+    // one: together 5 of the 6, so request 1 (9 + 8 tokens, 2 pages) must wait.
+    const ValidatedRequest r4 = engine->Validate(reqs[4]), r0 = engine->Validate(reqs[0]),
+                           r1 = engine->Validate(reqs[1]);
+    EXPECT_EQ(engine->KvPagesFor(r4), 4);
+    EXPECT_EQ(engine->KvPagesFor(r0), 1);
+    EXPECT_EQ(engine->KvPagesFor(r1), 2);
+    EXPECT_EQ(engine->AdmissibleCount({&r4, &r0, &r1}), 2);
+    // First come, first served: after one r4 the second does not fit, and r0 behind it waits.
+    EXPECT_EQ(engine->AdmissibleCount({&r4, &r4, &r0}), 1);
+    std::vector<TokenEvent> events;
+    try {
+      engine->Admit({r4, r0, r1}, &events);
+      ADD_FAILURE() << "admitted more than its pages hold";
+    } catch (const EngineError& e) {
+      EXPECT_EQ(e.code(), EngineError::Code::kResourceExhausted);
+      EXPECT_NE(std::string(e.what()).find("KV pages"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(engine->FreeKvPages(), 6) << "a refused admission holds no page";
+    const std::vector<Outcome> got = Drive(*engine, reqs, 5, 2);
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i], want[i]) << "request " << i;
+    EXPECT_EQ(engine->ActiveSequences(), 0);
+    EXPECT_EQ(engine->FreeKvPages(), 6);
+    EXPECT_EQ(engine->Memory().kv_cache_pages_used, 0);
+  }
+  // Fewer pages than one sequence of the longest context (64 tokens = 4 pages) is refused.
+  EXPECT_THROW(MakeEngine(at::kCPU, false, SmallBuckets(), at::kFloat, false, 3), EngineError);
 }
 
 // Note [Graph memory pool]: a region's outputs are valid until the runner's next run of any
@@ -886,7 +938,12 @@ TEST(EngineGraphs, EmptyBatchSizesAreDerivedFromDeviceMemory_CUDA) {
   EXPECT_EQ(c.captures.count("decode/b24xc64"), 1u);
   EXPECT_EQ(c.captures.count("prefill/b8xs32"), 0u);  // above max_prefill_batch
   const MemoryStats m = engine->Memory();
-  EXPECT_EQ(m.kv_cache_bytes, 25 * KvCacheBytesPerSlot(engine->model_config(), 64, 2));
+  // Paged: what memory holds after the weights and the pool estimate, far more than the 24 slots'
+  // 64 tokens (Note [KV pages per sequence]); the bytes are the pages' (and the scratch page's).
+  EXPECT_GE(m.kv_cache_pages * m.kv_cache_page_size, 24 * 64);
+  EXPECT_EQ(m.kv_cache_bytes,
+            (m.kv_cache_pages + 1) * KvCacheBytes(engine->model_config(), m.kv_cache_page_size, 2));
+  EXPECT_EQ(engine->FreeKvPages(), m.kv_cache_pages);
   const DeviceCapacity cap = DeviceMemoryCapacity(at::Device(at::kCUDA, 0));
   EXPECT_GT(cap.total_bytes, 0);
   EXPECT_LE(cap.total_bytes - cap.free_bytes, 0.9 * cap.total_bytes);

@@ -170,10 +170,13 @@ struct DecodeAttentionCase {
   int64_t nh, nkv, d, batch, kv_len, max_seq;
 };
 // Random decode attention inputs of shape c on the GPU: qkv (batch, (nh + 2 nkv) d), RoPE's
-// inverse frequencies (d / 2) float32, and a KV cache (batch + 1, nkv, max_seq, d).
+// inverse frequencies (d / 2) float32, and a paged KV cache of batch + 1 rows of max_seq positions
+// (rounded up to pages of 16) whose page table maps the rows to the pages in a random order, so
+// that a row's neighbouring positions are pages apart (Note [Paged KV layout]).
 struct DecodeAttentionInputs {
-  at::Tensor qkv, inv_freq, cache_k, cache_v;
+  at::Tensor qkv, inv_freq, cache_k, cache_v, page_table;
 };
+constexpr int64_t kTestPageSize = 16;
 DecodeAttentionInputs MakeDecodeAttentionInputs(const DecodeAttentionCase& c,
                                                 at::ScalarType dtype) {
   auto opt = at::dtype(dtype).device(at::kCUDA);
@@ -182,25 +185,42 @@ DecodeAttentionInputs MakeDecodeAttentionInputs(const DecodeAttentionCase& c,
   in.inv_freq =
       1.0 / at::pow(10000.0,
                     at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) / double(c.d));
-  in.cache_k = at::randn({c.batch + 1, c.nkv, c.max_seq, c.d}, opt);
+  const int64_t per_row = (c.max_seq + kTestPageSize - 1) / kTestPageSize;
+  const int64_t pages = (c.batch + 1) * per_row + 1;  // page 0: scratch
+  in.cache_k = at::randn({pages, c.nkv, kTestPageSize, c.d}, opt);
   in.cache_v = at::randn_like(in.cache_k);
+  in.page_table = (at::randperm(pages - 1, at::kInt) + 1)
+                      .view({c.batch + 1, per_row})
+                      .to(at::kCUDA)
+                      .contiguous();
   return in;
+}
+
+// The rows of a paged cache (pages, nkv, page_size, d) as a contiguous (rows, nkv, positions, d)
+// tensor, through page_table (rows, pages_per_row).
+at::Tensor Unpage(const at::Tensor& paged, const at::Tensor& page_table) {
+  const int64_t rows = page_table.size(0), per_row = page_table.size(1);
+  return paged.index_select(0, page_table.reshape({-1}).to(at::kLong))
+      .view({rows, per_row, paged.size(1), paged.size(2), paged.size(3)})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({rows, paged.size(1), per_row * paged.size(2), paged.size(3)});
 }
 
 // Reference decode attention: RopeKvWrite (rotate, write the cache) then softmax(q K^T / sqrt(D)) V
 // per row over positions [0, min(pos + 1, kv_len)), in float64.
 at::Tensor ReferenceDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq,
                                     const at::Tensor& positions, at::Tensor& ck, at::Tensor& cv,
-                                    int64_t kv_len, int64_t nh) {
+                                    const at::Tensor& page_table, int64_t kv_len, int64_t nh) {
   const int64_t b = qkv.size(0), nkv = ck.size(1), d = ck.size(3);
   ops::RopeKvOutput r = ops::RopeKvWrite(qkv.view({b, 1, -1}), inv_freq, 1.0, positions, {}, nh,
-                                         nkv, ck, cv, /*want_k=*/false);
+                                         nkv, ck, cv, page_table, /*want_k=*/false);
   at::Tensor q = r.q.view({b, nh, d}).to(at::kDouble);
+  const at::Tensor k_rows = Unpage(ck, page_table), v_rows = Unpage(cv, page_table);
   std::vector<at::Tensor> rows;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t len = std::min<int64_t>(positions[i].item<int64_t>() + 1, kv_len);
-    at::Tensor keys = ck[i].narrow(1, 0, len).to(at::kDouble).repeat_interleave(nh / nkv, 0);
-    at::Tensor values = cv[i].narrow(1, 0, len).to(at::kDouble).repeat_interleave(nh / nkv, 0);
+    at::Tensor keys = k_rows[i].narrow(1, 0, len).to(at::kDouble).repeat_interleave(nh / nkv, 0);
+    at::Tensor values = v_rows[i].narrow(1, 0, len).to(at::kDouble).repeat_interleave(nh / nkv, 0);
     at::Tensor scores = at::matmul(keys, q[i].unsqueeze(-1)).squeeze(-1) / std::sqrt(double(d));
     rows.push_back(at::matmul(at::softmax(scores, -1).unsqueeze(1), values).reshape({nh * d}));
   }
@@ -230,7 +250,7 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
                    << " batch " << c.batch << " kv_len " << c.kv_len);
       at::manual_seed(c.batch * 1000 + c.kv_len);
       auto longs = at::dtype(at::kLong).device(at::kCUDA);
-      const auto [qkv, inv_freq, ck, cv] = MakeDecodeAttentionInputs(c, dtype);
+      const auto [qkv, inv_freq, ck, cv, table] = MakeDecodeAttentionInputs(c, dtype);
       // First and last positions of the window, one split boundary, random ones.
       at::Tensor positions = at::randint(0, c.kv_len, {c.batch}, longs);
       positions[0] = c.kv_len - 1;
@@ -239,11 +259,11 @@ TEST(FusedOps, RopeDecodeAttentionMatchesReference_CUDA) {
       if (c.max_seq > c.kv_len) positions[c.batch - 1] = c.kv_len + 3;  // beyond the window
       at::Tensor ref_k = ck.clone(), ref_v = cv.clone();
       at::Tensor want =
-          ReferenceDecodeAttention(qkv, inv_freq, positions, ref_k, ref_v, c.kv_len, c.nh);
+          ReferenceDecodeAttention(qkv, inv_freq, positions, ref_k, ref_v, table, c.kv_len, c.nh);
       at::Tensor semaphores = at::zeros({c.batch + 1, c.nkv}, longs.dtype(at::kInt));
       for (int round = 0; round < 2; ++round) {  // the semaphores must be reusable
-        at::Tensor got = ops::RopeDecodeAttention(qkv, inv_freq, 1.0, positions, ck, cv, semaphores,
-                                                  c.kv_len, c.nh);
+        at::Tensor got = ops::RopeDecodeAttention(qkv, inv_freq, 1.0, positions, ck, cv, table,
+                                                  semaphores, c.kv_len, c.nh);
         EXPECT_LT(MaxAbsDiff(got, want), dtype == at::kFloat ? 1e-4 : 2e-2) << "round " << round;
         const double cache_tol = dtype == at::kFloat ? 1e-5 : 2e-2;  // same rounding, maybe FMA
         EXPECT_LT(MaxAbsDiff(ck, ref_k), cache_tol) << "keys written to the cache";
@@ -275,7 +295,7 @@ TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
         at::manual_seed(c.batch * 7 + c.kv_len);
         auto opt = at::dtype(dtype).device(at::kCUDA);
         auto longs = at::dtype(at::kLong).device(at::kCUDA);
-        const auto [qkv, inv_freq, ck, cv] = MakeDecodeAttentionInputs(c, dtype);
+        const auto [qkv, inv_freq, ck, cv, table] = MakeDecodeAttentionInputs(c, dtype);
         at::Tensor positions = at::randint(0, c.kv_len, {c.batch}, longs);
         positions[0] = c.kv_len - 1;
         if (c.batch > 1) positions[1] = 0;
@@ -284,11 +304,11 @@ TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
         at::Tensor res = residual ? at::randn({c.batch, w.size(0)}, opt) : at::Tensor();
         at::Tensor sem = at::zeros({c.batch + 1, c.nkv}, longs.dtype(at::kInt));
         at::Tensor ck2 = ck.clone(), cv2 = cv.clone();
-        at::Tensor want = ops::Linear(
-            ops::RopeDecodeAttention(qkv, inv_freq, 1.0, positions, ck, cv, sem, c.kv_len, c.nh), w,
-            res);
+        at::Tensor want = ops::Linear(ops::RopeDecodeAttention(qkv, inv_freq, 1.0, positions, ck,
+                                                               cv, table, sem, c.kv_len, c.nh),
+                                      w, res);
         ops::DecodeAttentionPartials parts = ops::RopeDecodeAttentionPartials(
-            qkv, inv_freq, 1.0, positions, ck2, cv2, sem, c.kv_len, c.nh);
+            qkv, inv_freq, 1.0, positions, ck2, cv2, table, sem, c.kv_len, c.nh);
         at::Tensor got = ops::AttentionCombineLinear(parts, w, res);
         EXPECT_TRUE(at::equal(got, want)) << MaxAbsDiff(got, want);
         EXPECT_TRUE(at::equal(ck2, ck)) << "keys written to the cache";
@@ -298,13 +318,14 @@ TEST(FusedOps, AttentionCombineLinearEqualsLinearOfAttention_CUDA) {
     }
   }
   auto opt = at::dtype(at::kBFloat16).device(at::kCUDA);
-  at::Tensor qkv5 = at::randn({5, 25 * 64}, opt), ck = at::randn({5, 5, 64, 64}, opt);
+  at::Tensor qkv5 = at::randn({5, 25 * 64}, opt), ck = at::randn({21, 5, 16, 64}, opt);
+  at::Tensor table5 = at::arange(1, 21, at::dtype(at::kInt).device(at::kCUDA)).view({5, 4});
   at::Tensor pos5 = at::full({5}, 3, at::dtype(at::kLong).device(at::kCUDA));
   at::Tensor sem = at::zeros({5, 5}, at::dtype(at::kInt).device(at::kCUDA));
   EXPECT_THROW(
       ops::AttentionCombineLinear(ops::RopeDecodeAttentionPartials(
                                       qkv5, at::rand({32}, at::dtype(at::kFloat).device(at::kCUDA)),
-                                      1.0, pos5, ck, at::randn_like(ck), sem, 64, 15),
+                                      1.0, pos5, ck, at::randn_like(ck), table5, sem, 64, 15),
                                   at::randn({960, 960}, opt)),
       c10::Error);
 }

@@ -498,7 +498,10 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
   metrics.AddGeneratedTokens(5);
   gpu.SetQueueDepth(3);
   gpu.SetActiveSequences(2);
-  gpu.SetMemory(MemoryStats{10, 20, 30, 40});
+  MemoryStats memory{10, 20, 30, 40};
+  memory.kv_cache_pages = 8;
+  memory.kv_cache_pages_used = 2;
+  gpu.SetMemory(memory);
   metrics.ObserveTrainStep(64, 2.5, 1e-3, /*skipped=*/false);
   metrics.ObserveTrainStep(64, NAN, 1e-3, /*skipped=*/true);
   metrics.AddTrainPublish();
@@ -533,6 +536,7 @@ TEST(ServerMetrics, ExportsExactlyTheDocumentedNames) {
           R"(vlmgraph_step_latency_seconds_count{bucket="b2xs64",gpu="0",mode="graph",region="prefill"} 1)"),
       std::string::npos);
   EXPECT_NE(text.find(R"(vlmgraph_kv_cache_bytes{gpu="0"} 40)"), std::string::npos);
+  EXPECT_NE(text.find(R"(vlmgraph_kv_cache_usage_ratio{gpu="0"} 0.25)"), std::string::npos);
   EXPECT_NE(text.find(R"(vlmgraph_engine_healthy{gpu="0"} 1)"), std::string::npos);
   EXPECT_NE(text.find("vlmgraph_train_loss 2.5"), std::string::npos);
   EXPECT_NE(

@@ -47,9 +47,11 @@ class BatchRecorder : public EngineObserver {
 std::unique_ptr<Engine> TinyEngine(std::vector<int64_t> batch_sizes = {1, 2, 4},
                                    EngineObserver* observer = nullptr,
                                    OversizePolicy oversize = OversizePolicy::kEager,
-                                   int64_t max_prefill_batch = BucketSpec{}.max_prefill_batch) {
+                                   int64_t max_prefill_batch = BucketSpec{}.max_prefill_batch,
+                                   int64_t kv_cache_pages = 0) {
   at::manual_seed(0);
   EngineOptions o;
+  o.kv_cache_pages = kv_cache_pages;
   o.buckets.oversize = oversize;
   o.buckets.batch_sizes = std::move(batch_sizes);
   o.buckets.max_prefill_batch = max_prefill_batch;
@@ -108,6 +110,32 @@ TEST(ServerScheduler, StreamsWhatEngineGenerateReturns) {
     EXPECT_FALSE(error);
     EXPECT_EQ(tokens, expected[i]) << "request " << i;
   }
+  scheduler.Stop();
+}
+
+// Note [KV pages per sequence]: with 8 KV pages of 16 tokens (one sequence of the longest context,
+// 128 tokens) and 4 slots, requests of 4 pages each run two at a time; the others wait in the
+// queue, not refused, and each gets what Engine::Generate gives it. Every page comes back.
+TEST(ServerScheduler, RequestsWaitForKvPagesAndGetTheirTokens) {
+  std::vector<GenerateRequest> reqs;
+  for (int64_t i = 0; i < 5; ++i) reqs.push_back(Prompt(3 + 11 * i, 20 + i, 40));  // 4 pages
+  const std::vector<std::vector<int64_t>> expected = TinyEngine()->Generate(reqs);
+  Scheduler scheduler(nullptr, SchedulerOptions{1000, 16});
+  scheduler.Start([] { return TinyEngine({1, 2, 4}, nullptr, OversizePolicy::kEager, 4, 8); });
+  for (const auto& r : reqs) {
+    EXPECT_EQ(scheduler.engine().KvPagesFor(scheduler.engine().Validate(r)), 4);
+  }
+  std::vector<std::shared_ptr<GenerationStream>> streams;
+  for (auto& r : reqs)
+    streams.push_back(scheduler.SubmitGenerate(scheduler.engine().Validate(r), Clock::now()));
+  for (size_t i = 0; i < streams.size(); ++i) {
+    auto [tokens, error] = Drain(*streams[i]);
+    EXPECT_FALSE(error) << "request " << i;
+    EXPECT_EQ(tokens, expected[i]) << "request " << i;
+  }
+  int64_t free_pages = -1;
+  scheduler.RunOnGpuThread("test", [&](Engine& e) { free_pages = e.FreeKvPages(); });
+  EXPECT_EQ(free_pages, 8);
   scheduler.Stop();
 }
 

@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     RopeDecodeAttentionKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
                               float scaling, const int64_t* __restrict__ positions, T* cache_k,
                               T* cache_v, T* __restrict__ out, float* partials, int* semaphores,
-                              int n_heads, int n_kv, int64_t max_seq, int kv_len, int split_len,
+                              int n_heads, int n_kv, KvPages kv, int kv_len, int split_len,
                               float scale, bool combine) {
   constexpr int kAttnWarps = kAttnThreads / 32;
   constexpr int kVec = 16 / sizeof(T);
@@ -63,11 +63,11 @@ __global__ void __launch_bounds__(kAttnThreads)
   float* p_s = kv_new + 2 * D;               // (g, p_stride); the combine's (m, l) after the scores
   float* red = p_s + g * p_stride;           // (warps, g, D)
   __shared__ float w_s[2 * kAttnMaxGroups];  // per head: m, l; then 1 / L
-  const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
   for (int i = threadIdx.x; i < n * kLanes; i += kAttnThreads) {
     const int j = i / kLanes, c = (i % kLanes) * kVec;
-    __pipeline_memcpy_async(k_s + j * D + c, cache_k + (row + j0 + j) * D + c, 16);
-    __pipeline_memcpy_async(v_s + j * D + c, cache_v + (row + j0 + j) * D + c, 16);
+    const int64_t at = KvRowOffset<D>(kv, b, kh, j0 + j) + c;
+    __pipeline_memcpy_async(k_s + j * D + c, cache_k + at, 16);
+    __pipeline_memcpy_async(v_s + j * D + c, cache_v + at, 16);
   }
   __pipeline_commit();
   WaitForPrerequisites();
@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(kAttnThreads)
                                         kv_new);
   __pipeline_wait_prior(0);
   __syncthreads();
-  StoreNewKeyValue<T, D, kAttnThreads>(kv_new, cache_k, cache_v, row, pos, s, kv_len, split_len,
-                                       max_seq);
+  StoreNewKeyValue<T, D, kAttnThreads>(kv_new, cache_k, cache_v, kv, b, kh, pos, s, kv_len,
+                                       split_len);
   const int slot = threadIdx.x / kLanes, c = (threadIdx.x % kLanes) * kVec;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   // Scores: kLanes lanes per key, partial dot products reduced with shuffles.
@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(kWarpAttnThreads)
     RopeDecodeAttentionWarpsKernel(const T* __restrict__ qkv, const float* __restrict__ inv_freq,
                                    float scaling, const int64_t* __restrict__ positions, T* cache_k,
                                    T* cache_v, T* __restrict__ out, float* partials,
-                                   int* semaphores, int n_heads, int n_kv, int64_t max_seq,
-                                   int kv_len, int split_len, float scale, bool combine) {
+                                   int* semaphores, int n_heads, int n_kv, KvPages kv, int kv_len,
+                                   int split_len, float scale, bool combine) {
   constexpr int kWarps = kWarpAttnThreads / 32;
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = D / kVec;      // lanes per key row
@@ -209,14 +209,14 @@ __global__ void __launch_bounds__(kWarpAttnThreads)
   float* merge = kv_new + 2 * D;                         // (warps, kG, D + 2): m, l, o
   float* scratch = merge + kWarps * kG * (D + 2);        // (2 * splits, kG): the combine's
   __shared__ float w_s[kG];
-  const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
   // Key and value slices of round r (slot u of the two in flight); keys past n are not read.
   uint4 k_in[2], v_in[2];
   auto load = [&](int r, uint4& kd, uint4& vd) {
     const int j = (r * kWarps + warp) * kGroups + grp;
     if (j < n) {
-      kd = *reinterpret_cast<const uint4*>(cache_k + (row + j0 + j) * D + c);
-      vd = *reinterpret_cast<const uint4*>(cache_v + (row + j0 + j) * D + c);
+      const int64_t at = KvRowOffset<D>(kv, b, kh, j0 + j) + c;
+      kd = *reinterpret_cast<const uint4*>(cache_k + at);
+      vd = *reinterpret_cast<const uint4*>(cache_v + at);
     }
   };
   load(0, k_in[0], v_in[0]);
@@ -226,8 +226,8 @@ __global__ void __launch_bounds__(kWarpAttnThreads)
   RotateQueryAndKey<T, D, kWarpAttnThreads>(qkv, inv_freq, scaling, pos, b, kh, n_heads, n_kv, q_s,
                                             kv_new);
   __syncthreads();
-  StoreNewKeyValue<T, D, kWarpAttnThreads>(kv_new, cache_k, cache_v, row, pos, s, kv_len, split_len,
-                                           max_seq);
+  StoreNewKeyValue<T, D, kWarpAttnThreads>(kv_new, cache_k, cache_v, kv, b, kh, pos, s, kv_len,
+                                           split_len);
   float q[kG][kVec], m[kG], l[kG], o[kG][kVec];
 #pragma unroll
   for (int h = 0; h < kG; ++h) {
@@ -338,7 +338,7 @@ template <typename T, int D>
 cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float scaling,
                                    const int64_t* positions, void* ck, void* cv, void* out,
                                    float* partials, int* semaphores, int64_t batch, int64_t n_heads,
-                                   int64_t n_kv, int64_t max_seq, int64_t kv_len, float scale,
+                                   int64_t n_kv, KvPages kv, int64_t kv_len, float scale,
                                    bool combine, cudaStream_t stream) {
   const int g = static_cast<int>(n_heads / n_kv);
   const int split_len = DecodeAttentionSplitLen(batch, n_heads, n_kv, kv_len);
@@ -348,8 +348,8 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
   if (UsesWarpsKernel(batch, n_heads, n_kv) &&
       DecodeAttentionMmaSupports(std::is_same_v<T, __nv_bfloat16>, D, g)) {
     return LaunchRopeDecodeAttentionMma(qkv, inv_freq, scaling, positions, ck, cv, out, partials,
-                                        semaphores, batch, n_heads, n_kv, D, max_seq, kv_len,
-                                        split_len, splits, scale, combine, stream);
+                                        semaphores, batch, n_heads, n_kv, D, kv, kv_len, split_len,
+                                        splits, scale, combine, stream);
   }
   if (UsesWarpsKernel(batch, n_heads, n_kv)) {
     constexpr int kWarps = kWarpAttnThreads / 32;
@@ -364,7 +364,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
     return LaunchMaybePdl(kernel, grid, dim3(kWarpAttnThreads), smem, stream,
                           static_cast<const T*>(qkv), inv_freq, scaling, positions,
                           static_cast<T*>(ck), static_cast<T*>(cv), static_cast<T*>(out), partials,
-                          semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv), max_seq,
+                          semaphores, static_cast<int>(n_heads), static_cast<int>(n_kv), kv,
                           static_cast<int>(kv_len), split_len, scale, combine);
   }
   const int threads = DecodeAttentionThreads(batch, n_kv);
@@ -379,7 +379,7 @@ cudaError_t RopeDecodeAttentionFor(const void* qkv, const float* inv_freq, float
   return LaunchMaybePdl(kernel, grid, dim3(threads), smem, stream, static_cast<const T*>(qkv),
                         inv_freq, scaling, positions, static_cast<T*>(ck), static_cast<T*>(cv),
                         static_cast<T*>(out), partials, semaphores, static_cast<int>(n_heads),
-                        static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), split_len, scale,
+                        static_cast<int>(n_kv), kv, static_cast<int>(kv_len), split_len, scale,
                         combine);
 }
 
@@ -387,13 +387,12 @@ template <typename T>
 cudaError_t RopeDecodeAttentionTyped(const void* qkv, const float* inv_freq, float scaling,
                                      const int64_t* positions, void* ck, void* cv, void* out,
                                      float* partials, int* semaphores, int64_t batch,
-                                     int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                     int64_t max_seq, int64_t kv_len, float scale, bool combine,
-                                     cudaStream_t s) {
+                                     int64_t n_heads, int64_t n_kv, int64_t head_dim, KvPages kv,
+                                     int64_t kv_len, float scale, bool combine, cudaStream_t s) {
 #define VLMGRAPH_ATTN_CASE(D)                                                                     \
   case D:                                                                                         \
     return RopeDecodeAttentionFor<T, D>(qkv, inv_freq, scaling, positions, ck, cv, out, partials, \
-                                        semaphores, batch, n_heads, n_kv, max_seq, kv_len, scale, \
+                                        semaphores, batch, n_heads, n_kv, kv, kv_len, scale,      \
                                         combine, s);
   switch (head_dim) {
     VLMGRAPH_ATTN_CASE(16)
@@ -433,18 +432,18 @@ cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* i
                                       float scaling, const int64_t* positions, void* cache_k,
                                       void* cache_v, void* out, float* partials, int* semaphores,
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
-                                      int64_t head_dim, int64_t max_seq, int64_t kv_len,
-                                      float scale, bool combine, cudaStream_t stream) {
+                                      int64_t head_dim, KvPages kv, int64_t kv_len, float scale,
+                                      bool combine, cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
   if (n_kv <= 0 || n_heads % n_kv != 0 || n_heads / n_kv > kAttnMaxGroups || kv_len <= 0) {
     return cudaErrorInvalidValue;
   }
   return bf16 ? RopeDecodeAttentionTyped<__nv_bfloat16>(
                     qkv, inv_freq, scaling, positions, cache_k, cache_v, out, partials, semaphores,
-                    batch, n_heads, n_kv, head_dim, max_seq, kv_len, scale, combine, stream)
+                    batch, n_heads, n_kv, head_dim, kv, kv_len, scale, combine, stream)
               : RopeDecodeAttentionTyped<float>(qkv, inv_freq, scaling, positions, cache_k, cache_v,
                                                 out, partials, semaphores, batch, n_heads, n_kv,
-                                                head_dim, max_seq, kv_len, scale, combine, stream);
+                                                head_dim, kv, kv_len, scale, combine, stream);
 }
 
 }  // namespace vlmgraph::cuda

@@ -38,17 +38,19 @@ __device__ __forceinline__ void RotateQueryAndKey(const T* qkv, const float* inv
 }
 
 // The block of split s whose keys hold pos (the last split when pos is past the window) stores the
-// new key and value of cache row `row` (= (b * n_kv + kh) * max_seq); when pos < kv_len that split
-// holds pos, else it is the last split, active too. kv_new as RotateQueryAndKey leaves it.
+// new key and value of (cache row b, KV head kh) at pos through the page table; when pos < kv_len
+// that split holds pos, else it is the last split, active too. kv_new as RotateQueryAndKey leaves
+// it. A position past the row's pages or on the scratch page is not stored (KvWritable).
 template <typename T, int D, int kThreads>
 __device__ __forceinline__ void StoreNewKeyValue(const float* kv_new, T* cache_k, T* cache_v,
-                                                 int64_t row, int64_t pos, int s, int kv_len,
-                                                 int split_len, int64_t max_seq) {
+                                                 const KvPages& kv, int b, int kh, int64_t pos,
+                                                 int s, int kv_len, int split_len) {
   const int64_t writer = (pos < kv_len ? pos : kv_len - 1) / split_len;
-  if (s == writer && pos < max_seq) {
+  if (s == writer && KvWritable(kv, b, pos)) {
+    const int64_t at = KvRowOffset<D>(kv, b, kh, pos);
     for (int d = threadIdx.x; d < D; d += kThreads) {
-      cache_k[(row + pos) * D + d] = FromFloat<T>(kv_new[d]);
-      cache_v[(row + pos) * D + d] = FromFloat<T>(kv_new[D + d]);
+      cache_k[at + d] = FromFloat<T>(kv_new[d]);
+      cache_v[at + d] = FromFloat<T>(kv_new[D + d]);
     }
   }
 }
@@ -198,7 +200,7 @@ cudaError_t LaunchRopeDecodeAttentionMma(const void* qkv, const float* inv_freq,
                                          const int64_t* positions, void* cache_k, void* cache_v,
                                          void* out, float* partials, int* semaphores, int64_t batch,
                                          int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                         int64_t max_seq, int64_t kv_len, int split_len, int splits,
+                                         KvPages kv, int64_t kv_len, int split_len, int splits,
                                          float scale, bool combine, cudaStream_t stream);
 
 }  // namespace vlmgraph::cuda

@@ -92,8 +92,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                                  const int64_t* __restrict__ positions, __nv_bfloat16* cache_k,
                                  __nv_bfloat16* cache_v, __nv_bfloat16* __restrict__ out,
                                  float* partials, int* semaphores, int n_heads, int n_kv,
-                                 int64_t max_seq, int kv_len, int split_len, float scale,
-                                 bool combine) {
+                                 KvPages kv, int kv_len, int split_len, float scale, bool combine) {
   using T = __nv_bfloat16;
   constexpr int kChunks = D / 8;  // 16-byte chunks per key row
   constexpr int kTileElems = kTileKeys * D;
@@ -116,7 +115,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   float* merge = kv_new + 2 * D;                   // (warps, kG, D + 2): m, l, o
   float* scratch = merge + kWarps * kG * (D + 2);  // (2 * splits, kG): the combine's
   __shared__ float w_s[kG];
-  const int64_t row = (int64_t(b) * n_kv + kh) * max_seq;
   const int tiles = (n + kTileKeys - 1) / kTileKeys;
   const int my_tiles = warp < tiles ? (tiles - warp + kWarps - 1) / kWarps : 0;
   // Copies tile number i of this warp (keys (warp + kWarps i) * 16 ..) into ring stage i % kStages.
@@ -125,11 +123,14 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int key0 = (warp + i * kWarps) * kTileKeys;
       T* ks = ring + (i % kStages) * 2 * kTileElems;
       T* vs = ks + kTileElems;
+      // A tile's 16 keys are consecutive positions of one page (j0 + key0 is a multiple of 16,
+      // page_size a multiple of 16).
+      const int64_t tile_at = KvRowOffset<D>(kv, b, kh, j0 + key0);
 #pragma unroll
       for (int u = 0; u < kTileKeys * kChunks / 32; ++u) {
         const int idx = u * 32 + lane, r = idx / kChunks, c = idx % kChunks;
         const bool valid = key0 + r < n;
-        const int64_t at = (row + j0 + (valid ? key0 + r : 0)) * D + c * 8;
+        const int64_t at = tile_at + (valid ? r : 0) * D + c * 8;
         CopyAsync16(SharedAddress(ks + TileOffset<D>(r, c)), cache_k + at, valid);
         CopyAsync16(SharedAddress(vs + TileOffset<D>(r, c)), cache_v + at, valid);
       }
@@ -143,8 +144,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   RotateQueryAndKey<T, D, kWarps * 32>(qkv, inv_freq, scaling, pos, b, kh, n_heads, n_kv, q_s,
                                        kv_new);
   __syncthreads();
-  StoreNewKeyValue<T, D, kWarps * 32>(kv_new, cache_k, cache_v, row, pos, s, kv_len, split_len,
-                                      max_seq);
+  StoreNewKeyValue<T, D, kWarps * 32>(kv_new, cache_k, cache_v, kv, b, kh, pos, s, kv_len,
+                                      split_len);
   // Q as the A operand, per 16 dims: a0 = q[g][16 ks + 2t ..], a2 = q[g][16 ks + 8 + 2t ..]; rows
   // g + 8 (a1, a3) and g >= kG are zero. q_s holds values already rounded to bf16.
   uint32_t qa[D / 16][2];
@@ -255,9 +256,9 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <int D, int kWarps>
 cudaError_t LaunchFor(const void* qkv, const float* inv_freq, float scaling,
                       const int64_t* positions, void* ck, void* cv, void* out, float* partials,
-                      int* semaphores, int64_t batch, int64_t n_heads, int64_t n_kv,
-                      int64_t max_seq, int64_t kv_len, int split_len, int splits, float scale,
-                      bool combine, cudaStream_t stream) {
+                      int* semaphores, int64_t batch, int64_t n_heads, int64_t n_kv, KvPages kv,
+                      int64_t kv_len, int split_len, int splits, float scale, bool combine,
+                      cudaStream_t stream) {
   using T = __nv_bfloat16;
   const int g = static_cast<int>(n_heads / n_kv);
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(n_kv),
@@ -274,7 +275,7 @@ cudaError_t LaunchFor(const void* qkv, const float* inv_freq, float scaling,
   return LaunchMaybePdl(kernel, grid, dim3(kWarps * 32), smem, stream, static_cast<const T*>(qkv),
                         inv_freq, scaling, positions, static_cast<T*>(ck), static_cast<T*>(cv),
                         static_cast<T*>(out), partials, semaphores, static_cast<int>(n_heads),
-                        static_cast<int>(n_kv), max_seq, static_cast<int>(kv_len), split_len, scale,
+                        static_cast<int>(n_kv), kv, static_cast<int>(kv_len), split_len, scale,
                         combine);
 }
 
@@ -289,12 +290,12 @@ int MmaAttentionWarps(int64_t blocks) { return blocks >= 4 * MultiprocessorCount
 template <int D>
 cudaError_t LaunchForD(const void* qkv, const float* inv_freq, float scaling,
                        const int64_t* positions, void* ck, void* cv, void* out, float* partials,
-                       int* semaphores, int64_t batch, int64_t n_heads, int64_t n_kv,
-                       int64_t max_seq, int64_t kv_len, int split_len, int splits, float scale,
-                       bool combine, cudaStream_t stream) {
+                       int* semaphores, int64_t batch, int64_t n_heads, int64_t n_kv, KvPages kv,
+                       int64_t kv_len, int split_len, int splits, float scale, bool combine,
+                       cudaStream_t stream) {
   auto f = MmaAttentionWarps(batch * n_kv * splits) == 2 ? LaunchFor<D, 2> : LaunchFor<D, 4>;
   return f(qkv, inv_freq, scaling, positions, ck, cv, out, partials, semaphores, batch, n_heads,
-           n_kv, max_seq, kv_len, split_len, splits, scale, combine, stream);
+           n_kv, kv, kv_len, split_len, splits, scale, combine, stream);
 }
 
 }  // namespace
@@ -312,15 +313,15 @@ cudaError_t LaunchRopeDecodeAttentionMma(const void* qkv, const float* inv_freq,
                                          const int64_t* positions, void* cache_k, void* cache_v,
                                          void* out, float* partials, int* semaphores, int64_t batch,
                                          int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                                         int64_t max_seq, int64_t kv_len, int split_len, int splits,
+                                         KvPages kv, int64_t kv_len, int split_len, int splits,
                                          float scale, bool combine, cudaStream_t stream) {
   if (!DecodeAttentionMmaSupports(true, head_dim, n_heads / n_kv)) return cudaErrorInvalidValue;
   return head_dim == 64 ? LaunchForD<64>(qkv, inv_freq, scaling, positions, cache_k, cache_v, out,
-                                         partials, semaphores, batch, n_heads, n_kv, max_seq,
-                                         kv_len, split_len, splits, scale, combine, stream)
+                                         partials, semaphores, batch, n_heads, n_kv, kv, kv_len,
+                                         split_len, splits, scale, combine, stream)
                         : LaunchForD<128>(qkv, inv_freq, scaling, positions, cache_k, cache_v, out,
-                                          partials, semaphores, batch, n_heads, n_kv, max_seq,
-                                          kv_len, split_len, splits, scale, combine, stream);
+                                          partials, semaphores, batch, n_heads, n_kv, kv, kv_len,
+                                          split_len, splits, scale, combine, stream);
 }
 
 }  // namespace vlmgraph::cuda

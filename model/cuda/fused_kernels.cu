@@ -45,13 +45,18 @@ template <typename T>
 __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float scaling,
                                   const int64_t* positions, const int64_t* slots, int seq,
                                   int n_heads, int n_kv, int head_dim, T* q_out, T* k_out,
-                                  T* cache_k, T* cache_v, int64_t max_seq) {
+                                  T* cache_k, T* cache_v, KvPages kv) {
   const int64_t token = blockIdx.x;
   const int b = static_cast<int>(token / seq), t = static_cast<int>(token % seq);
   const int64_t pos = (positions ? positions[b] : 0) + t;
   const int64_t slot = slots ? slots[b] : b;
   const int half = head_dim / 2;
   const T* src = qkv + token * int64_t(n_heads + 2 * n_kv) * head_dim;
+  // The token's row of KV head 0 in the paged cache (a page's heads are page_size rows apart);
+  // positions past the row's pages or on the scratch page are not written (KvWritable).
+  const bool write = cache_k != nullptr && KvWritable(kv, slot, pos);
+  const int64_t at = write ? KvRowOffset<1>(kv, slot, 0, pos) * head_dim : 0;
+  const int64_t head_stride = (int64_t(1) << kv.page_shift) * head_dim;
   // Rotated q and k heads: one thread per (head, pair).
   for (int i = threadIdx.x; i < (n_heads + n_kv) * half; i += blockDim.x) {
     const int h = i / half, p = i % half;
@@ -65,8 +70,8 @@ __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float sca
       q[p + half] = y2;
     } else {
       const int kh = h - n_heads;
-      if (cache_k) {
-        T* dst = cache_k + ((slot * n_kv + kh) * max_seq + pos) * head_dim;
+      if (write) {
+        T* dst = cache_k + at + kh * head_stride;
         dst[p] = y1;
         dst[p + half] = y2;
       }
@@ -78,11 +83,10 @@ __global__ void RopeKvWriteKernel(const T* qkv, const float* inv_freq, float sca
     }
   }
   // Values: copied as they are.
-  if (!cache_v) return;
+  if (!write || !cache_v) return;
   for (int i = threadIdx.x; i < n_kv * head_dim; i += blockDim.x) {
     const int vh = i / head_dim, d = i % head_dim;
-    cache_v[((slot * n_kv + vh) * max_seq + pos) * head_dim + d] =
-        src[(n_heads + n_kv) * head_dim + i];
+    cache_v[at + vh * head_stride + d] = src[(n_heads + n_kv) * head_dim + i];
   }
 }
 
@@ -392,8 +396,8 @@ cudaError_t LaunchSiluMul(bool bf16, const void* in, void* out, int64_t rows, in
 cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq, float scaling,
                               const int64_t* positions, const int64_t* slots, int64_t batch,
                               int64_t seq, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                              void* q_out, void* k_out, void* cache_k, void* cache_v,
-                              int64_t max_seq, cudaStream_t stream) {
+                              void* q_out, void* k_out, void* cache_k, void* cache_v, KvPages kv,
+                              cudaStream_t stream) {
   if (batch * seq == 0) return cudaSuccess;
   const int threads =
       ThreadsFor(std::max<int64_t>((n_heads + n_kv) * head_dim / 2, n_kv * head_dim));
@@ -404,14 +408,14 @@ cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq,
         static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq),
         static_cast<int>(n_heads), static_cast<int>(n_kv), static_cast<int>(head_dim),
         static_cast<T*>(q_out), static_cast<T*>(k_out), static_cast<T*>(cache_k),
-        static_cast<T*>(cache_v), max_seq);
+        static_cast<T*>(cache_v), kv);
   } else {
     using T = float;
     RopeKvWriteKernel<T><<<blocks, threads, 0, stream>>>(
         static_cast<const T*>(qkv), inv_freq, scaling, positions, slots, static_cast<int>(seq),
         static_cast<int>(n_heads), static_cast<int>(n_kv), static_cast<int>(head_dim),
         static_cast<T*>(q_out), static_cast<T*>(k_out), static_cast<T*>(cache_k),
-        static_cast<T*>(cache_v), max_seq);
+        static_cast<T*>(cache_v), kv);
   }
   return cudaGetLastError();
 }

@@ -30,25 +30,45 @@ cudaError_t LaunchRmsNorm(bool bf16, const void* x, int64_t x_row_stride, const 
 cudaError_t LaunchSiluMul(bool bf16, const void* in, void* out, int64_t rows, int64_t inter,
                           cudaStream_t stream);
 
+#if defined(__CUDACC__)
+#define VLMGRAPH_HOST_DEVICE __host__ __device__
+#else
+#define VLMGRAPH_HOST_DEVICE
+#endif
+
+// A paged KV cache as the kernels index it (Note [Paged KV layout], model/kv_cache.h): keys and
+// values (num_pages, n_kv, 1 << page_shift, head_dim); position p of row r lives in page
+// table[r * pages_per_row + (p >> page_shift)] at offset p & (page_size - 1). Plain data, passed
+// to kernels by value.
+struct KvPages {
+  const int* table = nullptr;  // (rows, pages_per_row) int32, on the device
+  int pages_per_row = 0;
+  int page_shift = 4;  // log2(page_size); page_size >= 16
+  int n_kv = 0;
+  // The positions a row can hold: pages_per_row x page_size.
+  VLMGRAPH_HOST_DEVICE int64_t max_seq() const { return int64_t(pages_per_row) << page_shift; }
+};
+
 // RoPE (rotate_half form, Su et al. 2021) on the q and k parts of a fused projection and KV-cache
 // write. qkv: (batch * seq, (n_heads + 2 * n_kv) * head_dim) contiguous, row b * seq + t.
 // Position of token (b, t): positions[b] + t when positions != nullptr, else t. Cache row of batch
 // row b: slots[b] when slots != nullptr, else b. Writes q_out (batch * seq, n_heads * head_dim)
 // and, when k_out != nullptr, rotated keys (batch * seq, n_kv * head_dim); keys and values go to
-// cache_k / cache_v (rows, n_kv, max_seq, head_dim) at [slot, head, position, :].
+// the paged cache_k / cache_v at (row slot, head, position) through `kv` (positions past
+// kv.max_seq() are not written).
 cudaError_t LaunchRopeKvWrite(bool bf16, const void* qkv, const float* inv_freq, float scaling,
                               const int64_t* positions, const int64_t* slots, int64_t batch,
                               int64_t seq, int64_t n_heads, int64_t n_kv, int64_t head_dim,
-                              void* q_out, void* k_out, void* cache_k, void* cache_v,
-                              int64_t max_seq, cudaStream_t stream);
+                              void* q_out, void* k_out, void* cache_k, void* cache_v, KvPages kv,
+                              cudaStream_t stream);
 
 // One decode token per batch row: RoPE on its query heads and new key (as LaunchRopeKvWrite), the
 // new key and value written to the KV cache at positions[b], and grouped-query attention over
 // cache row b: out[b, h, :] = softmax(q[b, h] . K[b, h / g, 0..len_b) * scale) V[b, h / g,
 // 0..len_b) with len_b = min(positions[b] + 1, kv_len), g = n_heads / n_kv <= 16. qkv: (batch,
 // (n_heads + 2 n_kv) * head_dim) contiguous, unrotated (the fused projection); cache_k, cache_v:
-// (rows >= batch, n_kv, max_seq, head_dim); out: (batch, n_heads * head_dim). The keys are split
-// into chunks of DecodeAttentionSplitLen(...) attended by separate thread blocks
+// paged, row b through `kv` (kv.max_seq() >= kv_len); out: (batch, n_heads * head_dim). The keys
+// are split into chunks of DecodeAttentionSplitLen(...) attended by separate thread blocks
 // (flash-decoding) whose partial softmax states go to `partials` (at least
 // RopeDecodeAttentionPartialFloats(...) floats, scratch) and are combined by the last block of
 // each (row, KV head), counted on `semaphores` (rows >= batch, n_kv) int32, which must be zero
@@ -66,8 +86,8 @@ cudaError_t LaunchRopeDecodeAttention(bool bf16, const void* qkv, const float* i
                                       float scaling, const int64_t* positions, void* cache_k,
                                       void* cache_v, void* out, float* partials, int* semaphores,
                                       int64_t batch, int64_t n_heads, int64_t n_kv,
-                                      int64_t head_dim, int64_t max_seq, int64_t kv_len,
-                                      float scale, bool combine, cudaStream_t stream);
+                                      int64_t head_dim, KvPages kv, int64_t kv_len, float scale,
+                                      bool combine, cudaStream_t stream);
 // Keys per split of LaunchRopeDecodeAttention for a launch of `batch` rows over a kv_len window
 // (32 or 64 keys with the shared-memory kernel, up to 512 with the warps kernel), and the splits
 // (thread blocks per (row, KV head)): ceil(kv_len / split length).

@@ -61,10 +61,39 @@ at::Tensor SiluMul(const at::Tensor& gate_up) {
   return out;
 }
 
+namespace {
+
+// The kernels' view of a paged cache (Note [Paged KV layout], model/kv_cache.h): keys / values
+// (num_pages, n_kv, page_size, D) contiguous in the activations' dtype, page_table (rows,
+// pages_per_row) int32 contiguous on their device.
+cuda::KvPages PagesOf(const at::Tensor& qkv, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                      const at::Tensor& page_table) {
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.is_contiguous() && cache_v.is_contiguous() &&
+                  cache_k.sizes() == cache_v.sizes() && cache_k.scalar_type() == qkv.scalar_type(),
+              "KV cache must be contiguous (num_pages, n_kv, page_size, D) in the activations' "
+              "dtype");
+  const int64_t page_size = cache_k.size(2);
+  TORCH_CHECK(page_size >= 16 && (page_size & (page_size - 1)) == 0,
+              "KV page_size must be a power of two >= 16, got ", page_size);
+  TORCH_CHECK(page_table.defined() && page_table.dim() == 2 &&
+                  page_table.scalar_type() == at::kInt && page_table.is_contiguous() &&
+                  page_table.device() == cache_k.device(),
+              "page_table must be contiguous (rows, pages_per_row) int32 on the cache's device");
+  cuda::KvPages kv;
+  kv.table = page_table.data_ptr<int>();
+  kv.pages_per_row = static_cast<int>(page_table.size(1));
+  kv.page_shift = 0;
+  while ((int64_t(1) << kv.page_shift) < page_size) ++kv.page_shift;
+  kv.n_kv = static_cast<int>(cache_k.size(1));
+  return kv;
+}
+
+}  // namespace
+
 RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                          const at::Tensor& positions, const at::Tensor& slots, int64_t n_heads,
                          int64_t n_kv, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                         bool want_k) {
+                         const at::Tensor& page_table, bool want_k) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous(),
               "qkv must be contiguous (B, T, (nh + 2 nkv) D)");
   const int64_t b = qkv.size(0), t = qkv.size(1);
@@ -74,12 +103,11 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
   RopeKvOutput out;
   out.q = at::empty({b, t, n_heads, d}, qkv.options());
   if (want_k) out.k = at::empty({b, t, n_kv, d}, qkv.options());
-  int64_t max_seq = 0;
+  cuda::KvPages kv;
   if (cache_k.defined()) {
-    TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
-                    cache_k.scalar_type() == qkv.scalar_type(),
-                "KV cache must be contiguous and in the activations' dtype");
-    max_seq = cache_k.size(2);
+    kv = PagesOf(qkv, cache_k, cache_v, page_table);
+    TORCH_CHECK(cache_k.size(1) == n_kv && page_table.size(0) >= (slots.defined() ? 1 : b),
+                "RopeKvWrite: cache heads or page-table rows");
   }
   at::Tensor freq = inv_freq.contiguous();
   c10::cuda::CUDAGuard guard(qkv.device());
@@ -88,7 +116,7 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
                                 OptionalLongPtr(slots), b, t, n_heads, n_kv, d, out.q.data_ptr(),
                                 want_k ? out.k.data_ptr() : nullptr,
                                 cache_k.defined() ? cache_k.data_ptr() : nullptr,
-                                cache_v.defined() ? cache_v.data_ptr() : nullptr, max_seq,
+                                cache_v.defined() ? cache_v.data_ptr() : nullptr, kv,
                                 c10::cuda::getCurrentCUDAStream()),
         "rope_kv_write");
   return out;
@@ -97,19 +125,15 @@ RopeKvOutput RopeKvWrite(const at::Tensor& qkv, const at::Tensor& inv_freq, doub
 namespace {
 
 // RopeDecodeAttention with or without its combine: (out, partials); out is undefined without.
-std::pair<at::Tensor, at::Tensor> DecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq,
-                                                  double scaling, const at::Tensor& positions,
-                                                  const at::Tensor& cache_k,
-                                                  const at::Tensor& cache_v,
-                                                  const at::Tensor& semaphores, int64_t kv_len,
-                                                  int64_t n_heads, bool combine) {
+std::pair<at::Tensor, at::Tensor> DecodeAttention(
+    const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling, const at::Tensor& positions,
+    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& page_table,
+    const at::Tensor& semaphores, int64_t kv_len, int64_t n_heads, bool combine) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be contiguous (B, (nh + 2 nkv) D)");
-  TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous() &&
-                  cache_k.scalar_type() == qkv.scalar_type(),
-              "KV cache must be contiguous and in the activations' dtype");
+  const cuda::KvPages kv = PagesOf(qkv, cache_k, cache_v, page_table);
   const int64_t b = qkv.size(0), n_kv = cache_k.size(1), d = cache_k.size(3);
-  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * d && cache_k.size(0) >= b &&
-                  kv_len <= cache_k.size(2) && positions.numel() == b,
+  TORCH_CHECK(qkv.size(1) == (n_heads + 2 * n_kv) * d && page_table.size(0) >= b &&
+                  kv_len <= kv.max_seq() && positions.numel() == b,
               "decode attention shapes");
   TORCH_CHECK(semaphores.scalar_type() == at::kInt && semaphores.is_contiguous() &&
                   semaphores.numel() >= b * n_kv,
@@ -126,7 +150,7 @@ std::pair<at::Tensor, at::Tensor> DecodeAttention(const at::Tensor& qkv, const a
             IsBf16(qkv), qkv.data_ptr(), freq.data_ptr<float>(), static_cast<float>(scaling),
             OptionalLongPtr(positions), cache_k.data_ptr(), cache_v.data_ptr(),
             combine ? out.data_ptr() : nullptr, partials.data_ptr<float>(),
-            semaphores.data_ptr<int>(), b, n_heads, n_kv, d, cache_k.size(2), kv_len,
+            semaphores.data_ptr<int>(), b, n_heads, n_kv, d, kv, kv_len,
             static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))), combine,
             c10::cuda::getCurrentCUDAStream()),
         "rope_decode_attention");
@@ -137,10 +161,10 @@ std::pair<at::Tensor, at::Tensor> DecodeAttention(const at::Tensor& qkv, const a
 
 at::Tensor RopeDecodeAttention(const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling,
                                const at::Tensor& positions, const at::Tensor& cache_k,
-                               const at::Tensor& cache_v, const at::Tensor& semaphores,
-                               int64_t kv_len, int64_t n_heads) {
-  return DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, semaphores, kv_len,
-                         n_heads, /*combine=*/true)
+                               const at::Tensor& cache_v, const at::Tensor& page_table,
+                               const at::Tensor& semaphores, int64_t kv_len, int64_t n_heads) {
+  return DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, page_table,
+                         semaphores, kv_len, n_heads, /*combine=*/true)
       .first;
 }
 
@@ -154,11 +178,11 @@ bool DecodeAttentionCombinesInLinear(int64_t batch) { return batch <= 2; }
 
 DecodeAttentionPartials RopeDecodeAttentionPartials(
     const at::Tensor& qkv, const at::Tensor& inv_freq, double scaling, const at::Tensor& positions,
-    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& semaphores,
-    int64_t kv_len, int64_t n_heads) {
+    const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& page_table,
+    const at::Tensor& semaphores, int64_t kv_len, int64_t n_heads) {
   DecodeAttentionPartials a;
-  a.partials = DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, semaphores,
-                               kv_len, n_heads, /*combine=*/false)
+  a.partials = DecodeAttention(qkv, inv_freq, scaling, positions, cache_k, cache_v, page_table,
+                               semaphores, kv_len, n_heads, /*combine=*/false)
                    .second;
   a.positions = positions;
   a.kv_len = kv_len;

@@ -137,6 +137,21 @@ __device__ __forceinline__ void MmaBf16(float* c, uint32_t a0, uint32_t a1, uint
 
 // ---- Formulas shared by the separate kernels and the fused ones, so both round alike ---------
 
+// Element offset of the head_dim-D row of (cache row b, KV head kh, position pos) in a paged cache
+// (KvPages; Note [Paged KV layout], model/kv_cache.h). pos < kv.max_seq().
+template <int D>
+__device__ __forceinline__ int64_t KvRowOffset(const KvPages& kv, int64_t b, int kh, int64_t pos) {
+  const int page = kv.table[b * kv.pages_per_row + (pos >> kv.page_shift)];
+  const int64_t in_page = pos & ((int64_t(1) << kv.page_shift) - 1);
+  return (((int64_t(page) * kv.n_kv + kh) << kv.page_shift) + in_page) * D;
+}
+// Whether position pos of cache row b has a page of its own: a position on the scratch page (page
+// 0: a padding row, a prefill's padded positions past what its sequence took) is not written, so
+// no two blocks store to the same scratch addresses and scratch stays zero.
+__device__ __forceinline__ bool KvWritable(const KvPages& kv, int64_t b, int64_t pos) {
+  return pos < kv.max_seq() && kv.table[b * kv.pages_per_row + (pos >> kv.page_shift)] != 0;
+}
+
 // A decode attention row whose new token is at `pos` attends over positions [0, DecodeKeys) of its
 // kv_len window, split_len keys per split; DecodeActiveSplits of its splits hold keys
 // (RopeDecodeAttentionKernel, and the out projection that combines its partial states).

@@ -187,12 +187,15 @@ std::vector<ConfigKey> BuildKeys() {
       Key("buckets.batch_sizes", &SC::buckets, &BucketSpec::batch_sizes)
           .Doc("Sequences per decode step, and per prefill step up to max_prefill_batch. The "
                "largest entry is the number of KV-cache slots: how many sequences decode "
-               "together (continuous batching). [] (on CUDA only) = derived at start, once the "
-               "weights are on the device: the KV cache gets gpu_memory_utilization x the "
-               "device's memory less what is in use, the graph pool estimate and the buffers, "
-               "each slot costing 2 x layers x KV heads x head dim x max(context_lens) x dtype "
-               "bytes; the list is the powers of two up to the slots that fit, at most "
-               "max_decode_batch (the start-up log shows the arithmetic).")
+               "together (continuous batching). The KV cache is paged (docs/design/kv-cache.md): "
+               "a sequence holds the pages of 16 tokens that its prompt and max_new_tokens can "
+               "fill, and a request waits while they are taken. [] (on CUDA only) = derived at "
+               "start, once the weights are on the device: the KV cache gets "
+               "gpu_memory_utilization x the device's memory less what is in use, the graph pool "
+               "estimate and the buffers (at most what the slots fill at max(context_lens)), and "
+               "the list is the powers of two up to max_decode_batch, once one sequence of "
+               "max(context_lens) fits (the start-up log shows the arithmetic). Given, the cache "
+               "has pages for max(context_lens) tokens of every slot.")
           .Derived(BatchSizesDefault())
           .AtLeast(1),
       Key("buckets.gpu_memory_utilization", &SC::buckets, &BucketSpec::gpu_memory_utilization)
@@ -203,8 +206,9 @@ std::vector<ConfigKey> BuildKeys() {
           .Range(0.01, 1),
       Key("buckets.max_decode_batch", &SC::buckets, &BucketSpec::max_decode_batch)
           .Doc("With batch_sizes [] (derived): the most KV-cache slots, i.e. sequences decoding "
-               "together, whatever memory is left (vLLM's max_num_seqs). Each decode batch bucket "
-               "is one more graph per context_lens entry to capture.")
+               "together (vLLM's max_num_seqs); KV pages, not slots, bound the tokens they hold. "
+               "Each decode batch bucket is one more graph per context_lens entry to capture. "
+               "Raise batching.max_queue_size with it when that many clients send at once.")
           .Default(256)
           .Range(1, 65536),
       Key("buckets.max_prefill_batch", &SC::buckets, &BucketSpec::max_prefill_batch)

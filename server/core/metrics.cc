@@ -205,6 +205,12 @@ Metrics::Metrics(const ListenAddress& metrics_address)
                    .Name("vlmgraph_kv_cache_bytes")
                    .Help("Static KV cache size")
                    .Register(r);
+  kv_cache_usage_ = &BuildGauge()
+                         .Name("vlmgraph_kv_cache_usage_ratio")
+                         .Help(
+                             "Fraction of the KV cache's pages that running sequences hold "
+                             "(vLLM's kv_cache_usage_perc), 0 to 1")
+                         .Register(r);
   train_steps_ = &BuildCounter()
                       .Name("vlmgraph_train_steps_total")
                       .Help("Optimizer steps taken by Train streams")
@@ -391,6 +397,7 @@ EngineMetrics::EngineMetrics(Metrics* metrics, std::string gpu)
   gpu_reserved_ = &metrics_->gpu_reserved_->Add(labels);
   graph_pool_ = &metrics_->graph_pool_->Add(labels);
   kv_cache_ = &metrics_->kv_cache_->Add(labels);
+  kv_cache_usage_ = &metrics_->kv_cache_usage_->Add(labels);
   healthy_ = &metrics_->engine_healthy_->Add(labels);
   healthy_->Set(1);
   for (const char* rpc : {"Generate", "Forward", "Train"}) {
@@ -476,6 +483,9 @@ void EngineMetrics::SetMemory(const MemoryStats& m) {
   gpu_reserved_->Set(static_cast<double>(m.reserved_bytes));
   graph_pool_->Set(static_cast<double>(m.graph_pool_bytes));
   kv_cache_->Set(static_cast<double>(m.kv_cache_bytes));
+  kv_cache_usage_->Set(m.kv_cache_pages > 0 ? static_cast<double>(m.kv_cache_pages_used) /
+                                                  static_cast<double>(m.kv_cache_pages)
+                                            : 0.0);
 }
 
 void EngineMetrics::SetHealthy(bool healthy) { healthy_->Set(healthy ? 1 : 0); }

@@ -100,6 +100,7 @@ class EngineMetrics : public EngineObserver {
   prometheus::Gauge* gpu_reserved_;
   prometheus::Gauge* graph_pool_;
   prometheus::Gauge* kv_cache_;
+  prometheus::Gauge* kv_cache_usage_;
   prometheus::Gauge* healthy_;
 };
 
@@ -206,6 +207,7 @@ class Metrics : public EngineObserver {
   prometheus::Family<prometheus::Gauge>* gpu_reserved_;
   prometheus::Family<prometheus::Gauge>* graph_pool_;
   prometheus::Family<prometheus::Gauge>* kv_cache_;
+  prometheus::Family<prometheus::Gauge>* kv_cache_usage_;
   prometheus::Family<prometheus::Gauge>* engine_healthy_;
   prometheus::Counter* train_steps_;
   prometheus::Counter* train_tokens_;

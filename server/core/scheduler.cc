@@ -290,14 +290,29 @@ Scheduler::LoadView Scheduler::View() const {
 // ---------------------------------------------------------------------------------------------
 // Scheduler: the GPU thread
 
+int64_t Scheduler::AdmissibleNow() const {
+  // Up to the free slots, in queue order while KV pages last (Note [KV pages per sequence],
+  // engine/engine.h): a request that does not fit waits at the head for pages to come back.
+  std::vector<const ValidatedRequest*> queue;
+  const size_t limit = static_cast<size_t>(engine_->FreeSlots());
+  for (const auto& stream : pending_) {
+    if (queue.size() == limit) break;
+    if (stream->request_) queue.push_back(&*stream->request_);
+  }
+  return engine_->AdmissibleCount(queue);
+}
+
 bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
   if (pending_.empty()) return false;
+  const int64_t admissible = AdmissibleNow();
+  if (admissible == 0) return false;
+  // A full admission (every free slot, or one whole prefill batch) gains nothing by waiting, nor
+  // does one that KV pages cut short: more requests would not join it.
   const int64_t free = engine_->FreeSlots();
-  if (free == 0) return false;
-  // A full admission (every free slot, or one whole prefill batch) gains nothing by waiting.
   const int64_t batch = prefill_batch_.load();
   const int64_t full = batch > 0 ? std::min(free, batch) : free;
-  if (static_cast<int64_t>(pending_.size()) >= full) return true;
+  const int64_t pending = static_cast<int64_t>(pending_.size());
+  if (pending >= full || admissible < std::min(pending, free)) return true;
   return now - pending_.front()->accepted() >=
          std::chrono::microseconds(options_.max_queue_delay_us);
 }
@@ -361,8 +376,7 @@ void Scheduler::Serve() {
       cancels.swap(cancels_);
       work.swap(work_);
       if (ReadyToAdmit(Clock::now())) {
-        const int64_t n =
-            std::min<int64_t>(engine_->FreeSlots(), static_cast<int64_t>(pending_.size()));
+        const int64_t n = AdmissibleNow();
         for (int64_t i = 0; i < n; ++i) {
           admit.push_back(std::move(pending_.front()));
           pending_.pop_front();

@@ -269,6 +269,8 @@ class Scheduler {
   bool DeviceFailed();
   void CheckQueueLimit() const;                    // mu_ held
   bool ReadyToAdmit(Clock::time_point now) const;  // mu_ held, GPU thread
+  // How many pending requests, from the head, the engine can admit now (slots and KV pages).
+  int64_t AdmissibleNow() const;  // mu_ held, GPU thread
   // Admits `batch` into the engine; false when the device failed for good (Note [Device faults]).
   bool Admit(std::vector<std::shared_ptr<GenerationStream>> batch, std::vector<TokenEvent>* events);
   void Route(std::vector<TokenEvent>* events);
