@@ -57,11 +57,10 @@ std::vector<at::Tensor> Copies(const std::vector<int64_t>& shape, const at::Tens
 // model/kv_cache.h): the keys' or values' shape, and the page table giving each row its own pages.
 std::vector<int64_t> PagedShape(int64_t batch, int64_t nkv, int64_t context, int64_t d) {
   const int64_t ps = vlmgraph::kDefaultKvPageSize;
-  return {(batch + 1) * ((context + ps - 1) / ps) + 1, nkv, ps, d};
+  return {(batch + 1) * vlmgraph::KvPagesFor(context, ps) + 1, nkv, ps, d};
 }
 at::Tensor RowPages(int64_t batch, int64_t context) {
-  const int64_t per_row =
-      (context + vlmgraph::kDefaultKvPageSize - 1) / vlmgraph::kDefaultKvPageSize;
+  const int64_t per_row = vlmgraph::KvPagesFor(context, vlmgraph::kDefaultKvPageSize);
   return at::arange(1, (batch + 1) * per_row + 1, at::dtype(at::kInt).device(at::kCUDA))
       .view({batch + 1, per_row});
 }

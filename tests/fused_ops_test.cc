@@ -185,7 +185,7 @@ DecodeAttentionInputs MakeDecodeAttentionInputs(const DecodeAttentionCase& c,
   in.inv_freq =
       1.0 / at::pow(10000.0,
                     at::arange(0, c.d, 2, at::dtype(at::kFloat).device(at::kCUDA)) / double(c.d));
-  const int64_t per_row = (c.max_seq + kTestPageSize - 1) / kTestPageSize;
+  const int64_t per_row = KvPagesFor(c.max_seq, kTestPageSize);
   const int64_t pages = (c.batch + 1) * per_row + 1;  // page 0: scratch
   in.cache_k = at::randn({pages, c.nkv, kTestPageSize, c.d}, opt);
   in.cache_v = at::randn_like(in.cache_k);

@@ -49,12 +49,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int g = n_heads / n_kv;
   // positions and the cache rows before this step's position were written before the previous
   // kernel started (see WaitForPrerequisites), so they may be read now.
-  const int64_t pos = positions[b];
-  const int len = DecodeKeys(pos, kv_len);
-  const int active = DecodeActiveSplits(pos, kv_len, split_len);
-  if (s >= active) return;  // the block storing the new key is always active (see below)
-  const int j0 = s * split_len;
-  const int n = min(split_len, len - j0);
+  const DecodeSplit split = SplitOfRow(positions, b, s, kv_len, split_len);
+  if (s >= split.active) return;
+  const int64_t pos = split.pos;
+  const int active = split.active, j0 = split.j0, n = split.n;
   T* k_s = reinterpret_cast<T*>(attn_smem_raw);                // (split_len, D)
   T* v_s = k_s + split_len * D;                                // (split_len, D)
   float* q_s = reinterpret_cast<float*>(v_s + split_len * D);  // (g, D)
@@ -195,12 +193,10 @@ __global__ void __launch_bounds__(kWarpAttnThreads)
   constexpr int kGroups = 32 / kLanes;  // keys per warp and round
   extern __shared__ __align__(16) unsigned char attn_smem_raw[];
   const int s = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const int64_t pos = positions[b];  // written before the previous kernel started
-  const int len = DecodeKeys(pos, kv_len);
-  const int active = DecodeActiveSplits(pos, kv_len, split_len);
-  if (s >= active) return;  // the block storing the new key is always active
-  const int j0 = s * split_len;
-  const int n = min(split_len, len - j0);
+  const DecodeSplit split = SplitOfRow(positions, b, s, kv_len, split_len);
+  if (s >= split.active) return;
+  const int64_t pos = split.pos;
+  const int active = split.active, j0 = split.j0, n = split.n;
   const int rounds = (n + kWarps * kGroups - 1) / (kWarps * kGroups);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int grp = lane / kLanes, c = (lane % kLanes) * kVec;

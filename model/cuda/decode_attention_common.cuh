@@ -11,6 +11,24 @@ namespace vlmgraph::cuda {
 // Splits whose partial outputs the one-round combine (256 threads) loads at once.
 constexpr int kCombineChunk = 8;
 
+// Block s's share of decode row b, whose new token is at pos = positions[b] (written before the
+// previous kernel started): the row attends over positions [0, DecodeKeys(pos, kv_len)), split_len
+// keys per split, and split s holds keys [j0, j0 + n) of them. Splits s >= active hold none and
+// exit at once; the split that stores the new key is always active.
+struct DecodeSplit {
+  int64_t pos;
+  int active, j0, n;
+};
+__device__ __forceinline__ DecodeSplit SplitOfRow(const int64_t* positions, int b, int s,
+                                                  int kv_len, int split_len) {
+  DecodeSplit d;
+  d.pos = positions[b];
+  d.active = DecodeActiveSplits(d.pos, kv_len, split_len);
+  d.j0 = s * split_len;
+  d.n = min(split_len, DecodeKeys(d.pos, kv_len) - d.j0);
+  return d;
+}
+
 // The decode attention's prologue, by the kThreads threads of a block of (row b, KV head kh),
 // after WaitForPrerequisites: RoPE at position pos on the g = n_heads / n_kv query heads of kh
 // into q_s (g, D) and on the new key into kv_new[0, D), the new value into kv_new[D, 2D), float32

@@ -99,12 +99,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   static_assert(kG >= 1 && kG <= 8, "the query heads of a KV head are rows 0..7 of the MMA");
   extern __shared__ __align__(128) unsigned char attn_smem_raw[];
   const int s = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
-  const int64_t pos = positions[b];  // written before the previous kernel started
-  const int len = DecodeKeys(pos, kv_len);
-  const int active = DecodeActiveSplits(pos, kv_len, split_len);
-  if (s >= active) return;  // the block storing the new key is always active
-  const int j0 = s * split_len;
-  const int n = min(split_len, len - j0);
+  const DecodeSplit split = SplitOfRow(positions, b, s, kv_len, split_len);
+  if (s >= split.active) return;
+  const int64_t pos = split.pos;
+  const int active = split.active, j0 = split.j0, n = split.n;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   // Shared memory: the key/value rings first (128-byte aligned for the swizzle), then floats.

@@ -302,19 +302,20 @@ int64_t Scheduler::AdmissibleNow() const {
   return engine_->AdmissibleCount(queue);
 }
 
-bool Scheduler::ReadyToAdmit(Clock::time_point now) const {
-  if (pending_.empty()) return false;
+int64_t Scheduler::ToAdmit(Clock::time_point now) const {
+  if (pending_.empty()) return 0;
   const int64_t admissible = AdmissibleNow();
-  if (admissible == 0) return false;
+  if (admissible == 0) return 0;
   // A full admission (every free slot, or one whole prefill batch) gains nothing by waiting, nor
   // does one that KV pages cut short: more requests would not join it.
   const int64_t free = engine_->FreeSlots();
   const int64_t batch = prefill_batch_.load();
   const int64_t full = batch > 0 ? std::min(free, batch) : free;
   const int64_t pending = static_cast<int64_t>(pending_.size());
-  if (pending >= full || admissible < std::min(pending, free)) return true;
-  return now - pending_.front()->accepted() >=
-         std::chrono::microseconds(options_.max_queue_delay_us);
+  if (pending >= full || admissible < std::min(pending, free)) return admissible;
+  const bool waited =
+      now - pending_.front()->accepted() >= std::chrono::microseconds(options_.max_queue_delay_us);
+  return waited ? admissible : 0;
 }
 
 void Scheduler::Loop(const EngineStartup& make_engine, std::promise<void>* ready) {
@@ -359,7 +360,7 @@ void Scheduler::Serve() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       while (!stopping_ && cancels_.empty() && work_.empty() && engine_->ActiveSequences() == 0 &&
-             !ReadyToAdmit(Clock::now())) {
+             ToAdmit(Clock::now()) == 0) {
         // Idle, or holding requests back to batch them: sleep until the oldest one's delay ends
         // (or a second passes, to refresh the memory gauges) unless something arrives first.
         const auto deadline = pending_.empty()
@@ -375,8 +376,7 @@ void Scheduler::Serve() {
       if (stopping_) break;
       cancels.swap(cancels_);
       work.swap(work_);
-      if (ReadyToAdmit(Clock::now())) {
-        const int64_t n = AdmissibleNow();
+      if (const int64_t n = ToAdmit(Clock::now()); n > 0) {
         for (int64_t i = 0; i < n; ++i) {
           admit.push_back(std::move(pending_.front()));
           pending_.pop_front();

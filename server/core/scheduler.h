@@ -268,7 +268,10 @@ class Scheduler {
   // device_fault_ is set, accepting_ is off and on_device_fault has been called.
   bool DeviceFailed();
   void CheckQueueLimit() const;                    // mu_ held
-  bool ReadyToAdmit(Clock::time_point now) const;  // mu_ held, GPU thread
+  // How many pending requests to admit now: AdmissibleNow() once waiting gains nothing (a full
+  // admission, one that KV pages cut short, or the oldest request's max_queue_delay_us passed),
+  // else 0. mu_ held, GPU thread.
+  int64_t ToAdmit(Clock::time_point now) const;
   // How many pending requests, from the head, the engine can admit now (slots and KV pages).
   int64_t AdmissibleNow() const;  // mu_ held, GPU thread
   // Admits `batch` into the engine; false when the device failed for good (Note [Device faults]).
